@@ -1,0 +1,1 @@
+"""mlx_treespec: draft-tree speculative decoding for mlx-lm models."""
