@@ -1,0 +1,241 @@
+"""Tree forwards on unmodified mlx-lm models.
+
+A round runs one or more forwards over tree nodes on top of a model's committed caches, then
+commits the accepted root path. Nothing in the model is copied: each attention's `rope` module is
+wrapped once (a pass-through outside tree forwards) and, during a forward, each layer cache is
+replaced by a stand-in that gives the model the tree's mask and key layout.
+
+- Position of a node = committed offset + its depth (per-token RoPE: a (B, H, L, D) input is
+  viewed as (L*B, H, 1, D) so `mx.fast.rope` takes one offset per token).
+- A node sees the history and its own ancestors, nothing else.
+- Round nodes are numbered in the order they are added; parent -1 means "child of the history".
+"""
+import numpy as np
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache import (
+    cache_kind,
+    commit_appended,
+    commit_rotating,
+    rotating_layout,
+)
+
+__all__ = ["TreeRound", "install", "TreeRoPE"]
+
+
+class TreeRoPE(nn.Module):
+    """A model's rope module that takes per-node positions while a tree forward runs."""
+
+    def __init__(self, rope, ctx):
+        super().__init__()
+        # Not registered as children: the model's parameter tree stays as mlx-lm built it.
+        object.__setattr__(self, "inner", rope)
+        object.__setattr__(self, "ctx", ctx)
+
+    def __call__(self, x, offset=0, **kwargs):
+        positions = self.ctx.positions
+        if positions is None:
+            return self.inner(x, offset=offset, **kwargs)
+        B, H, L, D = x.shape
+        rows = x.transpose(2, 0, 1, 3).reshape(L * B, H, 1, D)
+        if B > 1:
+            positions = mx.repeat(positions, B)
+        out = self.inner(rows, offset=positions, **kwargs)
+        return out.reshape(L, B, H, -1).transpose(1, 2, 0, 3)
+
+
+class _Context:
+    """Per-model switch read by the wrapped rope modules."""
+
+    def __init__(self):
+        self.positions = None
+
+
+def install(model):
+    """Wrap every attention's rope module once; returns the model's tree context."""
+    ctx = getattr(model, "_treespec_ctx", None)
+    if ctx is not None:
+        return ctx
+    ctx = _Context()
+    for _, module in model.named_modules():
+        rope = module.get("rope") if isinstance(module, dict) else None
+        if isinstance(rope, nn.Module) and not isinstance(rope, TreeRoPE):
+            module.rope = TreeRoPE(rope, ctx)
+    object.__setattr__(model, "_treespec_ctx", ctx)
+    return ctx
+
+
+def has_tree_rope(model):
+    return any(isinstance(m, TreeRoPE) for _, m in model.named_modules())
+
+
+class _AppendLayer:
+    """Stands in for a KVCache / QuantizedKVCache: tree K/V go in place after the history."""
+
+    def __init__(self, inner, rnd):
+        self.inner = inner
+        self.rnd = rnd
+
+    def __getattr__(self, name):  # bits, group_size (quantized attention reads them)
+        return getattr(self.inner, name)
+
+    @property
+    def offset(self):
+        return self.inner.offset
+
+    def make_mask(self, N, window_size=None, return_array=False):
+        return self.rnd._append_mask(window_size)
+
+    def update_and_fetch(self, keys, values):
+        return self.inner.update_and_fetch(keys, values)
+
+
+class _RotatingLayer:
+    """Stands in for a RotatingKVCache: the committed buffer is only read during the round.
+
+    Tree K/V are kept aside and the keys are presented in the slot order plain decoding would
+    have (see cache.rotating_layout), so windowed attention is exact, wrapped or not.
+    """
+
+    def __init__(self, inner, rnd):
+        self.inner = inner
+        self.rnd = rnd
+        self.keys = None
+        self.values = None
+
+    @property
+    def offset(self):
+        return self.inner.offset
+
+    def make_mask(self, N, window_size=None, return_array=False):
+        return self.rnd._rotating(self.inner, window_size)[1]
+
+    def update_and_fetch(self, keys, values):
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = mx.concatenate([self.keys, keys], axis=2)
+            self.values = mx.concatenate([self.values, values], axis=2)
+        order = self.rnd._rotating(self.inner, None)[0]
+        if self.inner.keys is None:
+            all_k, all_v = self.keys, self.values
+        else:
+            all_k = mx.concatenate([self.inner.keys, self.keys], axis=2)
+            all_v = mx.concatenate([self.inner.values, self.values], axis=2)
+        return all_k[:, :, order, :], all_v[:, :, order, :]
+
+
+_STAND_INS = {"append": _AppendLayer, "rotating": _RotatingLayer}
+
+
+class TreeRound:
+    """Forwards of tree nodes over committed caches, then `commit` of the accepted nodes.
+
+    The caches are only read until `commit`, except that append-kind caches hold the round's
+    K/V after the history (invisible to later rounds: commit resets their offset).
+    """
+
+    def __init__(self, model, caches):
+        self.model = model
+        self.ctx = install(model)
+        self.caches = caches
+        self.kinds = [cache_kind(c) for c in caches]
+        unknown = sorted({type(c).__name__ for c, k in zip(caches, self.kinds) if k not in _STAND_INS})
+        if unknown:
+            raise ValueError(
+                f"no tree implementation for cache type(s) {unknown}; "
+                "check the target with mlx_treespec.support.tree_support(model)"
+            )
+        self.base = caches[0].offset
+        self.depths = np.zeros(0, np.int64)
+        self.parents = np.zeros(0, np.int64)
+        self.ancestors = np.zeros((0, 0), bool)
+        self.all_append = all(k == "append" for k in self.kinds)
+        self.stand_ins = None
+        self._masks = {}
+        self._layouts = {}
+
+    @property
+    def size(self):
+        return len(self.depths)
+
+    def _add(self, parents):
+        parents = np.asarray(parents, np.int64)
+        m0, n = self.size, len(parents)
+        m = m0 + n
+        if ((parents < -1) | (parents >= m0 + np.arange(n))).any():
+            raise ValueError(f"round parents must be -1 or index an earlier node, got {parents}")
+        depths = np.concatenate([self.depths, np.zeros(n, np.int64)])
+        anc = np.zeros((m, m), bool)
+        anc[:m0, :m0] = self.ancestors
+        for j in range(m0, m):
+            p = parents[j - m0]
+            if p >= 0:
+                depths[j] = depths[p] + 1
+                anc[j] = anc[p]
+            anc[j, j] = True
+        self.parents = np.concatenate([self.parents, parents])
+        self.depths, self.ancestors = depths, anc
+        self._masks, self._layouts = {}, {}
+        return m0
+
+    def _is_chain(self):
+        return bool((self.parents == np.arange(self.size) - 1).all())
+
+    def forward(self, tokens, parents):
+        """Run nodes `tokens` (mx int [n]) with round parents `parents`; returns logits [n, V]."""
+        first = self._add(parents)
+        self._new = slice(first, self.size)
+        if self.all_append and self._is_chain():
+            # Every node sees everything before it: the plain causal forward is the same forward.
+            return self.model(tokens[None], cache=self.caches)[0]
+        if self.stand_ins is None:
+            self.stand_ins = [_STAND_INS[k](c, self) for c, k in zip(self.caches, self.kinds)]
+        new_depths = self.depths[self._new]
+        self.ctx.positions = mx.array((self.base + new_depths).astype(np.int32))
+        try:
+            return self.model(tokens[None], cache=self.stand_ins)[0]
+        finally:
+            self.ctx.positions = None
+
+    def _append_mask(self, window):
+        mask = self._masks.get(window)
+        if mask is None:
+            rows = self.ancestors[self._new]
+            tree = mx.array(rows)
+            hist = self.base
+            if window is None:
+                mask = mx.concatenate([mx.ones((rows.shape[0], hist), mx.bool_), tree], axis=1)
+            else:
+                qpos = self.base + self.depths[self._new]
+                kpos = np.concatenate([np.arange(hist), self.base + self.depths])
+                near = (qpos[:, None] - kpos[None, :]) < window
+                near[:, hist:] &= rows
+                mask = mx.array(near)
+            self._masks[window] = mask
+        return mask
+
+    def _rotating(self, inner, window):
+        state = (inner.offset, inner._idx, 0 if inner.keys is None else inner.keys.shape[2],
+                 inner.keep, inner.max_size, inner.step)
+        key = (state, window)
+        hit = self._layouts.get(key)
+        if hit is None:
+            order, visible = rotating_layout(
+                state, state[2], self.depths, self.ancestors, window=window
+            )
+            hit = (mx.array(order.astype(np.int32)), mx.array(visible[self._new]))
+            self._layouts[key] = hit
+        return hit
+
+    def commit(self, keep):
+        """Keep round nodes `keep` (a root path, in depth order); drop every other node."""
+        keep = np.asarray(keep, np.int64)
+        for i, (cache, kind) in enumerate(zip(self.caches, self.kinds)):
+            if kind == "append":
+                commit_appended(cache, self.base, keep)
+            else:
+                stand_in = self.stand_ins[i]
+                if stand_in.keys is not None:
+                    commit_rotating(cache, stand_in.keys, stand_in.values, keep)

@@ -1,0 +1,60 @@
+"""Tiny float32 mlx-lm models with random weights that still produce varied text.
+
+A plain random init repeats one token; scaling every weight matrix up (x3) makes the argmax move.
+The drafter is the target with every matrix perturbed by 0.05 x its std, so some drafts are
+accepted and some rejected.
+"""
+import copy
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx_lm.utils import _get_classes
+
+VOCAB = 96
+
+BASE = dict(
+    hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, vocab_size=VOCAB,
+    max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False,
+)
+
+CONFIGS = {
+    "llama": dict(BASE, model_type="llama"),
+    "mistral": dict(BASE, model_type="mistral"),
+    "qwen2": dict(BASE, model_type="qwen2"),
+    "qwen3": dict(BASE, model_type="qwen3"),
+    "qwen3_moe": dict(BASE, model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=64, decoder_sparse_step=1, mlp_only_layers=[],
+                      norm_topk_prob=True),
+    "phi3": dict(BASE, model_type="phi3", num_hidden_layers=2),
+    "gemma3": dict(BASE, model_type="gemma3_text", num_hidden_layers=3, sliding_window=8,
+                   sliding_window_pattern=2, query_pre_attn_scalar=16, rope_local_base_freq=10000.0,
+                   rope_global_base_freq=1000000.0),
+}
+
+
+def build(cfg, seed=0, scale=3.0):
+    mx.random.seed(seed)
+    model_cls, args_cls = _get_classes(cfg)
+    model = model_cls(args_cls.from_dict(cfg))
+    params = tree_map(lambda p: p * scale if p.ndim >= 2 else p, model.parameters())
+    model.update(params)
+    if hasattr(model, "sanitize"):
+        pass
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def perturbed(model, noise=0.05, seed=1):
+    mx.random.seed(seed)
+    draft = copy.deepcopy(model)
+    flat = []
+    for k, p in tree_flatten(draft.parameters()):
+        if p.ndim >= 2:
+            p = p + noise * mx.std(p) * mx.random.normal(p.shape, dtype=p.dtype)
+        flat.append((k, p))
+    draft.update(tree_unflatten(flat))
+    mx.eval(draft.parameters())
+    return draft
