@@ -235,7 +235,7 @@ class TreeRound:
         for i, (cache, kind) in enumerate(zip(self.caches, self.kinds)):
             if kind == "append":
                 commit_appended(cache, self.base, keep)
-            else:
+            elif self.stand_ins is not None:  # rotating: nothing was written before commit
                 stand_in = self.stand_ins[i]
                 if stand_in.keys is not None:
                     commit_rotating(cache, stand_in.keys, stand_in.values, keep)

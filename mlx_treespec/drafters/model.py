@@ -1,0 +1,105 @@
+"""A small mlx-lm model as drafter: chains (topk=1) and EAGLE-2 dynamic trees (topk=K).
+
+Each step forwards the current lanes on the draft model over its own cache, with the tree mask
+(through the same TreeRound the target uses), and expands them from the draft logits. A chain is
+the tree with one lane: its tokens stay on the device (no host sync until the walk), its forwards
+are plain one-token steps, and its commit is a trim, as in mlx-lm's speculative loop.
+"""
+import numpy as np
+import mlx.core as mx
+
+from ..builders import Eagle2Builder
+from ..cache import make_caches
+from ..verify import TreeRound
+from . import Draft, root_only
+
+
+def _logprobs(logits):
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _top_k(logprobs, k):
+    idx = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
+    return idx, mx.take_along_axis(logprobs, idx, axis=-1)
+
+
+class ModelDrafter:
+    def __init__(self, model, topk=1, depth=4, budget=None, cache=None, prefill_step_size=2048):
+        if topk < 1:
+            raise ValueError(f"topk must be >= 1, got {topk}")
+        if depth < 0:
+            raise ValueError(f"depth must be >= 0, got {depth}")
+        self.model = model
+        self.topk = topk
+        self.depth = depth
+        self.budget = depth if budget is None else budget
+        self.cache = cache
+        self.prefill_step_size = prefill_step_size
+        self.pending = []  # emitted tokens not yet in the draft cache; the last is the root
+
+    def prefill(self, prompt):
+        if self.cache is None:
+            self.cache = make_caches(self.model)
+        prompt = [int(t) for t in prompt]
+        body, self.pending = prompt[:-1], prompt[-1:]
+        for i in range(0, len(body), self.prefill_step_size):
+            self.model(mx.array(body[i : i + self.prefill_step_size])[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
+
+    def draft(self, root, max_depth):
+        depth = min(self.depth, max_depth)
+        # the builder can keep at most K + (S - 1) K^2 candidates; a chain keeps all of its S
+        budget = depth if self.topk == 1 else min(
+            self.budget, self.topk + (depth - 1) * self.topk**2
+        )
+        if depth == 0 or budget == 0:
+            return root_only(root)
+        logits = self.model(mx.array(self.pending)[None], cache=self.cache)[0, -1:]
+        rnd = TreeRound(self.model, self.cache)
+        if self.topk == 1:
+            return self._chain(root, logits, rnd, depth)
+        return self._tree(root, logits, rnd, depth, budget)
+
+    def _chain(self, root, logits, rnd, depth):
+        toks = [mx.argmax(logits, axis=-1).astype(mx.uint32)]
+        for s in range(1, depth):
+            logits = rnd.forward(toks[-1], [s - 2])
+            toks.append(mx.argmax(logits, axis=-1).astype(mx.uint32))
+            mx.async_eval(toks[-1])
+        tokens = mx.concatenate([mx.array([root], mx.uint32)] + toks)
+        parents = np.arange(depth + 1, dtype=np.int32) - 1
+        # tree node i (i >= 1) was forwarded as round node i - 1, except the last
+        forwarded = np.arange(-1, depth, dtype=np.int64)
+        forwarded[-1] = -1
+        return Draft(parents, tokens, depth, depth, (rnd, forwarded))
+
+    def _tree(self, root, logits, rnd, depth, budget):
+        builder = Eagle2Builder(root, self.topk, budget)
+        idx, lp = _top_k(_logprobs(logits), self.topk)
+        lanes = builder.add_step(np.array(idx), np.array(lp))
+        cand_round = {}
+        for _ in range(1, depth):
+            round_parents = [cand_round.get(int(builder.cand_parents[c]), -1) for c in lanes]
+            first = rnd.size
+            logits = rnd.forward(mx.array(builder.cand_tokens[lanes].astype(np.uint32)), round_parents)
+            for r, c in enumerate(lanes):
+                cand_round[int(c)] = first + r
+            idx, lp = _top_k(_logprobs(logits), self.topk)
+            lanes = builder.add_step(np.array(idx), np.array(lp))
+        tree, cand_ids = builder.build()
+        forwarded = np.array([cand_round.get(int(c), -1) for c in cand_ids], np.int64)
+        tokens = mx.array(tree.tokens.astype(np.uint32))
+        return Draft(tree.parents, tokens, budget, depth, (rnd, forwarded))
+
+    def commit(self, draft, path, emitted):
+        if draft.extra is None:  # nothing was forwarded: the root is still pending
+            self.pending = self.pending + list(emitted)
+            return
+        rnd, forwarded = draft.extra
+        keep = []
+        for node in path[1:]:
+            if forwarded[node] < 0:
+                break
+            keep.append(forwarded[node])
+        rnd.commit(keep)
+        self.pending = list(emitted[len(keep):])

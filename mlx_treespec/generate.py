@@ -1,0 +1,340 @@
+"""The speculative round loop, mlx-lm-style library calls, and the command line.
+
+Each round: draft -> verify -> walk -> commit. The drafter proposes a tree rooted at the last
+emitted token; the target runs every node in one forward; the walk follows the target's own
+choices down the tree; the caches keep the accepted path only. Greedy output is the target's own
+greedy output, token for token.
+"""
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
+
+import numpy as np
+import mlx.core as mx
+
+from .cache import make_caches
+from .drafters import root_only
+from .sampling import make_node_sampler
+from .tree import MAX_NODES, DraftTree
+from .verify import TreeRound
+from .walk import greedy_walk
+
+DEFAULT_QUANTIZED_KV_START = 5000
+
+__all__ = ["tree_generate_step", "stream_generate", "generate", "RoundStats", "main"]
+
+
+@dataclass
+class RoundStats:
+    """Per-round figures of one generation; `summary()` condenses them."""
+
+    accepted: List[int] = field(default_factory=list)  # draft tokens accepted per round
+    emitted: List[int] = field(default_factory=list)  # tokens emitted per round (per verify)
+    nodes: List[int] = field(default_factory=list)  # nodes verified per round (root included)
+    depth: List[int] = field(default_factory=list)  # effective tree depth per round
+    requested_budget: List[int] = field(default_factory=list)
+    requested_depth: List[int] = field(default_factory=list)
+    draft_ms: List[float] = field(default_factory=list)
+    verify_ms: List[float] = field(default_factory=list)
+    round_ms: List[float] = field(default_factory=list)
+    prompt_ms: float = 0.0
+
+    @property
+    def rounds(self):
+        return len(self.emitted)
+
+    def acceptance_by_depth(self):
+        """Fraction of rounds reaching depth d, among rounds whose tree was at least d deep."""
+        depth = np.array(self.depth)
+        acc = np.array(self.accepted)
+        out = []
+        for d in range(1, int(depth.max(initial=0)) + 1):
+            has = depth >= d
+            out.append(float((acc[has] >= d).mean()))
+        return out
+
+    def summary(self):
+        n = max(self.rounds, 1)
+        return {
+            "rounds": self.rounds,
+            "emitted": int(sum(self.emitted)),
+            "emitted_per_verify": sum(self.emitted) / n,
+            "accepted_per_round": sum(self.accepted) / n,
+            "nodes_per_round": sum(self.nodes) / n,
+            "acceptance_by_depth": self.acceptance_by_depth(),
+            "requested_budget": max(self.requested_budget, default=0),
+            "effective_budget": (sum(self.nodes) - self.rounds) / n,
+            "requested_depth": max(self.requested_depth, default=0),
+            "effective_depth": sum(self.depth) / n,
+            "draft_ms_per_round": sum(self.draft_ms) / n,
+            "verify_ms_per_round": sum(self.verify_ms) / n,
+            "round_ms": sum(self.round_ms) / n,
+            "prompt_ms": self.prompt_ms,
+        }
+
+    def format(self):
+        s = self.summary()
+        by_depth = " ".join(f"{a:.2f}" for a in s["acceptance_by_depth"])
+        return (
+            f"Rounds: {s['rounds']}, emitted/verify: {s['emitted_per_verify']:.3f}, "
+            f"accepted/round: {s['accepted_per_round']:.3f}\n"
+            f"Nodes/round: {s['nodes_per_round']:.2f} (budget requested {s['requested_budget']}, "
+            f"effective {s['effective_budget']:.2f}; depth requested {s['requested_depth']}, "
+            f"effective {s['effective_depth']:.2f})\n"
+            f"Acceptance by depth: {by_depth or '-'}\n"
+            f"Draft {s['draft_ms_per_round']:.2f} ms/round, verify {s['verify_ms_per_round']:.2f} "
+            f"ms/round, round {s['round_ms']:.2f} ms"
+        )
+
+
+def _maybe_quantize(caches, kv_bits, kv_group_size, quantized_kv_start):
+    # mlx-lm's rule, applied at the same token boundaries as plain decoding
+    if kv_bits is None:
+        return
+    for i, c in enumerate(caches):
+        if hasattr(c, "to_quantized") and c.offset >= quantized_kv_start:
+            caches[i] = c.to_quantized(group_size=kv_group_size, bits=kv_bits)
+
+
+def _prefill(model, caches, prompt, prefill_step_size, quantize, progress):
+    """Process all prompt tokens but the last, in mlx-lm's chunks; the last is the first root."""
+    total = len(prompt)
+    done = 0
+    progress(done, total)
+    while total - done > 1:
+        n = min(prefill_step_size, total - done - 1)
+        model(mx.array(prompt[done : done + n])[None], cache=caches)
+        quantize(caches)
+        mx.eval([c.state for c in caches])
+        done += n
+        progress(done, total)
+        mx.clear_cache()
+
+
+def tree_generate_step(
+    prompt,
+    model,
+    drafter=None,
+    *,
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    min_p: float = 0.0,
+    top_k: int = 0,
+    min_tokens_to_keep: int = 1,
+    seed: int = 0,
+    prompt_cache: Optional[List[Any]] = None,
+    max_kv_size: Optional[int] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    prefill_step_size: int = 2048,
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+    stop_tokens=(),
+    stats: Optional[RoundStats] = None,
+    sync_timing: bool = False,
+):
+    """Yields (token, logprobs, from_draft) like mlx-lm's generate steps.
+
+    `prompt_cache` (the target's caches) is used in place: afterwards it holds the prompt and
+    every emitted token but the last, as mlx-lm's generate leaves it. The drafter keeps its own.
+    With `stop_tokens`, emission ends at the first of them (included).
+    """
+    prompt = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
+    if not prompt:
+        raise ValueError("the prompt is empty: pass at least one token")
+    if kv_bits is not None and max_kv_size is not None:
+        raise ValueError("kv_bits and max_kv_size cannot be combined (mlx-lm cannot quantize a rotating cache)")
+    caches = prompt_cache if prompt_cache is not None else make_caches(model, max_kv_size)
+    choose = make_node_sampler(temp, top_p, min_p, top_k, min_tokens_to_keep, seed)
+    stop_tokens = set(int(t) for t in stop_tokens)
+    stats = stats if stats is not None else RoundStats()
+
+    def quantize(cs):
+        _maybe_quantize(cs, kv_bits, kv_group_size, quantized_kv_start)
+
+    tic = time.perf_counter()
+    _prefill(model, caches, prompt, prefill_step_size, quantize, prompt_progress_callback or (lambda *_: None))
+    if drafter is not None:
+        drafter.prefill(prompt)
+    stats.prompt_ms = 1e3 * (time.perf_counter() - tic)
+
+    root = prompt[-1]
+    n = 0
+    while max_tokens < 0 or n < max_tokens:
+        room = float("inf") if max_tokens < 0 else max_tokens - n
+        base = caches[0].offset
+        max_depth = int(min(room - 1, MAX_NODES - 1))
+        if kv_bits is not None and base < quantized_kv_start:
+            # plain decoding quantizes once the offset reaches the start: no node may cross it
+            max_depth = min(max_depth, quantized_kv_start - base - 1)
+        t0 = time.perf_counter()
+        # draft
+        draft = drafter.draft(root, max_depth) if drafter is not None else root_only(root)
+        if draft.size > MAX_NODES:
+            raise ValueError(f"the drafter proposed {draft.size} nodes; at most {MAX_NODES} fit")
+        if sync_timing:
+            mx.eval(draft.tokens)
+        t1 = time.perf_counter()
+        # verify
+        rnd = TreeRound(model, caches)
+        logits = rnd.forward(draft.tokens, draft.parents)
+        positions = mx.array((base + rnd.depths).astype(np.int32))
+        chosen = choose(logits, positions)
+        mx.eval(draft.tokens, chosen)
+        # walk
+        tree = DraftTree(np.array(draft.tokens).astype(np.int64), draft.parents)
+        path, emitted = greedy_walk(tree, np.array(chosen).astype(np.int64), max_emit=None if room == float("inf") else int(room))
+        emitted = [int(t) for t in emitted]
+        accepted = len(path) - 1
+        for i, t in enumerate(emitted):
+            if t in stop_tokens:
+                emitted = emitted[: i + 1]
+                break
+        path = path[: len(emitted)]
+        # commit
+        rnd.commit(path)
+        quantize(caches)
+        if drafter is not None:
+            drafter.commit(draft, path, emitted)
+        t2 = time.perf_counter()
+        stats.accepted.append(accepted)
+        stats.emitted.append(len(emitted))
+        stats.nodes.append(draft.size)
+        stats.depth.append(int(tree.max_depth))
+        stats.requested_budget.append(draft.requested_budget)
+        stats.requested_depth.append(draft.requested_depth)
+        stats.draft_ms.append(1e3 * (t1 - t0))
+        stats.verify_ms.append(1e3 * (t2 - t1))
+        stats.round_ms.append(1e3 * (t2 - t0))
+        logprobs = logits[mx.array(path.astype(np.int32))]
+        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+        for i, t in enumerate(emitted):
+            n += 1
+            yield t, logprobs[i], i < accepted
+        if emitted[-1] in stop_tokens:
+            return
+        root = emitted[-1]
+
+
+def make_drafter(draft_model=None, *, drafter=None, draft_block_size=None, tree_topk=1,
+                 tree_depth=None, tree_budget=None):
+    """The drafter for a set of mlx-lm-style options: a chain of `draft_block_size`, or an
+    EAGLE-2 tree of `tree_topk` lanes, `tree_depth` steps and `tree_budget` nodes."""
+    if drafter is not None:
+        return drafter
+    if draft_model is None:
+        return None
+    from .drafters.model import ModelDrafter
+
+    if tree_topk < 1 or tree_topk > 16:
+        raise ValueError(f"--tree-topk must be in 1..16, got {tree_topk}")
+    if draft_block_size is not None and (tree_depth is not None or tree_topk > 1):
+        raise ValueError("give either --draft-block-size (a chain) or --tree-topk/--tree-depth (a tree), not both")
+    depth = draft_block_size if draft_block_size is not None else (tree_depth if tree_depth is not None else 4)
+    if depth < 0 or depth > MAX_NODES - 1:
+        raise ValueError(f"the draft depth must be in 0..{MAX_NODES - 1}, got {depth}")
+    budget = depth if tree_topk == 1 else (tree_budget if tree_budget is not None else min(MAX_NODES - 1, 4 * depth))
+    if tree_topk > 1 and not 1 <= budget <= MAX_NODES - 1:
+        raise ValueError(f"--tree-budget counts draft nodes without the root: 1..{MAX_NODES - 1}, got {budget}")
+    return ModelDrafter(draft_model, topk=tree_topk, depth=depth, budget=budget)
+
+
+def _check_vocab(model, draft_model):
+    def vocab(m):
+        args = getattr(m, "args", None)
+        v = getattr(args, "vocab_size", None)
+        if v is None and args is not None and getattr(args, "text_config", None):
+            v = args.text_config.get("vocab_size")
+        return v
+
+    vt, vd = vocab(model), vocab(draft_model)
+    if vt is not None and vd is not None and vt != vd:
+        raise ValueError(
+            f"the draft model's vocabulary ({vd} tokens) differs from the target's ({vt}): "
+            "use a drafter trained with the target's tokenizer"
+        )
+
+
+def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=256, drafter=None,
+                    draft_block_size=None, tree_topk=1, tree_depth=None, tree_budget=None,
+                    stats=None, sampler=None, **kwargs):
+    """mlx-lm's `stream_generate`, speculating with a draft tree. Yields `GenerationResponse`s.
+
+    Sampling options are `temp`, `top_p`, `min_p`, `top_k`, `seed` (not a `sampler` function:
+    the draw at each node must be a function of its position for trees to stay exact).
+    """
+    from mlx_lm.generate import GenerationResponse
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    if sampler is not None:
+        raise ValueError("pass temp=, top_p=, min_p=, top_k=, seed= instead of a sampler function")
+    if max_tokens == 0:
+        raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    if isinstance(prompt, str):
+        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+        prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
+    prompt = prompt.tolist() if isinstance(prompt, mx.array) else list(prompt)
+    if draft_model is not None:
+        _check_vocab(model, draft_model)
+    drafter = make_drafter(draft_model, drafter=drafter, draft_block_size=draft_block_size,
+                           tree_topk=tree_topk, tree_depth=tree_depth, tree_budget=tree_budget)
+    stats = stats if stats is not None else RoundStats()
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    eos = set(tokenizer.eos_token_ids)
+    steps = tree_generate_step(prompt, model, drafter, max_tokens=max_tokens, stop_tokens=eos,
+                               stats=stats, **kwargs)
+    tic = time.perf_counter()
+    prompt_tps = 0.0
+    token, logprobs, from_draft, n = None, None, False, 0
+    for n, (token, logprobs, from_draft) in enumerate(steps):
+        if n == 0:
+            prompt_time = time.perf_counter() - tic
+            prompt_tps = len(prompt) / max(prompt_time, 1e-9)
+            tic = time.perf_counter()
+        if token in eos:
+            break
+        detokenizer.add_token(token)
+        if (n + 1) == max_tokens:
+            break
+        yield GenerationResponse(
+            text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=from_draft,
+            prompt_tokens=len(prompt), prompt_tps=prompt_tps, generation_tokens=n + 1,
+            generation_tps=(n + 1) / max(time.perf_counter() - tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=None,
+        )
+    detokenizer.finalize()
+    yield GenerationResponse(
+        text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=from_draft,
+        prompt_tokens=len(prompt), prompt_tps=prompt_tps, generation_tokens=n + 1,
+        generation_tps=(n + 1) / max(time.perf_counter() - tic, 1e-9),
+        peak_memory=mx.get_peak_memory() / 1e9,
+        finish_reason="stop" if token in eos else "length",
+    )
+
+
+def generate(model, tokenizer, prompt, draft_model=None, verbose=False, **kwargs):
+    """Generate a complete response; with `verbose`, print it as mlx-lm's generate does."""
+    if verbose:
+        print("=" * 10)
+    text = ""
+    response = None
+    for response in stream_generate(model, tokenizer, prompt, draft_model, **kwargs):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose and response is not None:
+        print()
+        print("=" * 10)
+        if len(text) == 0:
+            print("No text generated for this prompt")
+            return text
+        print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
+        print(f"Peak memory: {response.peak_memory:.3f} GB")
+    return text
