@@ -139,7 +139,8 @@ def tree_generate_step(
     """Yields (token, logprobs, from_draft) like mlx-lm's generate steps.
 
     `prompt_cache` (the target's caches) is used in place: afterwards it holds the prompt and
-    every emitted token but the last, as mlx-lm's generate leaves it. The drafter keeps its own.
+    every emitted token, as mlx-lm's generate leaves it (the last token costs one more forward,
+    made only when a cache was passed in). The drafter keeps its own caches.
     With `stop_tokens`, emission ends at the first of them (included).
     """
     prompt = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
@@ -214,9 +215,13 @@ def tree_generate_step(
         for i, t in enumerate(emitted):
             n += 1
             yield t, logprobs[i], i < accepted
-        if emitted[-1] in stop_tokens:
-            return
         root = emitted[-1]
+        if root in stop_tokens:
+            break
+    if prompt_cache is not None:
+        model(mx.array([[root]]), cache=caches)
+        quantize(caches)
+        mx.eval([c.state for c in caches])
 
 
 def make_drafter(draft_model=None, *, drafter=None, draft_block_size=None, tree_topk=1,

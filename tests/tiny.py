@@ -31,17 +31,31 @@ CONFIGS = {
     "gemma3": dict(BASE, model_type="gemma3_text", num_hidden_layers=3, sliding_window=8,
                    sliding_window_pattern=2, query_pre_attn_scalar=16, rope_local_base_freq=10000.0,
                    rope_global_base_freq=1000000.0),
+    "gemma4": dict(model_type="gemma4_text", hidden_size=64, num_hidden_layers=6,
+                   intermediate_size=128, num_attention_heads=4, head_dim=16, global_head_dim=32,
+                   num_key_value_heads=2, num_kv_shared_layers=2, vocab_size=VOCAB,
+                   vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+                   sliding_window=8, sliding_window_pattern=3, rms_norm_eps=1e-6,
+                   max_position_embeddings=4096, tie_word_embeddings=True,
+                   rope_parameters={"full_attention": {"rope_type": "proportional",
+                                                       "partial_rotary_factor": 0.25,
+                                                       "rope_theta": 1000000.0},
+                                    "sliding_attention": {"rope_type": "default",
+                                                          "rope_theta": 10000.0}}),
 }
 
 
-def build(cfg, seed=0, scale=3.0):
+# gemma4's logit soft-capping and embedding scale saturate at x3; x1 already varies
+SCALES = {"gemma4_text": 1.0}
+
+
+def build(cfg, seed=0, scale=None):
+    scale = SCALES.get(cfg["model_type"], 3.0) if scale is None else scale
     mx.random.seed(seed)
     model_cls, args_cls = _get_classes(cfg)
     model = model_cls(args_cls.from_dict(cfg))
     params = tree_map(lambda p: p * scale if p.ndim >= 2 else p, model.parameters())
     model.update(params)
-    if hasattr(model, "sanitize"):
-        pass
     model.eval()
     mx.eval(model.parameters())
     return model

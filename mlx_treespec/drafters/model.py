@@ -76,7 +76,7 @@ class ModelDrafter:
     def _tree(self, root, logits, rnd, depth, budget):
         builder = Eagle2Builder(root, self.topk, budget)
         idx, lp = _top_k(_logprobs(logits), self.topk)
-        lanes = builder.add_step(np.array(idx), np.array(lp))
+        lanes = builder.add_step(np.array(idx), np.array(lp.astype(mx.float32)))
         cand_round = {}
         for _ in range(1, depth):
             round_parents = [cand_round.get(int(builder.cand_parents[c]), -1) for c in lanes]
@@ -85,7 +85,7 @@ class ModelDrafter:
             for r, c in enumerate(lanes):
                 cand_round[int(c)] = first + r
             idx, lp = _top_k(_logprobs(logits), self.topk)
-            lanes = builder.add_step(np.array(idx), np.array(lp))
+            lanes = builder.add_step(np.array(idx), np.array(lp.astype(mx.float32)))
         tree, cand_ids = builder.build()
         forwarded = np.array([cand_round.get(int(c), -1) for c in cand_ids], np.int64)
         tokens = mx.array(tree.tokens.astype(np.uint32))

@@ -1,0 +1,200 @@
+"""Greedy speculative output is the target's own greedy output, byte for byte (CPU).
+
+Every family, chain and tree shapes, float32 / bfloat16 / 4-bit weights, an 8-bit KV cache, and
+rotating caches that wrap many times, against mlx-lm's own `generate_step`.
+"""
+import copy
+
+import numpy as np
+import pytest
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import tiny
+from mlx_treespec.generate import RoundStats, make_drafter, tree_generate_step
+from mlx_treespec.verify import TreeRound
+
+FAMILIES = list(tiny.CONFIGS)
+SHAPES = {
+    "chain1": dict(draft_block_size=1),
+    "chain4": dict(draft_block_size=4),
+    "k2s1b2": dict(tree_topk=2, tree_depth=1, tree_budget=2),
+    "k2s3b6": dict(tree_topk=2, tree_depth=3, tree_budget=6),
+    "k3s6b31": dict(tree_topk=3, tree_depth=6, tree_budget=31),
+    "k4s5b20": dict(tree_topk=4, tree_depth=5, tree_budget=20),
+}
+N = 200
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    cache = {}
+
+    def get(family, variant="f32"):
+        key = (family, variant)
+        if key not in cache:
+            cfg = dict(tiny.CONFIGS[family])
+            if variant == "kv8":
+                cfg["head_dim"] = 32
+            target = tiny.build(cfg)
+            draft = tiny.perturbed(target)
+            if variant == "bf16":
+                target.set_dtype(mx.bfloat16)
+                draft.set_dtype(mx.bfloat16)
+            elif variant == "q4":
+                nn.quantize(target, group_size=32, bits=4)
+                nn.quantize(draft, group_size=32, bits=4)
+            cache[key] = (target, draft)
+        return cache[key]
+
+    return get
+
+
+def prompt_tokens(seed=0, n=12):
+    return np.random.default_rng(seed).integers(0, tiny.VOCAB, n).tolist()
+
+
+def plain(model, prompt, n=N, **kw):
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, **kw)]
+
+
+def speculative(model, draft, prompt, shape, n=N, **kw):
+    stats = RoundStats()
+    drafter = make_drafter(draft, **shape)
+    out = [t for t, _, _ in tree_generate_step(prompt, model, drafter, max_tokens=n, stats=stats, **kw)]
+    return out, stats
+
+
+def assert_meaningful(ref, stats):
+    # a reference that repeats one token, or a drafter always right or always wrong, proves little
+    assert len(set(ref)) >= 5, "the tiny target does not vary its output"
+    acc = stats.summary()["accepted_per_round"]
+    assert 0 < sum(stats.accepted), "no draft was ever accepted"
+    assert any(a < d for a, d in zip(stats.accepted, stats.depth)), "no draft was ever rejected"
+    return acc
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_greedy_identical_to_mlx_lm(pairs, family, shape):
+    target, draft = pairs(family)
+    prompt = prompt_tokens()
+    ref = plain(target, prompt)
+    out, stats = speculative(target, draft, prompt, SHAPES[shape])
+    assert out == ref
+    assert_meaningful(ref, stats)
+
+
+# mlx-lm cannot quantize a rotating cache, so kv_bits is for families with full KV caches only
+VARIANTS = [("qwen3", "bf16"), ("qwen3", "q4"), ("qwen3", "kv8"), ("llama", "kv8"),
+            ("gemma3", "bf16"), ("gemma3", "q4")]
+
+
+@pytest.mark.parametrize("family,variant", VARIANTS)
+@pytest.mark.parametrize("shape", ["chain4", "k3s6b31"])
+def test_greedy_identical_dtypes_and_quantized(pairs, variant, family, shape):
+    target, draft = pairs(family, variant)
+    prompt = prompt_tokens(1)
+    kw = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=40) if variant == "kv8" else {}
+    ref = plain(target, prompt, **kw)
+    out, stats = speculative(target, draft, prompt, SHAPES[shape], **kw)
+    assert out == ref
+    assert_meaningful(ref, stats)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "phi3", "qwen3_moe"])
+@pytest.mark.parametrize("shape", ["chain1", "chain4", "k2s3b6", "k4s5b20"])
+def test_greedy_identical_rotating_cache_wrapping(pairs, family, shape):
+    # max_kv_size 16 with mlx-lm's 4 kept tokens: the buffer rotates every 12 tokens, ~16 times
+    target, draft = pairs(family)
+    prompt = prompt_tokens(2, n=20)
+    ref = plain(target, prompt, max_kv_size=16)
+    out, stats = speculative(target, draft, prompt, SHAPES[shape], max_kv_size=16)
+    assert out == ref
+    assert len(set(ref)) >= 5
+
+
+def random_tree(rng, n):
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, n)]
+    return np.array(parents)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("max_kv", [None, 12])
+def test_verify_logits_equal_path_decoding(pairs, family, max_kv):
+    target, _ = pairs(family)
+    rng = np.random.default_rng(3)
+    prompt = mx.array(prompt_tokens(3, n=30))
+    parents = np.array([-1, 0, 1, 1, 0, 4, 2, 6, 6, 3])
+    parents = np.concatenate([parents, random_tree(rng, 14)[1:] + 0])  # more branch points
+    parents[10:] = [int(rng.integers(0, i)) for i in range(10, len(parents))]
+    tokens = rng.integers(0, tiny.VOCAB, len(parents))
+    cache = make_prompt_cache(target, max_kv_size=max_kv)
+    target(prompt[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    committed = copy.deepcopy(cache)
+    logits = TreeRound(target, cache).forward(mx.array(tokens.astype(np.uint32)), parents)
+    for i in range(len(parents)):
+        path, j = [], i
+        while j != -1:
+            path.append(j)
+            j = parents[j]
+        c = copy.deepcopy(committed)
+        for j in reversed(path):
+            out = target(mx.array([[int(tokens[j])]]), cache=c)
+        assert mx.array_equal(out[0, 0], logits[i]), f"node {i} differs from decoding its path"
+
+
+def cache_state(c):
+    name = type(c).__name__
+    if name == "QuantizedKVCache":
+        return [a[..., : c.offset, :] for a in c.keys + c.values], c.offset
+    if name == "KVCache":
+        return [c.keys[..., : c.offset, :], c.values[..., : c.offset, :]], c.offset
+    # rotating: the whole buffer and its rotation index must match
+    return [c.keys, c.values], (c.offset, c._idx)
+
+
+@pytest.mark.parametrize("family,max_kv", [("qwen3", None), ("qwen3", 16), ("gemma3", None),
+                                           ("gemma4", 16), ("qwen3_moe", None)])
+@pytest.mark.parametrize("shape", ["chain4", "k3s6b31"])
+def test_committed_cache_equals_plain_decoding(pairs, family, max_kv, shape):
+    target, draft = pairs(family)
+    prompt = prompt_tokens(4, n=15)
+    for n in (1, 7, 23, 40):  # stops inside and at the end of rounds
+        ours = make_prompt_cache(target, max_kv_size=max_kv)
+        out, _ = speculative(target, draft, prompt, SHAPES[shape], n=n, prompt_cache=ours)
+        ref_cache = make_prompt_cache(target, max_kv_size=max_kv)
+        ref = plain(target, prompt, n=n, prompt_cache=ref_cache)
+        assert out == ref
+        for a, b in zip(ours, ref_cache):
+            (arrs_a, meta_a), (arrs_b, meta_b) = cache_state(a), cache_state(b)
+            assert meta_a == meta_b
+            for x, y in zip(arrs_a, arrs_b):
+                assert mx.array_equal(x, y)
+
+
+@pytest.mark.parametrize("shape", ["chain4", "k2s3b6", "k4s5b20"])
+def test_sampled_tree_equals_plain_sampled(pairs, shape):
+    target, draft = pairs("qwen3")
+    prompt = prompt_tokens(5)
+    seen = set()
+    for seed in (0, 1, 2):
+        kw = dict(temp=0.8, top_p=0.95, top_k=40, seed=seed)
+        ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=120, **kw)]
+        out, stats = speculative(target, draft, prompt, SHAPES[shape], n=120, **kw)
+        assert out == ref
+        assert sum(stats.accepted) > 0
+        seen.add(tuple(ref))
+    assert len(seen) == 3, "different seeds must sample different text"
+
+
+def test_sampled_min_p(pairs):
+    target, draft = pairs("gemma3")
+    prompt = prompt_tokens(6)
+    kw = dict(temp=1.0, min_p=0.05, seed=7)
+    ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=80, **kw)]
+    out, _ = speculative(target, draft, prompt, SHAPES["k2s3b6"], n=80, **kw)
+    assert out == ref
