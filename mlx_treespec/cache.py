@@ -15,6 +15,7 @@ from mlx_lm.models.cache import (
 
 __all__ = [
     "make_caches",
+    "committed_offset",
     "commit_appended",
     "commit_rotating",
     "rotating_slot_positions",
@@ -27,6 +28,14 @@ __all__ = [
 def make_caches(model, max_kv_size=None):
     """The caches mlx-lm's own generate would make for this model."""
     return make_prompt_cache(model, max_kv_size=max_kv_size)
+
+
+def committed_offset(caches):
+    """Tokens the caches hold (recurrent caches carry no offset: read it off an attention one)."""
+    for c in caches:
+        if cache_kind(c) in ("append", "rotating"):
+            return c.offset
+    raise ValueError("the model has no attention cache to read its position from")
 
 
 def cache_kind(cache):

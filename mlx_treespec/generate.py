@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional
 import numpy as np
 import mlx.core as mx
 
-from .cache import make_caches
+from .cache import committed_offset, make_caches
 from .drafters import root_only
 from .sampling import make_node_sampler
 from .tree import MAX_NODES, DraftTree
@@ -166,7 +166,7 @@ def tree_generate_step(
     n = 0
     while max_tokens < 0 or n < max_tokens:
         room = float("inf") if max_tokens < 0 else max_tokens - n
-        base = caches[0].offset
+        base = committed_offset(caches)
         max_depth = int(min(room - 1, MAX_NODES - 1))
         if kv_bits is not None and base < quantized_kv_start:
             # plain decoding quantizes once the offset reaches the start: no node may cross it

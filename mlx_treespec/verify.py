@@ -17,57 +17,83 @@ import mlx.nn as nn
 from .cache import (
     cache_kind,
     commit_appended,
+    committed_offset,
     commit_rotating,
     rotating_layout,
 )
 
-__all__ = ["TreeRound", "install", "TreeRoPE"]
+__all__ = ["TreeRound", "install", "is_tree_module"]
 
 
-class TreeRoPE(nn.Module):
-    """A model's rope module that takes per-node positions while a tree forward runs."""
+def _rope_call(self, x, offset=0, **kwargs):
+    positions = self._treespec_ctx.positions
+    if positions is None:
+        return super(type(self), self).__call__(x, offset=offset, **kwargs)
+    B, H, L, D = x.shape
+    rows = x.transpose(2, 0, 1, 3).reshape(L * B, H, 1, D)
+    if B > 1:
+        positions = mx.repeat(positions, B)
+    out = super(type(self), self).__call__(rows, offset=positions, **kwargs)
+    return out.reshape(L, B, H, -1).transpose(1, 2, 0, 3)
 
-    def __init__(self, rope, ctx):
-        super().__init__()
-        # Not registered as children: the model's parameter tree stays as mlx-lm built it.
-        object.__setattr__(self, "inner", rope)
-        object.__setattr__(self, "ctx", ctx)
 
-    def __call__(self, x, offset=0, **kwargs):
-        positions = self.ctx.positions
-        if positions is None:
-            return self.inner(x, offset=offset, **kwargs)
-        B, H, L, D = x.shape
-        rows = x.transpose(2, 0, 1, 3).reshape(L * B, H, 1, D)
-        if B > 1:
-            positions = mx.repeat(positions, B)
-        out = self.inner(rows, offset=positions, **kwargs)
-        return out.reshape(L, B, H, -1).transpose(1, 2, 0, 3)
+def _gdn_call(self, inputs, mask=None, cache=None):
+    ctx = self._treespec_ctx
+    if ctx.positions is None:
+        return super(type(self), self).__call__(inputs, mask=mask, cache=cache)
+    from .gdn import gdn_layer_tree_forward
+
+    out, payload = gdn_layer_tree_forward(self, inputs, cache.inner, ctx.parents)
+    cache.record(self, payload)
+    return out
+
+
+_TREE_CLASSES = {}
+
+
+def _make_tree_module(module, call, ctx):
+    """Give `module` a subclass whose __call__ knows tree forwards; parameters stay as they are."""
+    cls = type(module)
+    sub = _TREE_CLASSES.get((cls, call))
+    if sub is None:
+        sub = type(f"Tree{cls.__name__}", (cls,), {"__call__": call})
+        _TREE_CLASSES[(cls, call)] = sub
+    module.__class__ = sub
+    module._treespec_ctx = ctx
+
+
+def is_tree_module(module):
+    return type(module) in _TREE_CLASSES.values()
 
 
 class _Context:
-    """Per-model switch read by the wrapped rope modules."""
+    """Per-model switch read by the re-classed rope and recurrent modules."""
 
     def __init__(self):
-        self.positions = None
+        self.positions = None  # mx int [L] while a tree forward runs
+        self.parents = None  # np int [L]: parents within the forward (-1: committed state)
+
+
+# Recurrent layer classes that fork over a tree (mlx_treespec.gdn), by class name
+GDN_CLASSES = {"GatedDeltaNet", "Qwen3NextGatedDeltaNet"}
 
 
 def install(model):
-    """Wrap every attention's rope module once; returns the model's tree context."""
+    """Re-class every rope module and GatedDeltaNet layer once; returns the tree context."""
     ctx = getattr(model, "_treespec_ctx", None)
     if ctx is not None:
         return ctx
     ctx = _Context()
     for _, module in model.named_modules():
-        rope = module.get("rope") if isinstance(module, dict) else None
-        if isinstance(rope, nn.Module) and not isinstance(rope, TreeRoPE):
-            module.rope = TreeRoPE(rope, ctx)
-    object.__setattr__(model, "_treespec_ctx", ctx)
+        if not isinstance(module, nn.Module) or is_tree_module(module):
+            continue
+        rope = module.get("rope")
+        if isinstance(rope, nn.Module) and not is_tree_module(rope):
+            _make_tree_module(rope, _rope_call, ctx)
+        if type(module).__name__ in GDN_CLASSES:
+            _make_tree_module(module, _gdn_call, ctx)
+    model._treespec_ctx = ctx
     return ctx
-
-
-def has_tree_rope(model):
-    return any(isinstance(m, TreeRoPE) for _, m in model.named_modules())
 
 
 class _AppendLayer:
@@ -89,6 +115,32 @@ class _AppendLayer:
 
     def update_and_fetch(self, keys, values):
         return self.inner.update_and_fetch(keys, values)
+
+
+class _ArraysLayer:
+    """Stands in for a GatedDeltaNet layer's ArraysCache: verify reads it, commit replays."""
+
+    def __init__(self, inner, rnd):
+        self.inner = inner
+        self.rnd = rnd
+        self.layer = None
+        self.payload = None
+
+    def __getitem__(self, i):
+        return self.inner[i]
+
+    def __setitem__(self, i, v):
+        # only mlx-lm's scheduling hint (mx.depends on the same value) writes here in a forward
+        self.inner[i] = v
+
+    def make_mask(self, N):
+        return None
+
+    def record(self, layer, payload):
+        if self.payload is not None:
+            raise ValueError("a recurrent layer runs one tree forward per round; "
+                             "use an attention-only model as drafter")
+        self.layer, self.payload = layer, payload
 
 
 class _RotatingLayer:
@@ -126,7 +178,7 @@ class _RotatingLayer:
         return all_k[:, :, order, :], all_v[:, :, order, :]
 
 
-_STAND_INS = {"append": _AppendLayer, "rotating": _RotatingLayer}
+_STAND_INS = {"append": _AppendLayer, "rotating": _RotatingLayer, "arrays": _ArraysLayer}
 
 
 class TreeRound:
@@ -147,7 +199,7 @@ class TreeRound:
                 f"no tree implementation for cache type(s) {unknown}; "
                 "check the target with mlx_treespec.support.tree_support(model)"
             )
-        self.base = caches[0].offset
+        self.base = committed_offset(caches)
         self.depths = np.zeros(0, np.int64)
         self.parents = np.zeros(0, np.int64)
         self.ancestors = np.zeros((0, 0), bool)
@@ -193,11 +245,14 @@ class TreeRound:
         if self.stand_ins is None:
             self.stand_ins = [_STAND_INS[k](c, self) for c, k in zip(self.caches, self.kinds)]
         new_depths = self.depths[self._new]
+        local = self.parents[self._new] - first
+        self.ctx.parents = np.where(self.parents[self._new] < first, -1, local)
         self.ctx.positions = mx.array((self.base + new_depths).astype(np.int32))
         try:
             return self.model(tokens[None], cache=self.stand_ins)[0]
         finally:
             self.ctx.positions = None
+            self.ctx.parents = None
 
     def _append_mask(self, window):
         mask = self._masks.get(window)
@@ -235,7 +290,11 @@ class TreeRound:
         for i, (cache, kind) in enumerate(zip(self.caches, self.kinds)):
             if kind == "append":
                 commit_appended(cache, self.base, keep)
-            elif self.stand_ins is not None:  # rotating: nothing was written before commit
+            elif self.stand_ins is not None:  # nothing was written before commit
                 stand_in = self.stand_ins[i]
-                if stand_in.keys is not None:
+                if kind == "arrays" and stand_in.payload is not None:
+                    from .gdn import gdn_layer_commit
+
+                    gdn_layer_commit(stand_in.layer, cache, stand_in.payload, keep)
+                elif kind == "rotating" and stand_in.keys is not None:
                     commit_rotating(cache, stand_in.keys, stand_in.values, keep)

@@ -16,7 +16,7 @@ import tiny
 from mlx_treespec.generate import RoundStats, make_drafter, tree_generate_step
 from mlx_treespec.verify import TreeRound
 
-FAMILIES = list(tiny.CONFIGS)
+FAMILIES = tiny.ATTENTION
 SHAPES = {
     "chain1": dict(draft_block_size=1),
     "chain4": dict(draft_block_size=4),

@@ -43,6 +43,17 @@ CONFIGS = {
                                     "sliding_attention": {"rope_type": "default",
                                                           "rope_theta": 10000.0}}),
 }
+HYBRID = dict(BASE, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=32, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+              full_attention_interval=2)
+CONFIGS["qwen3_5"] = dict(HYBRID, model_type="qwen3_5")
+CONFIGS["qwen3_next"] = dict(HYBRID, model_type="qwen3_next", num_experts=4, num_experts_per_tok=2,
+                             decoder_sparse_step=1, shared_expert_intermediate_size=64,
+                             mlp_only_layers=[], moe_intermediate_size=64,
+                             partial_rotary_factor=0.25, norm_topk_prob=True)
+CONFIGS["qwen3_next_dense"] = dict(CONFIGS["qwen3_next"], num_experts=0, num_experts_per_tok=0,
+                                   shared_expert_intermediate_size=0, moe_intermediate_size=0)
+ATTENTION = [k for k in CONFIGS if not k.startswith("qwen3_5") and not k.startswith("qwen3_next")]
 
 
 # gemma4's logit soft-capping and embedding scale saturate at x3; x1 already varies
@@ -72,3 +83,40 @@ def perturbed(model, noise=0.05, seed=1):
     draft.update(tree_unflatten(flat))
     mx.eval(draft.parameters())
     return draft
+
+
+class SiblingDrafter:
+    """Test drafter for targets of any kind: a draft model's greedy chain plus, at every depth,
+    the runner-up tokens as sibling leaves. It decodes plainly from a copy of its cache each
+    round (fine for tiny models), so it works with recurrent draft models too."""
+
+    def __init__(self, model, depth=4, width=2):
+        self.model, self.depth, self.width = model, depth, width
+        self.tokens = []
+
+    def prefill(self, prompt):
+        self.tokens = list(prompt)
+
+    def draft(self, root, max_depth):
+        import numpy as np
+        from mlx_lm.models.cache import make_prompt_cache
+        from mlx_treespec.drafters import Draft, root_only
+
+        depth = min(self.depth, max_depth)
+        if depth == 0:
+            return root_only(root)
+        cache = make_prompt_cache(self.model)
+        logits = self.model(mx.array(self.tokens)[None], cache=cache)[0, -1]
+        tokens, parents, spine = [root], [-1], 0
+        for d in range(depth):
+            order = mx.argsort(-logits).tolist()[: self.width]
+            for rank, t in enumerate(order):
+                tokens.append(t)
+                parents.append(spine)
+            spine = len(tokens) - self.width  # the best child continues the chain
+            if d + 1 < depth:
+                logits = self.model(mx.array([[order[0]]]), cache=cache)[0, -1]
+        return Draft(np.array(parents, np.int32), mx.array(tokens, dtype=mx.uint32), len(tokens) - 1, depth)
+
+    def commit(self, draft, path, emitted):
+        self.tokens += list(emitted)

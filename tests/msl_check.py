@@ -1,0 +1,394 @@
+#!/usr/bin/env python3
+"""Syntax/type checks of mlx_treespec's GPU kernel sources on a machine without a GPU.
+
+Metal: MLX on Linux cannot run a Metal kernel, but while tracing a function for
+``mx.export_function`` it builds each ``mx.fast.metal_kernel``'s full Metal source and, with
+``verbose=True``, prints it to stdout. :func:`traced_metal_sources` runs a function under that
+tracing with stdout redirected at the file-descriptor level (the print comes from C++), collects
+every printed kernel, and :func:`check_metal` compiles one with ``g++ -fsyntax-only`` against
+``metal_stdlib_mock.h`` (a stand-in for ``<metal_stdlib>``, next to this file).
+
+CUDA: a CPU build of MLX refuses to even construct an ``mx.fast.cuda_kernel``, so the CUDA
+twin's source is rebuilt by ``mlx_treespec.gdn.cuda_twin_source`` (a mirror of MLX 0.32.4's
+``build_kernel``) and :func:`check_cuda` compiles it to PTX with ``nvcc`` (sm_90, the H200)
+against a small mock of MLX's ``mlx/backend/cuda/device/utils.cuh``. MLX compiles with NVRTC at
+run time; nvcc is the closest stand-in available offline.
+
+What this catches: syntax and type errors, misspelled names and builtins, wrong template use,
+a thread attribute used in the header but not in the source. What it cannot catch: anything
+about results, Metal address spaces or resource limits. Run the kernels for real for that.
+
+Usage (from the repository root):
+    python tests/msl_check.py                      # every variant of the GDN tree kernel
+    python tests/msl_check.py package.module:func  # Metal kernels traced by func()
+Exit status: 0 all compile, 1 one does not, 2 nothing was traced.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Callable, List, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+METAL_MOCK = os.path.join(HERE, "metal_stdlib_mock.h")
+
+# A stand-in for mlx/backend/cuda/device/utils.cuh: the names MLX's generated custom-kernel
+# source relies on (fp16/bf16 types, cuda::std, Shape/Strides).
+CUDA_UTILS_MOCK = r"""
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cuda/std/limits>
+#include <cuda/std/tuple>
+#define MAX_NDIM 10
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, MAX_NDIM>;
+using Strides = cuda::std::array<int64_t, MAX_NDIM>;
+}
+"""
+
+_SOURCE_RE = re.compile(r"Generated source code for `([^`]*)`:\n```\n(.*?)```", re.S)
+
+
+def traced_metal_sources(func: Callable[[], object]) -> List[Tuple[str, str]]:
+    """Run ``func`` under mx.export_function tracing; return [(kernel name, Metal source)]."""
+    import mlx.core as mx
+
+    with tempfile.TemporaryDirectory() as d, tempfile.TemporaryFile(mode="w+") as out:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(out.fileno(), 1)
+        try:
+            def traced():
+                func()
+                return mx.zeros((1,))
+
+            mx.export_function(os.path.join(d, "trace.mlxfn"), traced)
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+        out.seek(0)
+        text = out.read()
+    return _SOURCE_RE.findall(text)
+
+
+def have_gxx() -> bool:
+    return shutil.which("g++") is not None
+
+
+def have_nvcc() -> bool:
+    return shutil.which("nvcc") is not None
+
+
+def check_metal(source) -> Tuple[bool, str]:
+    """g++ -fsyntax-only of generated Metal source against the mock header.
+
+    ``source`` is one kernel's source or a list of them, checked as one translation unit
+    (MLX names every template variant differently, so they coexist).
+    """
+    if not isinstance(source, str):
+        source = "\n".join(source)
+    text = source.replace("#include <metal_stdlib>", "").replace("using namespace metal;", "")
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.cpp")
+        with open(path, "w") as f:
+            f.write(f'#include "{METAL_MOCK}"\n')
+            f.write(text)
+        r = subprocess.run(
+            ["g++", "-std=c++17", "-fsyntax-only", "-Wno-attributes",
+             "-Wno-ignored-attributes", path],
+            capture_output=True, text=True,
+        )
+    return r.returncode == 0, r.stderr
+
+
+def check_cuda(source, arch: str = "sm_90") -> Tuple[bool, str]:
+    """nvcc device compile (to PTX) of generated CUDA source against the utils mock.
+
+    ``source`` is one kernel's source or a list of them (one translation unit).
+    """
+    if not isinstance(source, str):
+        source = "\n".join(source)
+    with tempfile.TemporaryDirectory() as d:
+        inc = os.path.join(d, "mlx", "backend", "cuda", "device")
+        os.makedirs(inc)
+        with open(os.path.join(inc, "utils.cuh"), "w") as f:
+            f.write(CUDA_UTILS_MOCK)
+        path = os.path.join(d, "kernel.cu")
+        with open(path, "w") as f:
+            f.write(source)
+        r = subprocess.run(
+            ["nvcc", "-std=c++17", f"-arch={arch}", "--ptx", "-I", d, path,
+             "-o", os.path.join(d, "kernel.ptx")],
+            capture_output=True, text=True,
+        )
+    return r.returncode == 0, r.stdout + r.stderr
+
+
+def gdn_variants():
+    """Every (dtype, Dk, gvec, store_final) variant the GDN tree kernel is built for."""
+    import mlx.core as mx
+
+    for dt in (mx.bfloat16, mx.float16, mx.float32):
+        for Dk in (64, 128):
+            for gvec in (False, True):
+                for store_final in (False, True):
+                    yield dt, Dk, gvec, store_final
+
+
+def trace_gdn_metal_variants():
+    """Call the Metal tree kernel once per variant with verbose=True, stream=mx.gpu."""
+    import mlx.core as mx
+    from mlx_treespec import gdn
+
+    B, T, Hk, Hv, Dv = 1, 3, 2, 4, 128
+    for dt, Dk, gvec, store_final in gdn_variants():
+        z = lambda *s, d=dt: mx.zeros(s, dtype=d)  # noqa: E731
+        g = z(B, T, Hv, Dk, d=mx.float32) if gvec else z(B, T, Hv, d=mx.float32)
+        gdn.run_tree_kernel(
+            "metal", z(B, T, Hk, Dk), z(B, T, Hk, Dk), z(B, T, Hv, Dv), g, z(B, T, Hv),
+            z(B, Hv, Dv, Dk, d=mx.float32), [-1, 0, 0], store_final=store_final,
+            verbose=True, stream=mx.gpu,
+        )
+
+
+def gdn_cuda_sources() -> List[Tuple[str, str]]:
+    import mlx.core as mx
+    from mlx_treespec import gdn
+
+    return [
+        gdn.cuda_twin_source(dt, Dk, 128, 2, 4, gvec, store_final, g_dtype=mx.float32)
+        for dt, Dk, gvec, store_final in gdn_variants()
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU emulation of the kernel body
+# ---------------------------------------------------------------------------------------------
+# The body text of metal_kernels/gdn_tree.inc compiled as plain C++ and run on the CPU: every
+# 32-lane warp is 32 cooperative user-level contexts (ucontext) that meet at each
+# TS_WARP_SUM, which then applies the xor butterfly of the CUDA twin to all lanes at once.
+# It runs the body's real indexing, depth-first schedule, scratch reloads and final-state
+# write, so a logic error shows up here before the GPU; it says nothing about GPU compilers.
+
+EMU_HARNESS = r"""
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cmath>
+#include <vector>
+#include <ucontext.h>
+
+typedef float InT;
+static int g_Dv, g_Hk, g_Hv;
+static const float *g_q, *g_k, *g_v, *g_g, *g_beta, *g_state_in;
+static const int32_t* g_tree;
+static float *g_y, *g_scratch, *g_state_out;
+
+struct Lane { ucontext_t ctx; std::vector<char> stack; float val; bool done; };
+static ucontext_t sched_ctx;
+static Lane lanes[32];
+static int cur_lane, cur_row, cur_head;
+
+static float ts_warp_sum(float x) {
+  lanes[cur_lane].val = x;
+  swapcontext(&lanes[cur_lane].ctx, &sched_ctx);
+  return lanes[cur_lane].val;
+}
+#define TS_WARP_SUM(x) ts_warp_sum(x)
+
+template <int Dk, bool GVec, bool StoreFinal>
+static void body(const float* q, const float* k, const float* v, const float* g,
+                 const float* beta, const float* state_in, const int32_t* tree, InT* y,
+                 float* scratch, float* state_out, int ts_lane, int ts_row, int ts_head) {
+  const int Dv = g_Dv, Hk = g_Hk, Hv = g_Hv;
+#include KERNEL_BODY
+}
+
+static void (*g_body)(const float*, const float*, const float*, const float*, const float*,
+                      const float*, const int32_t*, InT*, float*, float*, int, int, int);
+
+static void lane_entry() {
+  g_body(g_q, g_k, g_v, g_g, g_beta, g_state_in, g_tree, g_y, g_scratch, g_state_out,
+         cur_lane, cur_row, cur_head);
+  lanes[cur_lane].done = true;
+  swapcontext(&lanes[cur_lane].ctx, &sched_ctx);
+}
+
+template <int Dk, bool GVec, bool StoreFinal>
+static void pick() { g_body = body<Dk, GVec, StoreFinal>; }
+
+static std::vector<char> slurp(const char* path) {
+  FILE* f = fopen(path, "rb");
+  if (!f) { perror(path); exit(3); }
+  fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  std::vector<char> b(n); if (n && fread(b.data(), 1, n, f) != (size_t)n) exit(3);
+  fclose(f); return b;
+}
+
+int main(int argc, char** argv) {
+  // args: dir B Dk Dv Hk Hv gvec store_final scratch_floats
+  const char* dir = argv[1];
+  int B = atoi(argv[2]), Dk = atoi(argv[3]);
+  g_Dv = atoi(argv[4]); g_Hk = atoi(argv[5]); g_Hv = atoi(argv[6]);
+  int gvec = atoi(argv[7]), sf = atoi(argv[8]);
+  long n_scr = atol(argv[9]);
+  char p[4096];
+  auto load = [&](const char* name) { snprintf(p, sizeof p, "%s/%s", dir, name); return slurp(p); };
+  auto q = load("q"), k = load("k"), v = load("v"), g = load("g"), beta = load("beta");
+  auto st = load("state"), tree = load("tree");
+  g_q = (const float*)q.data(); g_k = (const float*)k.data(); g_v = (const float*)v.data();
+  g_g = (const float*)g.data(); g_beta = (const float*)beta.data();
+  g_state_in = (const float*)st.data(); g_tree = (const int32_t*)tree.data();
+  int T = g_tree[0];
+  std::vector<float> y((size_t)B * T * g_Hv * g_Dv, NAN), scr(n_scr > 0 ? n_scr : 1, NAN);
+  std::vector<float> out((size_t)B * g_Hv * g_Dv * Dk, NAN);
+  g_y = y.data(); g_scratch = scr.data(); g_state_out = out.data();
+#define PICK(D) \
+  if (Dk == D) { if (gvec) { if (sf) pick<D, true, true>(); else pick<D, true, false>(); } \
+                 else { if (sf) pick<D, false, true>(); else pick<D, false, false>(); } }
+  PICK(32) PICK(64) PICK(128)
+  if (!g_body) { fprintf(stderr, "unsupported Dk\n"); return 4; }
+  for (int l = 0; l < 32; ++l) lanes[l].stack.resize(1 << 16);
+  for (int head = 0; head < B * g_Hv; ++head) {
+    for (int row = 0; row < g_Dv; ++row) {
+      for (int l = 0; l < 32; ++l) {
+        getcontext(&lanes[l].ctx);
+        lanes[l].ctx.uc_stack.ss_sp = lanes[l].stack.data();
+        lanes[l].ctx.uc_stack.ss_size = lanes[l].stack.size();
+        lanes[l].ctx.uc_link = nullptr;
+        lanes[l].done = false;
+        makecontext(&lanes[l].ctx, lane_entry, 0);
+      }
+      for (;;) {
+        int n_done = 0;
+        for (int l = 0; l < 32; ++l) {
+          cur_lane = l; cur_row = row; cur_head = head;
+          swapcontext(&sched_ctx, &lanes[l].ctx);
+          n_done += lanes[l].done;
+        }
+        if (n_done == 32) break;
+        if (n_done != 0) { fprintf(stderr, "lanes diverged at a warp sum\n"); return 5; }
+        float x[32];
+        for (int l = 0; l < 32; ++l) x[l] = lanes[l].val;
+        for (int m = 1; m < 32; m <<= 1) {
+          float nx[32];
+          for (int l = 0; l < 32; ++l) nx[l] = x[l] + x[l ^ m];
+          for (int l = 0; l < 32; ++l) x[l] = nx[l];
+        }
+        for (int l = 0; l < 32; ++l) lanes[l].val = x[l];
+      }
+    }
+  }
+  snprintf(p, sizeof p, "%s/y.out", dir); FILE* f = fopen(p, "wb");
+  fwrite(y.data(), sizeof(float), y.size(), f); fclose(f);
+  snprintf(p, sizeof p, "%s/state.out", dir); f = fopen(p, "wb");
+  fwrite(out.data(), sizeof(float), out.size(), f); fclose(f);
+  return 0;
+}
+"""
+
+_emu_binary = {}
+
+
+def build_emulator(body_path: str = None) -> str:
+    """Compile the emulator around the kernel body; returns the binary's path (cached)."""
+    if body_path is None:
+        from mlx_treespec import gdn
+
+        d = tempfile.mkdtemp(prefix="gdn_emu_")
+        atexit.register(shutil.rmtree, d, True)
+        body_path = os.path.join(d, "body.inc")
+        with open(body_path, "w") as f:
+            f.write(gdn.kernel_body())
+    if body_path in _emu_binary:
+        return _emu_binary[body_path]
+    d = os.path.dirname(body_path)
+    src = os.path.join(d, "emu.cpp")
+    exe = os.path.join(d, "emu")
+    with open(src, "w") as f:
+        f.write(EMU_HARNESS)
+    r = subprocess.run(
+        ["g++", "-std=c++17", "-O1", f'-DKERNEL_BODY="{body_path}"', src, "-o", exe],
+        capture_output=True, text=True,
+    )
+    if r.returncode != 0:
+        raise RuntimeError("emulator build failed:\n" + r.stderr)
+    _emu_binary[body_path] = exe
+    return exe
+
+
+def emulate_tree_kernel(q, k, v, g, beta, state, parents, store_final=True):
+    """Run the kernel body on the CPU (float32); returns numpy (y, final state or None)."""
+    import numpy as np
+    from mlx_treespec import gdn
+
+    arrs = {n: np.ascontiguousarray(np.array(a, dtype=np.float32))
+            for n, a in dict(q=q, k=k, v=v, g=g, beta=beta, state=state).items()}
+    B, T, Hk, Dk = arrs["q"].shape
+    Hv, Dv = arrs["v"].shape[-2:]
+    table, n_slots = gdn.tree_kernel_table(parents)
+    exe = build_emulator()
+    with tempfile.TemporaryDirectory() as d:
+        for n, a in arrs.items():
+            a.tofile(os.path.join(d, n))
+        table.astype(np.int32).tofile(os.path.join(d, "tree"))
+        r = subprocess.run(
+            [exe, d, str(B), str(Dk), str(Dv), str(Hk), str(Hv), str(int(arrs["g"].ndim == 4)),
+             str(int(store_final)), str(B * Hv * n_slots * Dv * Dk)],
+            capture_output=True, text=True,
+        )
+        if r.returncode != 0:
+            raise RuntimeError(f"emulator failed ({r.returncode}): {r.stderr}")
+        y = np.fromfile(os.path.join(d, "y.out"), dtype=np.float32).reshape(B, T, Hv, Dv)
+        final = np.fromfile(os.path.join(d, "state.out"), dtype=np.float32)
+    return y, (final.reshape(B, Hv, Dv, Dk) if store_final else None)
+
+
+def main(argv: List[str]) -> int:
+    sys.path.insert(0, os.getcwd())
+    found, failed = 0, 0
+    funcs = []
+    if argv:
+        for spec in argv:
+            m, f = spec.split(":")
+            funcs.append(getattr(importlib.import_module(m), f))
+    else:
+        funcs.append(trace_gdn_metal_variants)
+    for func in funcs:
+        for name, source in traced_metal_sources(func):
+            found += 1
+            ok, err = check_metal(source)
+            print(f"{'ok  ' if ok else 'FAIL'} metal {name}")
+            if not ok:
+                failed += 1
+                print(err)
+    if not argv:
+        if have_nvcc():
+            for name, source in gdn_cuda_sources():
+                found += 1
+                ok, err = check_cuda(source)
+                print(f"{'ok  ' if ok else 'FAIL'} cuda  {name}")
+                if not ok:
+                    failed += 1
+                    print(err)
+        else:
+            print("nvcc not found: CUDA twin not compiled")
+    if found == 0:
+        print("no kernel was traced: does the function call its kernels with verbose=True "
+              "and stream=mx.gpu?")
+        return 2
+    print(f"{found - failed} of {found} kernel sources compile")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
