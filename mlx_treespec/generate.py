@@ -343,3 +343,168 @@ def generate(model, tokenizer, prompt, draft_model=None, verbose=False, **kwargs
         print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
         print(f"Peak memory: {response.peak_memory:.3f} GB")
     return text
+
+
+DEMO_MODELS = {"demo": "target", "demo-target": "target", "demo-hybrid": "hybrid",
+               "demo-drafter": "drafter"}
+
+
+def resolve_model_path(name):
+    """A shipped demo name, or a local mlx-lm folder, or a Hugging Face repo id."""
+    import os
+
+    if name in DEMO_MODELS:
+        from .demo import __file__ as demo_init
+
+        path = os.path.join(os.path.dirname(demo_init), DEMO_MODELS[name])
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"the shipped demo model {name!r} is missing at {path}: reinstall mlx-treespec")
+        return path
+    expanded = os.path.expanduser(name)
+    if os.path.isdir(expanded):
+        if not os.path.isfile(os.path.join(expanded, "config.json")):
+            raise FileNotFoundError(f"{name} has no config.json: pass an mlx-lm model folder")
+        return expanded
+    looks_like_repo = name.count("/") == 1 and not name.startswith((".", "/", "~"))
+    if not looks_like_repo:
+        raise FileNotFoundError(f"model folder {name} does not exist: pass an mlx-lm model folder, "
+                                "a Hugging Face repo id, or 'demo' / 'demo-hybrid'")
+    return name
+
+
+def setup_arg_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m mlx_treespec.generate",
+        description="Generate text with draft-tree speculative decoding (mlx-lm's flags plus tree flags).",
+    )
+    p.add_argument("--model", default="demo",
+                   help="target: an mlx-lm folder or repo id, 'demo' (default) or 'demo-hybrid'")
+    p.add_argument("--draft-model", default=None,
+                   help="draft model (default: the shipped demo drafter when --model is a demo)")
+    p.add_argument("--drafter", choices=["model", "lookup", "suffix", "none"], default=None,
+                   help="what drafts: a draft model (default when one is given), prompt lookup, "
+                        "a suffix index, or none (plain decoding)")
+    p.add_argument("--prompt", "-p", default="def parse(", help="message to process ('-' reads stdin)")
+    p.add_argument("--max-tokens", "-m", type=int, default=100, help="maximum number of tokens to generate")
+    p.add_argument("--temp", type=float, default=0.0, help="sampling temperature")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling top-p")
+    p.add_argument("--min-p", type=float, default=0.0, help="sampling min-p")
+    p.add_argument("--top-k", type=int, default=0, help="sampling top-k")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (the draw at each position depends on it)")
+    p.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
+    p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
+    p.add_argument("--max-kv-size", type=int, default=None, help="maximum key-value cache size")
+    p.add_argument("--kv-bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8],
+                   help="bits for KV cache quantization (default: none)")
+    p.add_argument("--kv-group-size", type=int, default=64, help="group size for KV cache quantization")
+    p.add_argument("--quantized-kv-start", type=int, default=DEFAULT_QUANTIZED_KV_START,
+                   help="when --kv-bits is set, quantize the cache from this many tokens on")
+    p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill step")
+    p.add_argument("--verbose", nargs="?", const=True, default=None,
+                   type=lambda v: str(v).lower() in ("1", "t", "true", "yes"),
+                   help="print round statistics too (--verbose F prints only the response)")
+    t = p.add_argument_group("tree")
+    t.add_argument("--draft-block-size", type=int, default=None, help="draft a chain of this many tokens")
+    t.add_argument("--tree-topk", type=int, default=None, help="EAGLE-2 lanes per step (1: a chain)")
+    t.add_argument("--tree-depth", type=int, default=None, help="draft steps (tree depth)")
+    t.add_argument("--tree-budget", type=int, default=None,
+                   help="draft nodes verified per round, root excluded (at most 63)")
+    t.add_argument("--allow-inexact", action="store_true",
+                   help="speculate even where the exactness probe finds verify differs from decoding")
+    return p
+
+
+def _build_drafter(args, model, draft_model):
+    kind = args.drafter or ("model" if draft_model is not None else "none")
+    if kind == "none":
+        return None
+    if kind == "model":
+        if draft_model is None:
+            raise ValueError("--drafter model needs --draft-model")
+        _check_vocab(model, draft_model)
+        return make_drafter(draft_model, draft_block_size=args.draft_block_size,
+                            tree_topk=args.tree_topk or 1, tree_depth=args.tree_depth,
+                            tree_budget=args.tree_budget)
+    budget = args.tree_budget if args.tree_budget is not None else 16
+    depth = args.tree_depth if args.tree_depth is not None else (args.draft_block_size or 8)
+    if not 1 <= budget <= MAX_NODES - 1 or not 1 <= depth <= MAX_NODES - 1:
+        raise ValueError(f"--tree-budget and --tree-depth must be in 1..{MAX_NODES - 1}")
+    if kind == "lookup":
+        from .drafters.lookup import LookupDrafter
+
+        return LookupDrafter(budget, depth)
+    from .drafters.suffix import SuffixDrafter
+
+    return SuffixDrafter(budget, depth)
+
+
+def _run(args):
+    from mlx_lm.utils import load
+
+    from .support import require_tree_support
+
+    if args.max_tokens == 0:
+        raise ValueError("--max-tokens must be non-zero (use -1 for no limit)")
+    model_path = resolve_model_path(args.model)
+    draft_name = args.draft_model
+    if draft_name is None and args.model in DEMO_MODELS and args.drafter in (None, "model"):
+        draft_name = "demo-drafter"
+    draft_path = resolve_model_path(draft_name) if draft_name else None
+    model, tokenizer = load(model_path)
+    draft_model = load(draft_path)[0] if draft_path and args.drafter in (None, "model") else None
+    drafter = _build_drafter(args, model, draft_model)
+    if drafter is not None:
+        require_tree_support(model)
+        _probe(args, model, drafter)
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt.replace("\\n", "\n").replace("\\t", "\t")
+    if not args.ignore_chat_template and tokenizer.chat_template is not None:
+        messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else [])
+        messages.append({"role": "user", "content": prompt})
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        tokens = tokenizer.encode(prompt, add_special_tokens=False)
+    else:
+        tokens = tokenizer.encode(prompt)
+    if args.max_kv_size is not None and len(tokens) > args.max_kv_size:
+        raise ValueError(f"the prompt has {len(tokens)} tokens but --max-kv-size is {args.max_kv_size}: "
+                         "raise --max-kv-size or shorten the prompt")
+
+    def progress(done, total):
+        if total > args.prefill_step_size and args.verbose is not False:
+            print(f"\rPrefill: {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+    stats = RoundStats()
+    text = generate(model, tokenizer, tokens, verbose=args.verbose is not False, drafter=drafter,
+                    max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
+                    top_k=args.top_k, seed=args.seed, max_kv_size=args.max_kv_size,
+                    kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                    quantized_kv_start=args.quantized_kv_start,
+                    prefill_step_size=args.prefill_step_size, prompt_progress_callback=progress,
+                    stats=stats)
+    if args.verbose is False:
+        print(text)
+    elif args.verbose:
+        print(stats.format())
+
+
+def _probe(args, model, drafter):
+    """Refuse speculation where a tree verify is not bitwise one-token decoding (GPU kernels)."""
+    try:
+        from .probe import check_speculation
+    except ImportError:
+        return
+    topologies = [np.arange(getattr(drafter, "depth", 4) + 1) - 1]
+    check_speculation(model, topologies, allow_inexact=args.allow_inexact)
+
+
+def main(argv=None):
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        _run(args)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -11,6 +11,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from .cache import cache_kind
+from .verify import GDN_CLASSES
 
 # Families whose attention, masks and caches are verified (tests/test_generate.py) to run trees.
 ATTENTION_FAMILIES = {
@@ -27,11 +28,15 @@ _RECURRENT_CLASSES = {
     "Mamba2Block": "Mamba2 state-space recurrence",
     "Mamba2Mixer": "Mamba2 state-space recurrence",
     "Mamba2": "Mamba2 state-space recurrence",
-    "RWKV7TimeMixing": "RWKV7 time-mixing recurrence",
-    "RWKV7Block": "RWKV7 time-mixing recurrence",
+    "Rwkv7TimeMixing": "RWKV7 time-mixing recurrence",
     "RecurrentBlock": "RG-LRU recurrence",
     "ShortConv": "short convolution state",
 }
+
+
+# Building blocks that carry no sequence state (what is left of a layer once its mixer is named).
+_PLAIN_MODULES = {"Linear", "QuantizedLinear", "RMSNorm", "LayerNorm", "Embedding", "MLP",
+                  "SwitchGLU", "SwitchLinear", "QuantizedSwitchLinear", "Identity", "Dropout"}
 
 
 @dataclass(frozen=True)
@@ -83,8 +88,17 @@ def tree_support(model) -> List[Blocker]:
             if cls in names:
                 blockers.append(Blocker(i, f"{why} ({cls}) has no tree-forking implementation"))
                 break
-        if "GatedDeltaNet" in names and not _gdn_ready():
-            blockers.append(Blocker(i, "GatedDeltaNet recurrence: tree-forking scan not available"))
+        else:
+            base_names = {c.__name__ for _, m in layer.named_modules() for c in type(m).__mro__}
+            has_gdn = bool(base_names & GDN_CLASSES)
+            has_rope = any(isinstance(m.get("rope"), nn.Module) for _, m in layer.named_modules()
+                           if isinstance(m, dict))
+            if has_gdn and not _gdn_ready():
+                blockers.append(Blocker(i, "GatedDeltaNet recurrence: tree-forking scan not available"))
+            elif not has_gdn and not has_rope:
+                mixers = sorted(n for n in names if n not in _PLAIN_MODULES)
+                blockers.append(Blocker(i, "neither an attention with a rope module nor a "
+                                           f"tree-forking recurrence (found: {', '.join(mixers)})"))
     try:
         caches = make_prompt_cache(model)
     except Exception as e:  # a model that cannot even make its caches cannot be verified
@@ -98,10 +112,6 @@ def tree_support(model) -> List[Blocker]:
             if not any(b.layer == i for b in blockers):
                 blockers.append(Blocker(i, "recurrent state (ArraysCache) of a layer with no "
                                            "tree-forking implementation"))
-    has_attention = any(isinstance(m.get("rope"), nn.Module) for _, m in model.named_modules()
-                        if isinstance(m, dict))
-    if layers and not has_attention and mtype in ATTENTION_FAMILIES:
-        blockers.append(Blocker(None, "no attention module with a `rope` submodule to re-position"))
     return blockers
 
 

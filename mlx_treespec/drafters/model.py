@@ -9,7 +9,7 @@ import numpy as np
 import mlx.core as mx
 
 from ..builders import Eagle2Builder
-from ..cache import make_caches
+from ..cache import cache_kind, make_caches
 from ..verify import TreeRound
 from . import Draft, root_only
 
@@ -29,6 +29,9 @@ class ModelDrafter:
             raise ValueError(f"topk must be >= 1, got {topk}")
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
+        if any(cache_kind(c) == "arrays" for c in make_caches(model)):
+            # lanes of later steps would need recurrent states of earlier lanes
+            raise ValueError("the draft model has recurrent layers; use an attention-only drafter")
         self.model = model
         self.topk = topk
         self.depth = depth
