@@ -15,6 +15,7 @@ import numpy as np
 import mlx.core as mx
 
 from .cache import committed_offset, make_caches
+from .support import require_tree_support
 from .drafters import root_only
 from .sampling import make_node_sampler
 from .tree import MAX_NODES, DraftTree
@@ -288,6 +289,8 @@ def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=25
         _check_vocab(model, draft_model)
     drafter = make_drafter(draft_model, drafter=drafter, draft_block_size=draft_block_size,
                            tree_topk=tree_topk, tree_depth=tree_depth, tree_budget=tree_budget)
+    if drafter is not None:
+        require_tree_support(model)
     stats = stats if stats is not None else RoundStats()
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
@@ -440,8 +443,6 @@ def _build_drafter(args, model, draft_model):
 
 def _run(args):
     from mlx_lm.utils import load
-
-    from .support import require_tree_support
 
     if args.max_tokens == 0:
         raise ValueError("--max-tokens must be non-zero (use -1 for no limit)")

@@ -116,6 +116,10 @@ def tree_support(model) -> List[Blocker]:
 
 
 def require_tree_support(model):
+    """Raise UnsupportedTarget naming every blocker; a model that passes is remembered."""
+    if getattr(model, "_treespec_supported", False):
+        return
     blockers = tree_support(model)
     if blockers:
         raise UnsupportedTarget(blockers)
+    model._treespec_supported = True

@@ -1,0 +1,216 @@
+"""Plain decode vs our chain vs mlx-lm's chain vs our best tree, measured in one run.
+
+    python bench/bench_loop.py [--model demo] [--draft-model demo-drafter] [--prompts 20]
+                               [--max-tokens 256] [--out bench/out/loop.json] [--quick]
+
+Phase 1 picks the best chain block size and the best tree shape on a few prompts; phase 2 runs
+every arm on every prompt, interleaved (each prompt runs all arms, in a rotating order, after a
+warm-up), so drift hits all arms alike. Figures are medians over prompts with min-max spread.
+
+Also reported: Python overhead per round (round wall time minus the time the same forwards take
+back to back with nothing else), the exactness probe's figures, and how many tokens each arm's
+output agrees with plain decoding before the first difference (GPU kernels differ by row count).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import mlx.core as mx
+from mlx_lm.generate import generate_step, speculative_generate_step
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load
+
+from mlx_treespec.generate import RoundStats, make_drafter, resolve_model_path, tree_generate_step
+from mlx_treespec.verify import TreeRound
+
+BUILTIN_PROMPTS = [
+    "def parse(", "import os\nimport sys\n\n\ndef main(", "class Config:\n    def __init__(self",
+    "for i in range(", "    return self.", "with open(path) as f:\n", "def __repr__(self):\n",
+    "try:\n    import numpy as np\nexcept ImportError:\n",
+]
+
+
+def load_prompts(tokenizer, n):
+    path = os.path.join(os.path.dirname(__file__), "heldout_prompts.json")
+    texts = BUILTIN_PROMPTS
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+        texts = [d if isinstance(d, str) else d.get("prompt", d.get("text")) for d in data]
+    texts = (texts * (n // len(texts) + 1))[:n]
+    return [tokenizer.encode(t) for t in texts]
+
+
+def timed(gen):
+    """Run a token generator; tok/s counts from the first token to the last (no prefill)."""
+    toks, t_first = [], None
+    for t in gen:
+        toks.append(int(t))
+        if t_first is None:
+            t_first = time.perf_counter()
+    dt = time.perf_counter() - t_first
+    return toks, (len(toks) - 1) / dt if dt > 0 else float("nan")
+
+
+def run_arm(arm, prompt, target, draft, n):
+    kind = arm["kind"]
+    stats = RoundStats()
+    if kind == "mlx_plain":
+        toks, tps = timed(t for t, _ in generate_step(mx.array(prompt), target, max_tokens=n))
+    elif kind == "mlx_chain":
+        toks, tps = timed(t for t, _, _ in speculative_generate_step(
+            mx.array(prompt), target, draft, num_draft_tokens=arm["k"], max_tokens=n))
+    else:
+        drafter = None if kind == "plain" else make_drafter(draft, **arm["opts"])
+        toks, tps = timed(t for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=n, stats=stats))
+    s = stats.summary() if stats.rounds else {}
+    return dict(tokens=toks, tps=tps, emitted_per_verify=s.get("emitted_per_verify", 1.0 if "plain" in kind else None),
+                round_ms=s.get("round_ms"), nodes=s.get("nodes_per_round"), rounds=stats.rounds)
+
+
+def interleaved(arms, prompts, target, draft, n, log):
+    results = {a["name"]: [] for a in arms}
+    run_arm(arms[0], prompts[0], target, draft, min(n, 32))  # warm-up: compile, allocate
+    for a in arms:
+        run_arm(a, prompts[0], target, draft, min(n, 32))
+    for i, p in enumerate(prompts):
+        order = arms[i % len(arms):] + arms[: i % len(arms)]
+        for a in order:
+            results[a["name"]].append(run_arm(a, p, target, draft, n))
+        log(f"prompt {i + 1}/{len(prompts)}")
+    return results
+
+
+def median_spread(xs):
+    xs = [x for x in xs if x is not None and x == x]
+    if not xs:
+        return None, None, None
+    return statistics.median(xs), min(xs), max(xs)
+
+
+def forward_ms(model, n_nodes, parents=None, history=128, reps=10):
+    """Time one verify forward of n_nodes over a `history`-token cache, nothing else in the loop."""
+    cache = make_prompt_cache(model)
+    model(mx.array(np.arange(history) % 100)[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    parents = np.arange(n_nodes) - 1 if parents is None else parents
+    toks = mx.array(np.arange(n_nodes, dtype=np.uint32) % 100)
+    times = []
+    for r in range(reps + 2):
+        rnd = TreeRound(model, cache)
+        t = time.perf_counter()
+        mx.eval(rnd.forward(toks, parents))
+        times.append(time.perf_counter() - t)
+        rnd.commit([])
+    return 1e3 * statistics.median(times[2:])
+
+
+def first_divergence(a, b):
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--draft-model", default="demo-drafter")
+    ap.add_argument("--prompts", type=int, default=20)
+    ap.add_argument("--select-prompts", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--blocks", default="1,2,3,4,5,6,8")
+    ap.add_argument("--trees", default="2:3:6,2:4:8,3:4:12,4:4:16,2:6:12,3:5:15,4:5:24,4:6:32")
+    ap.add_argument("--out", default="bench/out/loop.json")
+    ap.add_argument("--quick", action="store_true", help="tiny run for a CPU smoke test")
+    args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.select_prompts, args.max_tokens = 2, 1, 24
+        args.blocks, args.trees = "1,3", "2:3:6"
+    log = lambda m: print(m, file=sys.stderr, flush=True)
+
+    target, tok = load(resolve_model_path(args.model))
+    draft, _ = load(resolve_model_path(args.draft_model))
+    prompts = load_prompts(tok, args.prompts)
+    device = str(mx.default_device())
+    log(f"device {device}; {len(prompts)} prompts, {args.max_tokens} tokens")
+
+    # Phase 1: best chain block size, best tree shape
+    blocks = [int(k) for k in args.blocks.split(",")]
+    trees = [tuple(int(x) for x in s.split(":")) for s in args.trees.split(",")]
+    select = [dict(name=f"chain{k}", kind="tree", opts=dict(draft_block_size=k)) for k in blocks]
+    select += [dict(name=f"tree{K}x{S}b{B}", kind="tree", opts=dict(tree_topk=K, tree_depth=S, tree_budget=B))
+               for K, S, B in trees]
+    sel = interleaved(select, prompts[: args.select_prompts], target, draft, args.max_tokens, log)
+    sel_tps = {k: median_spread([r["tps"] for r in v])[0] for k, v in sel.items()}
+    best_chain = max((a for a in select if a["name"].startswith("chain")), key=lambda a: sel_tps[a["name"]])
+    best_tree = max((a for a in select if a["name"].startswith("tree")), key=lambda a: sel_tps[a["name"]])
+    k = best_chain["opts"]["draft_block_size"]
+    log(f"selected {best_chain['name']} and {best_tree['name']}")
+
+    # Phase 2: the arms, interleaved
+    arms = [
+        dict(name="mlx-lm plain", kind="mlx_plain"),
+        dict(name="ours plain", kind="plain"),
+        dict(name=f"mlx-lm chain k={k}", kind="mlx_chain", k=k),
+        dict(name=f"ours chain k={k}", kind="tree", opts=best_chain["opts"]),
+        dict(name=f"ours {best_tree['name']}", kind="tree", opts=best_tree["opts"]),
+    ]
+    res = interleaved(arms, prompts, target, draft, args.max_tokens, log)
+
+    base = median_spread([r["tps"] for r in res["mlx-lm plain"]])[0]
+    rows, raw = [], {}
+    for a in arms:
+        rs = res[a["name"]]
+        tps = median_spread([r["tps"] for r in rs])
+        epv = median_spread([r["emitted_per_verify"] for r in rs])
+        rms = median_spread([r["round_ms"] for r in rs])
+        div = [first_divergence(r["tokens"], p["tokens"]) for r, p in zip(rs, res["mlx-lm plain"])]
+        rows.append((a["name"], tps, epv, rms, div))
+        raw[a["name"]] = dict(arm=a, runs=[{k2: v for k2, v in r.items() if k2 != "tokens"} for r in rs],
+                              first_divergence=div)
+
+    # Python overhead per round: round wall time minus the same forwards run back to back
+    overhead = {}
+    for a in arms[3:]:
+        opts = a["opts"]
+        rs = res[a["name"]]
+        nodes = statistics.median([r["nodes"] for r in rs])
+        steps = opts.get("draft_block_size") or opts.get("tree_depth")
+        lanes = opts.get("tree_topk", 1)
+        gpu = forward_ms(target, int(round(nodes))) + steps * forward_ms(draft, lanes)
+        overhead[a["name"]] = dict(round_ms=median_spread([r["round_ms"] for r in rs])[0],
+                                   forwards_ms=gpu)
+        overhead[a["name"]]["python_ms"] = overhead[a["name"]]["round_ms"] - gpu
+
+    print(f"\n## Verify loop on {device} ({len(prompts)} prompts x {args.max_tokens} tokens, temp 0)\n")
+    print("| arm | tok/s (median, min-max) | x plain | emitted/verify | round ms | prompts identical to plain | first divergence (median) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, tps, epv, rms, div in rows:
+        same = sum(d is None for d in div)
+        dvals = [d for d in div if d is not None]
+        med = statistics.median(dvals) if dvals else "-"
+        f = lambda t: "-" if t[0] is None else f"{t[0]:.2f} ({t[1]:.2f}-{t[2]:.2f})"
+        print(f"| {name} | {f(tps)} | {tps[0] / base:.2f} | {f(epv)} | "
+              f"{'-' if rms[0] is None else f'{rms[0]:.2f}'} | {same}/{len(div)} | {med} |")
+    print("\nPython overhead per round (round wall time minus the same forwards back to back):")
+    for name, o in overhead.items():
+        print(f"- {name}: round {o['round_ms']:.2f} ms, forwards {o['forwards_ms']:.2f} ms, "
+              f"overhead {o['python_ms']:.2f} ms")
+    chain_name, tree_name, mlx_name = arms[3]["name"], arms[4]["name"], arms[2]["name"]
+    med = lambda n, key: median_spread([r[key] for r in res[n]])[0]
+    print(f"\nBars: ours chain / mlx-lm chain tok/s = {med(chain_name, 'tps') / med(mlx_name, 'tps'):.3f} (>= 1.0); "
+          f"best tree / best chain emitted per verify = {med(tree_name, 'emitted_per_verify') / med(chain_name, 'emitted_per_verify'):.3f} (>= 1.2); "
+          f"tok/s = {med(tree_name, 'tps') / med(chain_name, 'tps'):.3f} (>= 1.0)")
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(device=device, args=vars(args), select={k2: v for k2, v in sel_tps.items()},
+                       arms=raw, overhead=overhead), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
