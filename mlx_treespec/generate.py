@@ -183,7 +183,7 @@ def tree_generate_step(
         # verify
         rnd = TreeRound(model, caches)
         logits = rnd.forward(draft.tokens, draft.parents)
-        positions = mx.array((base + rnd.depths).astype(np.int32))
+        positions = None if temp == 0 else mx.array((base + rnd.depths).astype(np.int32))
         chosen = choose(logits, positions)
         mx.eval(draft.tokens, chosen)
         # walk

@@ -202,7 +202,8 @@ class TreeRound:
         self.base = committed_offset(caches)
         self.depths = np.zeros(0, np.int64)
         self.parents = np.zeros(0, np.int64)
-        self.ancestors = np.zeros((0, 0), bool)
+        self.chain = True  # every round node so far is the child of the one before it
+        self._ancestors = None
         self.all_append = all(k == "append" for k in self.kinds)
         self.stand_ins = None
         self._masks = {}
@@ -212,34 +213,39 @@ class TreeRound:
     def size(self):
         return len(self.depths)
 
+    @property
+    def ancestors(self):
+        """bool [m, m]: row j is True at j's ancestors among the round nodes and at j."""
+        if self._ancestors is None or len(self._ancestors) != self.size:
+            m = self.size
+            anc = np.zeros((m, m), bool)
+            for j, p in enumerate(self.parents):  # parents[j] < j: rows are final when read
+                if p >= 0:
+                    anc[j] = anc[p]
+                anc[j, j] = True
+            self._ancestors = anc
+        return self._ancestors
+
     def _add(self, parents):
         parents = np.asarray(parents, np.int64)
         m0, n = self.size, len(parents)
-        m = m0 + n
         if ((parents < -1) | (parents >= m0 + np.arange(n))).any():
             raise ValueError(f"round parents must be -1 or index an earlier node, got {parents}")
-        depths = np.concatenate([self.depths, np.zeros(n, np.int64)])
-        anc = np.zeros((m, m), bool)
-        anc[:m0, :m0] = self.ancestors
-        for j in range(m0, m):
-            p = parents[j - m0]
+        depths = np.zeros(n, np.int64)
+        for i, p in enumerate(parents.tolist()):
             if p >= 0:
-                depths[j] = depths[p] + 1
-                anc[j] = anc[p]
-            anc[j, j] = True
+                depths[i] = (self.depths[p] if p < m0 else depths[p - m0]) + 1
+        self.chain = self.chain and bool((parents == np.arange(m0, m0 + n) - 1).all())
         self.parents = np.concatenate([self.parents, parents])
-        self.depths, self.ancestors = depths, anc
+        self.depths = np.concatenate([self.depths, depths])
         self._masks, self._layouts = {}, {}
         return m0
-
-    def _is_chain(self):
-        return bool((self.parents == np.arange(self.size) - 1).all())
 
     def forward(self, tokens, parents):
         """Run nodes `tokens` (mx int [n]) with round parents `parents`; returns logits [n, V]."""
         first = self._add(parents)
         self._new = slice(first, self.size)
-        if self.all_append and self._is_chain():
+        if self.all_append and self.chain:
             # Every node sees everything before it: the plain causal forward is the same forward.
             return self.model(tokens[None], cache=self.caches)[0]
         if self.stand_ins is None:
