@@ -490,11 +490,14 @@ def _run(args):
 
 def _probe(args, model, drafter):
     """Refuse speculation where a tree verify is not bitwise one-token decoding (GPU kernels)."""
-    try:
-        from .probe import check_speculation
-    except ImportError:
-        return
-    topologies = [np.arange(getattr(drafter, "depth", 4) + 1) - 1]
+    from .probe import chain_parents, check_speculation, representative_tree_parents
+
+    depth = getattr(drafter, "depth", None) or getattr(drafter, "max_depth", 4)
+    topk = getattr(drafter, "topk", 1)
+    budget = getattr(drafter, "budget", depth)
+    topologies = [chain_parents(depth)]
+    if topk > 1 or budget != depth:
+        topologies.append(representative_tree_parents(max(topk, 2), depth, budget))
     check_speculation(model, topologies, allow_inexact=args.allow_inexact)
 
 

@@ -1,0 +1,246 @@
+"""Cost model: verify and draft cost curves, fitted, and tok/s projections per arm.
+
+- `time_verify(model, Ts)`: ms of one `TreeRound.forward` of a chain of T nodes over a prefilled
+  cache (mx.eval'd, median of a few; the round is dropped with `commit([])`, so the cache state is
+  the same for every measurement).
+- `time_draft(model, lanes)`: ms of one drafter step forwarding `lanes` sibling nodes (one chain
+  step when lanes == 1), the way `ModelDrafter` expands its lanes.
+- `fit_curve(points)`: t(1) as measured and a least-squares line a + b*T through T >= 2; when
+  that line misses a point by more than `tol`, piecewise-linear interpolation between the
+  measured points is used instead (the line's max relative error is reported either way).
+- `round_cost(arm, ...)`: draft_steps * draft_ms(lanes) + verify_ms(nodes) + overhead.
+- `build_from_config(cfg, dtype, q_bits)`: an mlx-lm model with random weights from a config
+  dict, to price a pairing that cannot be trained here. Anything computed from such a model is a
+  *projection* and is labelled so wherever it is shown.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, Sequence
+
+import numpy as np
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from .verify import TreeRound
+
+__all__ = [
+    "CostFit",
+    "fit_curve",
+    "time_verify",
+    "time_draft",
+    "build_from_config",
+    "load_config",
+    "draft_plan",
+    "round_cost",
+    "VERIFY_TS",
+    "DRAFT_LANES",
+]
+
+VERIFY_TS = (1, 2, 4, 8, 16, 32, 64)
+DRAFT_LANES = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class CostFit:
+    """ms as a function of T: t1 at T = 1; a + b*T (kind 'linear') or interpolation ('interp')."""
+
+    points: Dict[int, float]
+    t1: float
+    a: float
+    b: float
+    kind: str  # 'linear' or 'interp'
+    linear_max_rel_err: float  # the a + b*T line's worst miss over the measured points
+    max_rel_err: float  # the model in use's worst miss over the measured points
+
+    def __call__(self, T):
+        T = float(T)
+        if T <= 1:
+            return self.t1
+        if self.kind == "linear":
+            return self.a + self.b * T
+        xs = np.array(sorted(self.points), float)
+        ys = np.array([self.points[int(x)] for x in xs])
+        if T >= xs[-1]:  # extend with the last segment's slope (or the line's)
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else self.b
+            return float(ys[-1] + max(slope, 0.0) * (T - xs[-1]))
+        return float(np.interp(T, xs, ys))
+
+    def describe(self):
+        line = f"t(1)={self.t1:.3f} ms, t(T)={self.a:.3f}+{self.b:.4f}*T ms for T>=2"
+        if self.kind == "linear":
+            return f"{line} (max rel err {100 * self.linear_max_rel_err:.1f}%)"
+        return (f"{line} misses by up to {100 * self.linear_max_rel_err:.1f}%: "
+                "interpolating the measured points instead")
+
+    def to_dict(self):
+        d = asdict(self)
+        d["points"] = {str(k): v for k, v in sorted(self.points.items())}
+        return d
+
+    @classmethod
+    def from_dict(cls, d):
+        d = dict(d)
+        d["points"] = {int(k): float(v) for k, v in d["points"].items()}
+        return cls(**d)
+
+
+def fit_curve(points, tol=0.10):
+    """Fit t(1) and a + b*T (T >= 2) to {T: ms}; fall back to interpolation past `tol`."""
+    points = {int(k): float(v) for k, v in points.items()}
+    if not points:
+        raise ValueError("no cost points to fit")
+    Ts = sorted(points)
+    t1 = points.get(1, points[Ts[0]])
+    big = [T for T in Ts if T >= 2]
+    if len(big) >= 2:
+        b, a = np.polyfit(np.array(big, float), np.array([points[T] for T in big]), 1)
+    elif big:
+        a, b = points[big[0]], 0.0
+    else:
+        a, b = t1, 0.0
+    a, b = float(a), float(b)
+
+    def rel(pred, T):
+        return abs(pred - points[T]) / max(points[T], 1e-9)
+
+    lin_err = max([rel(a + b * T, T) for T in big] + [0.0])
+    kind = "linear" if lin_err <= tol else "interp"
+    return CostFit(points=points, t1=t1, a=a, b=b, kind=kind, linear_max_rel_err=lin_err,
+                   max_rel_err=lin_err if kind == "linear" else 0.0)
+
+
+def _prefilled(model, history, seed):
+    vocab = int(model(mx.array([[0]]))[0, -1].shape[-1])
+    rng = np.random.default_rng(seed)
+    caches = make_prompt_cache(model)
+    if history > 0:
+        model(mx.array(rng.integers(0, vocab, history).tolist())[None], cache=caches)
+        mx.eval([c.state for c in caches])
+    return caches, vocab, rng
+
+
+def _time_rows(model, caches, tokens, parents, repeats, warmup):
+    times = []
+    for r in range(warmup + repeats):
+        rnd = TreeRound(model, caches)
+        t0 = time.perf_counter()
+        logits = rnd.forward(tokens, parents)
+        mx.eval(logits)
+        t1 = time.perf_counter()
+        rnd.commit([])  # drop the round: the cache is back to its prefilled state
+        mx.eval([c.state for c in caches])
+        if r >= warmup:
+            times.append(1e3 * (t1 - t0))
+    return statistics.median(times)
+
+
+def time_verify(model, Ts: Sequence[int] = VERIFY_TS, history=256, repeats=5, warmup=2, seed=0,
+                progress=None):
+    """Median ms of a TreeRound forward of a chain of T nodes over `history` committed tokens."""
+    caches, vocab, rng = _prefilled(model, history, seed)
+    out = {}
+    for T in Ts:
+        tokens = mx.array(rng.integers(0, vocab, T).astype(np.uint32))
+        parents = np.arange(T) - 1
+        out[int(T)] = _time_rows(model, caches, tokens, parents, repeats, warmup)
+        if progress:
+            progress(f"verify T={T}: {out[int(T)]:.3f} ms")
+    return out
+
+
+def time_draft(model, lanes: Sequence[int] = DRAFT_LANES, history=256, repeats=5, warmup=2, seed=0,
+               progress=None):
+    """Median ms of one draft step of `lanes` sibling nodes (a one-token step when lanes == 1)."""
+    caches, vocab, rng = _prefilled(model, history, seed)
+    out = {}
+    for L in lanes:
+        tokens = mx.array(rng.integers(0, vocab, L).astype(np.uint32))
+        parents = np.full(L, -1) if L > 1 else np.array([-1])
+        out[int(L)] = _time_rows(model, caches, tokens, parents, repeats, warmup)
+        if progress:
+            progress(f"draft lanes={L}: {out[int(L)]:.3f} ms")
+    return out
+
+
+# ---------------------------------------------------------------------------- models from configs
+
+
+def load_config(path):
+    cfg = json.loads(Path(path).read_text())
+    if "model_type" not in cfg:
+        raise ValueError(f"{path}: an mlx-lm config needs a model_type")
+    return cfg
+
+
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def build_from_config(cfg, dtype="bfloat16", q_bits=None, q_group_size=64, seed=0):
+    """An mlx-lm model with random weights from a config dict (nothing is downloaded).
+
+    Weights are materialized a few at a time in `dtype`, then quantized to `q_bits` (4, 8...)
+    with nn.quantize when asked. Only for timing: the output is noise.
+    """
+    from mlx_lm.utils import _get_classes
+
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    mx.random.seed(seed)
+    model_cls, args_cls = _get_classes(cfg)
+    model = model_cls(args_cls.from_dict(cfg))
+    model.set_dtype(_DTYPES[dtype])
+    # evaluate in slices so the float32 initial values never all exist at once
+    batch, size = [], 0
+    for _, p in tree_flatten(model.parameters()):
+        batch.append(p)
+        size += p.size
+        if size > 1 << 27:
+            mx.eval(batch)
+            batch, size = [], 0
+    mx.eval(batch)
+    object.__setattr__(model, "_treespec_n_params", n_params(model))  # before packing
+    if q_bits:
+        nn.quantize(model, group_size=q_group_size, bits=int(q_bits))
+        mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def n_params(model):
+    """Parameter count (of the unquantized model, for models from `build_from_config`)."""
+    n = getattr(model, "_treespec_n_params", None)
+    return n if n is not None else int(sum(p.size for _, p in tree_flatten(model.parameters())))
+
+
+# ---------------------------------------------------------------------------- projections
+
+
+def draft_plan(kind, depth=0, topk=1):
+    """Drafter forwards of one round as [(rows, count)] for the model drafter.
+
+    A model-drafted round first forwards the tokens the draft cache lacks (the last round's
+    bonus token, plus its deepest accepted draft when the whole draft was accepted: one row
+    mostly), which yields the first draft step, then depth - 1 steps of `topk` lanes (one lane
+    for a chain). Plain decoding and model-free drafters forward nothing on a draft model.
+    """
+    if kind not in ("chain", "tree") or depth < 1:
+        return []
+    lanes = 1 if kind == "chain" else topk
+    plan = [(1, 1)]
+    if depth > 1:
+        plan.append((lanes, depth - 1))
+    return plan
+
+
+def round_cost(plan, nodes, verify_fit, draft_fit=None, overhead_ms=0.0):
+    """(draft ms, verify ms, round ms) of one round from the fitted curves."""
+    draft = sum(n * draft_fit(rows) for rows, n in plan) if plan and draft_fit is not None else 0.0
+    verify = verify_fit(nodes)
+    return draft, verify, draft + verify + overhead_ms

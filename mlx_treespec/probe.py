@@ -1,0 +1,344 @@
+"""Exactness probe: does a tree verify give the logits one-token decoding gives?
+
+On CPU a tree verify is bit-exact (tests/test_generate.py pins it). On a GPU the T-row forward
+may take other kernels than the one-token forward (GEMM vs GEMV, other reduction orders), so the
+logits can differ in the last bits and, rarely, flip an argmax: greedy speculation would then no
+longer reproduce plain greedy decoding token for token. The probe measures this on the model, the
+device and the dtype actually in use:
+
+- prefill a history (random or given) with mlx-lm's caches;
+- for each topology, run one T-row verify (`TreeRound.forward`) from a copy of that state, and,
+  from other copies, one-token decoding along every node's root path (each node is decoded once,
+  from a copy of the cache after its parent);
+- compare, per node, the argmax and the largest absolute logit difference; repeat on `n_inputs`
+  random inputs.
+
+`check_speculation` turns the report into a start-up check: it raises `InexactError` when any
+argmax flips (unless allowed).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import warnings
+import weakref
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from .builders import Eagle2Builder
+from .tree import MAX_NODES
+from .verify import TreeRound
+
+__all__ = [
+    "ProbeReport",
+    "TopologyProbe",
+    "InexactError",
+    "probe_exactness",
+    "check_speculation",
+    "chain_parents",
+    "representative_tree_parents",
+    "clear_memo",
+    "device_name",
+    "weights_dtype",
+]
+
+
+class InexactError(ValueError):
+    """A tree verify's argmax differs from one-token decoding on this model/device/dtype."""
+
+
+@dataclass
+class TopologyProbe:
+    """Probe figures of one topology over all inputs."""
+
+    parents: Tuple[int, ...]
+    nodes: int  # nodes per verify (root included)
+    depth: int
+    n_inputs: int
+    checked: int  # nodes compared in all (nodes x n_inputs)
+    flips: int  # nodes whose argmax differs
+    max_abs_diff: float  # max |verify logit - one-token logit| over all nodes and inputs
+    exact: bool  # flips == 0 and (on CPU) max_abs_diff == 0
+    per_input: List[Dict[str, float]] = field(default_factory=list)
+    cached: bool = False  # True when this entry came from the memo
+
+    @property
+    def shape(self):
+        return "chain" if all(p == i - 1 for i, p in enumerate(self.parents)) else "tree"
+
+    def to_dict(self):
+        d = asdict(self)
+        d["parents"] = list(self.parents)
+        d["shape"] = self.shape
+        return d
+
+    def describe(self, device):
+        s = "" if self.flips == 1 else "s"
+        return (f"verify of {self.nodes} nodes differs from one-token decoding on {device}: "
+                f"{self.flips} argmax flip{s} in {self.checked} nodes, "
+                f"max |dlogit| {self.max_abs_diff:.3g}")
+
+
+@dataclass
+class ProbeReport:
+    device: str
+    dtype: str
+    n_inputs: int
+    history: int
+    topologies: List[TopologyProbe]
+
+    @property
+    def flips(self):
+        return sum(t.flips for t in self.topologies)
+
+    @property
+    def checked(self):
+        return sum(t.checked for t in self.topologies)
+
+    @property
+    def max_abs_diff(self):
+        return max((t.max_abs_diff for t in self.topologies), default=0.0)
+
+    @property
+    def exact(self):
+        return all(t.exact for t in self.topologies)
+
+    def worst(self):
+        """The topology to blame: the most flips, then the most nodes, then the largest diff."""
+        return max(self.topologies, key=lambda t: (t.flips, t.nodes, t.max_abs_diff), default=None)
+
+    def message(self):
+        """One line with the figures of the worst topology (and a count of the others)."""
+        bad = [t for t in self.topologies if t.flips]
+        if not bad:
+            w = self.worst()
+            if w is None:
+                return "no topology probed"
+            return (f"verify matches one-token decoding on {self.device} ({self.dtype}): "
+                    f"0 argmax flips in {self.checked} nodes, max |dlogit| {self.max_abs_diff:.3g}")
+        w = self.worst()
+        msg = w.describe(self.device)
+        if len(bad) > 1:
+            msg += f" ({len(bad) - 1} other topolog{'y' if len(bad) == 2 else 'ies'} flip too)"
+        return msg
+
+    def to_dict(self):
+        return dict(device=self.device, dtype=self.dtype, n_inputs=self.n_inputs,
+                    history=self.history, exact=self.exact, flips=self.flips,
+                    checked=self.checked, max_abs_diff=self.max_abs_diff,
+                    topologies=[t.to_dict() for t in self.topologies])
+
+
+# ---------------------------------------------------------------------------- topologies
+
+
+def chain_parents(k):
+    """Parents of a chain of `k` draft nodes after the root (k + 1 nodes)."""
+    if not 0 <= k <= MAX_NODES - 1:
+        raise ValueError(f"a chain holds 0..{MAX_NODES - 1} draft nodes, got {k}")
+    return np.arange(k + 1, dtype=np.int32) - 1
+
+
+def representative_tree_parents(topk, depth, budget, decay=0.6):
+    """The EAGLE-2 tree a drafter with geometric top-K probabilities would build.
+
+    Rank r of every expansion gets log-probability log((1 - decay) * decay**r): the shape
+    (how many nodes each depth gets) is that of a fairly confident drafter. Used to probe a
+    tree arm's shape when no drafted tree is at hand.
+    """
+    if depth < 1 or budget < 1:
+        return chain_parents(0)
+    lps = np.log((1 - decay) * decay ** np.arange(topk))
+    builder = Eagle2Builder(0, topk, min(budget, MAX_NODES - 1))
+    lanes = builder.add_step(np.arange(topk)[None], lps[None])
+    for _ in range(1, depth):
+        n = len(lanes)
+        lanes = builder.add_step(np.tile(np.arange(topk), (n, 1)), np.tile(lps, (n, 1)))
+    return builder.build()[0].parents.astype(np.int32)
+
+
+def _as_parents(topology):
+    if hasattr(topology, "parents"):
+        topology = topology.parents
+    parents = np.asarray(topology, dtype=np.int64)
+    if parents.ndim != 1 or not 1 <= len(parents) <= MAX_NODES or parents[0] != -1:
+        raise ValueError(f"a topology is a parents array with parents[0] == -1 and 1..{MAX_NODES} "
+                         f"nodes, got {topology!r}")
+    if (parents[1:] < 0).any() or (parents[1:] >= np.arange(1, len(parents))).any():
+        raise ValueError(f"parents must satisfy 0 <= parents[i] < i for i >= 1, got {parents.tolist()}")
+    return parents
+
+
+# ---------------------------------------------------------------------------- keys
+
+
+def device_name(device=None):
+    d = device if device is not None else mx.default_device()
+    return str(d.type).split(".")[-1]
+
+
+def weights_dtype(model):
+    """The dtypes of the model's weights ('float32', 'bfloat16', 'uint32+float16' when quantized)."""
+    names = sorted({str(v.dtype).split(".")[-1] for _, v in tree_flatten(model.parameters())})
+    return "+".join(names) or "none"
+
+
+# (id(model), device, dtype, topology bytes, n_inputs, history, seed, prompt digest)
+#   -> (weakref to the model, TopologyProbe)
+_MEMO: Dict[tuple, tuple] = {}
+
+
+def clear_memo():
+    _MEMO.clear()
+
+
+def _vocab_size(model):
+    return int(model(mx.array([[0]]))[0, -1].shape[-1])
+
+
+def _states(caches):
+    return [c.state for c in caches]
+
+
+def _decode_tree(model, committed, tokens, parents):
+    """One-token decoding of every node from a copy of the cache after its parent."""
+    n = len(parents)
+    has_children = np.zeros(n, bool)
+    has_children[parents[parents >= 0]] = True
+    after = {}
+    out = []
+    for i in range(n):
+        p = int(parents[i])
+        c = copy.deepcopy(committed if p < 0 else after[p])
+        logits = model(mx.array([[int(tokens[i])]]), cache=c)[0, -1]
+        mx.eval(logits, _states(c))
+        out.append(logits)
+        if has_children[i]:
+            after[i] = c
+        # a parent's copy is needed until its last child ran
+        if p >= 0 and not (parents[i + 1:] == p).any():
+            after.pop(p, None)
+    return mx.stack(out)
+
+
+def _compare(verify, ref):
+    v = verify.astype(mx.float32)
+    r = ref.astype(mx.float32)
+    flips = int(mx.sum(mx.argmax(v, axis=-1) != mx.argmax(r, axis=-1)).item())
+    diff = mx.abs(v - r)
+    # NaN anywhere is a difference too
+    bad = mx.isnan(v) != mx.isnan(r)
+    d = float(mx.max(mx.where(mx.isnan(diff), mx.array(0.0), diff)).item())
+    if bool(mx.any(bad).item()):
+        d = float("inf")
+    return flips, d
+
+
+def probe_exactness(model, tree_parents_list, n_inputs=3, history=32, seed=0,
+                    perturb: Optional[Callable] = None, prompt: Optional[Sequence[int]] = None,
+                    memo=True) -> ProbeReport:
+    """Compare one T-row tree verify with one-token decoding along each node's root path.
+
+    tree_parents_list: parents arrays (or DraftTrees), one per topology, e.g. a chain and the
+    configured tree. history: length of the random prompt prefilled first (ignored when
+    `prompt` is given). perturb: test-only hook applied to the verify logits [T, V] before the
+    comparison (never memoized). Returns a ProbeReport with one entry per topology.
+    """
+    if n_inputs < 1:
+        raise ValueError(f"n_inputs must be >= 1, got {n_inputs}")
+    topologies = [_as_parents(t) for t in tree_parents_list]
+    device = device_name()
+    dtype = weights_dtype(model)
+    if prompt is not None:
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("the probe prompt is empty")
+        history = len(prompt)
+        prompt_key = hashlib.sha1(np.asarray(prompt, np.int64).tobytes()).hexdigest()
+    else:
+        if history < 1:
+            raise ValueError(f"history must be >= 1, got {history}")
+        prompt_key = None
+
+    def key(parents):
+        return (id(model), device, dtype, parents.astype(np.int64).tobytes(), n_inputs, history,
+                seed, prompt_key)
+
+    results: List[Optional[TopologyProbe]] = [None] * len(topologies)
+    todo = []
+    for j, parents in enumerate(topologies):
+        hit = _MEMO.get(key(parents)) if (memo and perturb is None) else None
+        if hit is not None and hit[0]() is model:
+            results[j] = hit[1]
+        else:
+            todo.append(j)
+
+    if todo:
+        vocab = _vocab_size(model)
+        acc = {j: dict(flips=0, diff=0.0, per_input=[]) for j in todo}
+        for i in range(n_inputs):
+            rng = np.random.default_rng([seed, i])
+            hist = prompt if prompt is not None else rng.integers(0, vocab, history).tolist()
+            committed = make_prompt_cache(model)
+            if len(hist) > 1:
+                model(mx.array(hist[:-1])[None], cache=committed)
+                mx.eval(_states(committed))
+            root = hist[-1]
+            for j in todo:
+                parents = topologies[j]
+                n = len(parents)
+                # the same node tokens for a topology whatever else is probed alongside
+                trng = np.random.default_rng([seed, i, 1])
+                tokens = np.concatenate([[root], trng.integers(0, vocab, MAX_NODES - 1)])[:n]
+                caches = copy.deepcopy(committed)
+                logits = TreeRound(model, caches).forward(mx.array(tokens.astype(np.uint32)), parents)
+                if perturb is not None:
+                    logits = perturb(logits)
+                mx.eval(logits)
+                ref = _decode_tree(model, committed, tokens, parents)
+                flips, diff = _compare(logits, ref)
+                a = acc[j]
+                a["flips"] += flips
+                a["diff"] = max(a["diff"], diff)
+                a["per_input"].append(dict(flips=flips, max_abs_diff=diff))
+                del caches
+        for j in todo:
+            parents = topologies[j]
+            a = acc[j]
+            depth = 0
+            depths = np.zeros(len(parents), np.int64)
+            for k in range(1, len(parents)):
+                depths[k] = depths[parents[k]] + 1
+            depth = int(depths.max())
+            exact = a["flips"] == 0 and (device != "cpu" or a["diff"] == 0.0)
+            tp = TopologyProbe(parents=tuple(int(p) for p in parents), nodes=len(parents),
+                               depth=depth, n_inputs=n_inputs, checked=len(parents) * n_inputs,
+                               flips=a["flips"], max_abs_diff=a["diff"], exact=exact,
+                               per_input=a["per_input"])
+            results[j] = tp
+            if memo and perturb is None:
+                cached = copy.copy(tp)
+                cached.cached = True
+                _MEMO[key(parents)] = (weakref.ref(model), cached)
+
+    return ProbeReport(device=device, dtype=dtype, n_inputs=n_inputs, history=history,
+                       topologies=list(results))
+
+
+def check_speculation(model, topologies, allow_inexact=False, **probe_kwargs) -> ProbeReport:
+    """Probe `topologies` on `model`; raise InexactError when any argmax flips.
+
+    With `allow_inexact`, a flip only warns. Returns the ProbeReport.
+    """
+    report = probe_exactness(model, topologies, **probe_kwargs)
+    if report.flips:
+        msg = report.message()
+        if not allow_inexact:
+            raise InexactError(msg + "; pass --allow-inexact to speculate anyway")
+        warnings.warn(msg + "; speculating anyway (--allow-inexact)", RuntimeWarning, stacklevel=2)
+    return report
