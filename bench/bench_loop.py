@@ -40,6 +40,7 @@ def load_prompts(tokenizer, n):
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
+        data = data["prompts"] if isinstance(data, dict) else data
         texts = [d if isinstance(d, str) else d.get("prompt", d.get("text")) for d in data]
     texts = (texts * (n // len(texts) + 1))[:n]
     return [tokenizer.encode(t) for t in texts]

@@ -114,7 +114,10 @@ class _AppendLayer:
         return self.rnd._append_mask(window_size)
 
     def update_and_fetch(self, keys, values):
-        return self.inner.update_and_fetch(keys, values)
+        keys, values = self.inner.update_and_fetch(keys, values)
+        if self.rnd.width is not None:  # the whole buffer; the mask hides the unused tail
+            return self.inner.keys, self.inner.values
+        return keys, values
 
 
 class _ArraysLayer:
@@ -178,6 +181,29 @@ class _RotatingLayer:
         return all_k[:, :, order, :], all_v[:, :, order, :]
 
 
+def pad_keys_default():
+    """Whether attention reads whole KV buffers (shapes change only when a buffer grows).
+
+    On CUDA, attention over a key length it has not seen costs a new kernel plan; a verify that
+    reads the used rows only would pay it every round. On CPU reading the tail costs time only.
+    """
+    return mx.default_device() == mx.gpu
+
+
+def _reserve(cache, n):
+    """Grow a KVCache's buffer as an update of n tokens would, leaving its offset; returns the
+    buffer length, or None where it cannot be known ahead (empty or quantized caches)."""
+    if type(cache).__name__ != "KVCache" or cache.keys is None:
+        return None
+    if cache.offset + n > cache.keys.shape[2]:
+        B, H, _, Dk = cache.keys.shape
+        Dv = cache.values.shape[3]
+        cache.update_and_fetch(mx.zeros((B, H, n, Dk), cache.keys.dtype),
+                               mx.zeros((B, H, n, Dv), cache.values.dtype))
+        cache.offset -= n
+    return cache.keys.shape[2]
+
+
 _STAND_INS = {"append": _AppendLayer, "rotating": _RotatingLayer, "arrays": _ArraysLayer}
 
 
@@ -188,8 +214,10 @@ class TreeRound:
     K/V after the history (invisible to later rounds: commit resets their offset).
     """
 
-    def __init__(self, model, caches):
+    def __init__(self, model, caches, pad_keys=None):
         self.model = model
+        self.pad_keys = pad_keys_default() if pad_keys is None else pad_keys
+        self.width = None  # key columns of append-kind layers when whole buffers are read
         self.ctx = install(model)
         self.caches = caches
         self.kinds = [cache_kind(c) for c in caches]
@@ -245,9 +273,13 @@ class TreeRound:
         """Run nodes `tokens` (mx int [n]) with round parents `parents`; returns logits [n, V]."""
         first = self._add(parents)
         self._new = slice(first, self.size)
-        if self.all_append and self.chain:
+        if self.all_append and self.chain and not self.pad_keys:
             # Every node sees everything before it: the plain causal forward is the same forward.
             return self.model(tokens[None], cache=self.caches)[0]
+        self.width = None
+        if self.pad_keys:
+            widths = {_reserve(c, len(parents)) for c, k in zip(self.caches, self.kinds) if k == "append"}
+            self.width = widths.pop() if len(widths) == 1 else None
         if self.stand_ins is None:
             self.stand_ins = [_STAND_INS[k](c, self) for c, k in zip(self.caches, self.kinds)]
         new_depths = self.depths[self._new]
@@ -267,12 +299,17 @@ class TreeRound:
             tree = mx.array(rows)
             hist = self.base
             if window is None:
-                mask = mx.concatenate([mx.ones((rows.shape[0], hist), mx.bool_), tree], axis=1)
+                parts = [mx.ones((rows.shape[0], hist), mx.bool_), tree]
+                if self.width is not None:
+                    parts.append(mx.zeros((rows.shape[0], self.width - hist - self.size), mx.bool_))
+                mask = mx.concatenate(parts, axis=1)
             else:
                 qpos = self.base + self.depths[self._new]
                 kpos = np.concatenate([np.arange(hist), self.base + self.depths])
                 near = (qpos[:, None] - kpos[None, :]) < window
                 near[:, hist:] &= rows
+                if self.width is not None:
+                    near = np.pad(near, ((0, 0), (0, self.width - near.shape[1])))
                 mask = mx.array(near)
             self._masks[window] = mask
         return mask

@@ -57,32 +57,36 @@ class ModelDrafter:
         )
         if depth == 0 or budget == 0:
             return root_only(root)
-        logits = self.model(mx.array(self.pending)[None], cache=self.cache)[0, -1:]
+        # The pending tokens (the last is the root) are round nodes too: they always stay.
         rnd = TreeRound(self.model, self.cache)
+        p = len(self.pending)
+        logits = rnd.forward(mx.array(self.pending, mx.uint32), np.arange(p) - 1)[-1:]
         if self.topk == 1:
             return self._chain(root, logits, rnd, depth)
         return self._tree(root, logits, rnd, depth, budget)
 
     def _chain(self, root, logits, rnd, depth):
+        root_node = rnd.size - 1
         toks = [mx.argmax(logits, axis=-1).astype(mx.uint32)]
         for s in range(1, depth):
-            logits = rnd.forward(toks[-1], [s - 2])
+            logits = rnd.forward(toks[-1], [root_node + s - 1])
             toks.append(mx.argmax(logits, axis=-1).astype(mx.uint32))
             mx.async_eval(toks[-1])
         tokens = mx.concatenate([mx.array([root], mx.uint32)] + toks)
         parents = np.arange(depth + 1, dtype=np.int32) - 1
-        # tree node i (i >= 1) was forwarded as round node i - 1, except the last
-        forwarded = np.arange(-1, depth, dtype=np.int64)
-        forwarded[-1] = -1
-        return Draft(parents, tokens, depth, depth, (rnd, forwarded))
+        # tree node i (1 <= i < depth) was forwarded as round node root_node + i; the last was not
+        forwarded = np.arange(depth + 1, dtype=np.int64) + root_node
+        forwarded[0] = forwarded[-1] = -1
+        return Draft(parents, tokens, depth, depth, (rnd, forwarded, root_node))
 
     def _tree(self, root, logits, rnd, depth, budget):
+        root_node = rnd.size - 1
         builder = Eagle2Builder(root, self.topk, budget)
         idx, lp = _top_k(_logprobs(logits), self.topk)
         lanes = builder.add_step(np.array(idx), np.array(lp.astype(mx.float32)))
-        cand_round = {}
+        cand_round = {-1: root_node}
         for _ in range(1, depth):
-            round_parents = [cand_round.get(int(builder.cand_parents[c]), -1) for c in lanes]
+            round_parents = [cand_round[int(builder.cand_parents[c])] for c in lanes]
             first = rnd.size
             logits = rnd.forward(mx.array(builder.cand_tokens[lanes].astype(np.uint32)), round_parents)
             for r, c in enumerate(lanes):
@@ -90,19 +94,19 @@ class ModelDrafter:
             idx, lp = _top_k(_logprobs(logits), self.topk)
             lanes = builder.add_step(np.array(idx), np.array(lp.astype(mx.float32)))
         tree, cand_ids = builder.build()
-        forwarded = np.array([cand_round.get(int(c), -1) for c in cand_ids], np.int64)
+        forwarded = np.array([cand_round.get(int(c), -1) if c >= 0 else -1 for c in cand_ids], np.int64)
         tokens = mx.array(tree.tokens.astype(np.uint32))
-        return Draft(tree.parents, tokens, budget, depth, (rnd, forwarded))
+        return Draft(tree.parents, tokens, budget, depth, (rnd, forwarded, root_node))
 
     def commit(self, draft, path, emitted):
         if draft.extra is None:  # nothing was forwarded: the root is still pending
             self.pending = self.pending + list(emitted)
             return
-        rnd, forwarded = draft.extra
-        keep = []
+        rnd, forwarded, root_node = draft.extra
+        keep = list(range(root_node + 1))  # the pending tokens, root included
         for node in path[1:]:
             if forwarded[node] < 0:
                 break
-            keep.append(forwarded[node])
+            keep.append(int(forwarded[node]))
         rnd.commit(keep)
-        self.pending = list(emitted[len(keep):])
+        self.pending = list(emitted[len(keep) - root_node - 1 :])
