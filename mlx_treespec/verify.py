@@ -30,10 +30,10 @@ def _rope_call(self, x, offset=0, **kwargs):
     if positions is None:
         return super(type(self), self).__call__(x, offset=offset, **kwargs)
     B, H, L, D = x.shape
+    if B == 1:  # (1, H, L, D) -> (L, H, 1, D) is a swap of two axes, no reshape copy
+        return super(type(self), self).__call__(x.swapaxes(0, 2), offset=positions, **kwargs).swapaxes(0, 2)
     rows = x.transpose(2, 0, 1, 3).reshape(L * B, H, 1, D)
-    if B > 1:
-        positions = mx.repeat(positions, B)
-    out = super(type(self), self).__call__(rows, offset=positions, **kwargs)
+    out = super(type(self), self).__call__(rows, offset=mx.repeat(positions, B), **kwargs)
     return out.reshape(L, B, H, -1).transpose(1, 2, 0, 3)
 
 
@@ -273,8 +273,9 @@ class TreeRound:
         """Run nodes `tokens` (mx int [n]) with round parents `parents`; returns logits [n, V]."""
         first = self._add(parents)
         self._new = slice(first, self.size)
-        if self.all_append and self.chain and not self.pad_keys:
+        if self.all_append and self.chain and (not self.pad_keys or len(parents) == 1):
             # Every node sees everything before it: the plain causal forward is the same forward.
+            # (One-token attention takes any key length without a new kernel plan.)
             return self.model(tokens[None], cache=self.caches)[0]
         self.width = None
         if self.pad_keys:

@@ -198,3 +198,18 @@ def test_sampled_min_p(pairs):
     ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=80, **kw)]
     out, _ = speculative(target, draft, prompt, SHAPES["k2s3b6"], n=80, **kw)
     assert out == ref
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gemma4", "phi3"])
+@pytest.mark.parametrize("shape", ["chain1", "chain4", "k3s6b31"])
+def test_greedy_identical_reading_whole_buffers(pairs, family, shape, monkeypatch):
+    # the GPU path: attention reads whole KV buffers, the mask hides the unused tail
+    import mlx_treespec.verify as verify
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    target, draft = pairs(family)
+    prompt = prompt_tokens(7)
+    ref = plain(target, prompt)
+    out, stats = speculative(target, draft, prompt, SHAPES[shape])
+    assert out == ref
+    assert_meaningful(ref, stats)
