@@ -328,11 +328,15 @@ def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=25
 
 def generate(model, tokenizer, prompt, draft_model=None, verbose=False, **kwargs):
     """Generate a complete response; with `verbose`, print it as mlx-lm's generate does."""
+    import itertools
+
+    responses = stream_generate(model, tokenizer, prompt, draft_model, **kwargs)
+    first = next(responses)  # bad input raises here, before anything is printed
     if verbose:
         print("=" * 10)
     text = ""
     response = None
-    for response in stream_generate(model, tokenizer, prompt, draft_model, **kwargs):
+    for response in itertools.chain([first], responses):
         if verbose:
             print(response.text, end="", flush=True)
         text += response.text
@@ -426,7 +430,7 @@ def _build_drafter(args, model, draft_model):
             raise ValueError("--drafter model needs --draft-model")
         _check_vocab(model, draft_model)
         return make_drafter(draft_model, draft_block_size=args.draft_block_size,
-                            tree_topk=args.tree_topk or 1, tree_depth=args.tree_depth,
+                            tree_topk=1 if args.tree_topk is None else args.tree_topk, tree_depth=args.tree_depth,
                             tree_budget=args.tree_budget)
     budget = args.tree_budget if args.tree_budget is not None else 16
     depth = args.tree_depth if args.tree_depth is not None else (args.draft_block_size or 8)

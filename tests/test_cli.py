@@ -1,0 +1,117 @@
+"""The command line: the shipped pair out of the box, and one-line errors with exit code 2."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import save_config, save_model
+
+import tiny
+from mlx_treespec.generate import _check_vocab, make_drafter, tree_generate_step
+
+DEMO = os.path.join(os.path.dirname(__file__), "..", "mlx_treespec", "demo")
+
+
+def cli(*args, stdin=None):
+    return subprocess.run([sys.executable, "-m", "mlx_treespec.generate", *args], capture_output=True,
+                          text=True, input=stdin, timeout=300)
+
+
+def test_demo_runs_out_of_the_box_and_prints_mlx_lm_format():
+    r = cli("--prompt", "def parse(", "--max-tokens", "24", "--tree-topk", "2", "--tree-depth", "3",
+            "--tree-budget", "6", "--verbose")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert out.count("==========") == 2
+    assert "Prompt:" in out and "Generation: 24 tokens" in out and "Peak memory:" in out
+    assert "emitted/verify" in out and "Acceptance by depth" in out
+
+
+def test_cli_output_equals_plain_decoding_of_the_demo_target():
+    spec = cli("--prompt", "import os\n", "--max-tokens", "40", "--verbose", "F")
+    plain = cli("--prompt", "import os\n", "--max-tokens", "40", "--verbose", "F", "--drafter", "none")
+    assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
+    assert spec.stdout == plain.stdout and len(spec.stdout.strip()) > 0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "/nonexistent/model"], "does not exist"),
+    (["--tree-topk", "0"], "--tree-topk"),
+    (["--tree-topk", "2", "--tree-depth", "3", "--tree-budget", "100"], "--tree-budget"),
+    (["--draft-block-size", "70"], "depth"),
+    (["--draft-block-size", "3", "--tree-topk", "2"], "not both"),
+    (["--max-kv-size", "2", "--prompt", "def parse(value, other):"], "--max-kv-size"),
+    (["--max-kv-size", "64", "--kv-bits", "8"], "kv_bits"),
+    (["--max-tokens", "0"], "non-zero"),
+])
+def test_bad_input_is_one_line_exit_2(args, needle):
+    r = cli(*args)
+    assert r.returncode == 2
+    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
+    assert needle in lines[0]
+    assert "==========" not in r.stdout  # nothing half-written
+
+
+def _save_folder(tmp_path, name, model, cfg):
+    path = tmp_path / name
+    save_model(str(path), model)
+    save_config(dict(cfg), str(path / "config.json"))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if os.path.exists(os.path.join(DEMO, "target", f)):
+            shutil.copy(os.path.join(DEMO, "target", f), path / f)
+    return str(path)
+
+
+def test_unsupported_target_lists_every_blocker(tmp_path):
+    from test_support import MAMBA2, build
+
+    with open(os.path.join(DEMO, "target", "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    cfg = dict(MAMBA2, vocab_size=vocab)
+    path = _save_folder(tmp_path, "mamba2", build(cfg), cfg)
+    r = cli("--model", path, "--draft-model", "demo-drafter")
+    assert r.returncode == 2
+    assert "layer 0" in r.stderr and "layer 1" in r.stderr and "layer 2" in r.stderr
+    assert "mamba2" in r.stderr
+
+
+def test_vocab_mismatch_is_refused(tmp_path):
+    target = tiny.build(tiny.CONFIGS["qwen3"])
+    other = tiny.build(dict(tiny.CONFIGS["qwen3"], vocab_size=tiny.VOCAB + 8))
+    with pytest.raises(ValueError, match="vocabulary"):
+        _check_vocab(target, other)
+    small = _save_folder(tmp_path, "small_vocab", target, tiny.CONFIGS["qwen3"])
+    r = cli("--draft-model", small, "--max-tokens", "4")
+    assert r.returncode == 2 and "vocabulary" in r.stderr
+    # the hybrid demo target with the demo drafter shares the tokenizer: accepted
+    r = cli("--model", "demo-hybrid", "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr
+
+
+def test_recurrent_model_as_drafter_is_refused():
+    r = cli("--draft-model", os.path.join(DEMO, "hybrid"), "--max-tokens", "4")
+    assert r.returncode == 2 and "attention-only" in r.stderr
+
+
+def test_errors_leave_a_passed_cache_untouched():
+    target = tiny.build(tiny.CONFIGS["qwen3"])
+    draft = tiny.perturbed(target)
+    cache = make_prompt_cache(target)
+    target(mx.array([[1, 2, 3, 4]]), cache=cache)
+    mx.eval([c.state for c in cache])
+    before = [(c.offset, np.array(c.keys[..., : c.offset, :])) for c in cache]
+    with pytest.raises(ValueError):
+        make_drafter(draft, tree_topk=2, tree_depth=3, tree_budget=99)
+    with pytest.raises(ValueError):
+        list(tree_generate_step([5, 6], target, None, prompt_cache=cache, max_kv_size=8, kv_bits=8))
+    with pytest.raises(ValueError):
+        list(tree_generate_step([], target, None, prompt_cache=cache))
+    for c, (off, keys) in zip(cache, before):
+        assert c.offset == off
+        assert np.array_equal(np.array(c.keys[..., : c.offset, :]), keys)
