@@ -299,31 +299,30 @@ def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=25
                                stats=stats, **kwargs)
     tic = time.perf_counter()
     prompt_tps = 0.0
-    token, logprobs, from_draft, n = None, None, False, 0
-    for n, (token, logprobs, from_draft) in enumerate(steps):
-        if n == 0:
-            prompt_time = time.perf_counter() - tic
-            prompt_tps = len(prompt) / max(prompt_time, 1e-9)
-            tic = time.perf_counter()
-        if token in eos:
-            break
-        detokenizer.add_token(token)
-        if (n + 1) == max_tokens:
-            break
-        yield GenerationResponse(
+
+    def response(n, token, logprobs, from_draft, finish_reason):
+        return GenerationResponse(
             text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=from_draft,
             prompt_tokens=len(prompt), prompt_tps=prompt_tps, generation_tokens=n + 1,
             generation_tps=(n + 1) / max(time.perf_counter() - tic, 1e-9),
-            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=None,
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish_reason,
         )
+
+    # The steps end by themselves (max_tokens, stop tokens), so they can leave a prompt cache as
+    # mlx-lm does; each response goes out once the next token shows it was not the last.
+    held = None
+    for n, (token, logprobs, from_draft) in enumerate(steps):
+        if n == 0:
+            prompt_tps = len(prompt) / max(time.perf_counter() - tic, 1e-9)
+            tic = time.perf_counter()
+        if held is not None:
+            yield response(*held, None)
+        if token not in eos:
+            detokenizer.add_token(token)
+        held = (n, token, logprobs, from_draft)
     detokenizer.finalize()
-    yield GenerationResponse(
-        text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=from_draft,
-        prompt_tokens=len(prompt), prompt_tps=prompt_tps, generation_tokens=n + 1,
-        generation_tps=(n + 1) / max(time.perf_counter() - tic, 1e-9),
-        peak_memory=mx.get_peak_memory() / 1e9,
-        finish_reason="stop" if token in eos else "length",
-    )
+    if held is not None:
+        yield response(*held, "stop" if held[1] in eos else "length")
 
 
 def generate(model, tokenizer, prompt, draft_model=None, verbose=False, **kwargs):

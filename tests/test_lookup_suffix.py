@@ -367,7 +367,8 @@ def run(target, drafter, prompt, n=N, **kw):
     return out, stats
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+# qwen3_5: model-free trees verify on recurrent (GatedDeltaNet) targets too
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "qwen3_5"])
 @pytest.mark.parametrize("name", list(DRAFTERS))
 def test_greedy_identical_to_mlx_lm(targets, family, name):
     target = targets(family)

@@ -1,0 +1,60 @@
+"""mlx-lm-style library calls on the shipped pair: stream_generate, generate, prompt caches."""
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm import stream_generate as mlx_stream_generate
+from mlx_lm.generate import GenerationResponse
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_treespec.demo import demo_path
+from mlx_treespec.generate import RoundStats, generate, stream_generate
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target, tokenizer = load(demo_path("target"))
+    drafter, _ = load(demo_path("drafter"))
+    return target, drafter, tokenizer
+
+
+def test_stream_generate_yields_mlx_lm_responses_with_the_same_text(pair):
+    target, drafter, tok = pair
+    ref = list(mlx_stream_generate(target, tok, "def parse(", max_tokens=40))
+    stats = RoundStats()
+    ours = list(stream_generate(target, tok, "def parse(", drafter, max_tokens=40, tree_topk=3,
+                                tree_depth=4, tree_budget=12, stats=stats))
+    assert all(isinstance(r, GenerationResponse) for r in ours)
+    assert [r.token for r in ours] == [r.token for r in ref]
+    assert "".join(r.text for r in ours) == "".join(r.text for r in ref)
+    assert ours[-1].finish_reason == ref[-1].finish_reason == "length"
+    assert ours[-1].generation_tokens == 40
+    assert any(r.from_draft for r in ours) and not all(r.from_draft for r in ours)
+    assert stats.rounds < 40  # speculation emitted more than one token per verify
+    lp = ours[0].logprobs
+    assert lp.shape == (target.args.vocab_size,)
+    assert abs(mx.logsumexp(lp).item()) < 1e-3
+
+
+def test_generate_returns_the_text(pair):
+    target, drafter, tok = pair
+    text = generate(target, tok, "import os\n", drafter, max_tokens=30, draft_block_size=3)
+    ref = "".join(r.text for r in mlx_stream_generate(target, tok, "import os\n", max_tokens=30))
+    assert text == ref and len(text) > 0
+
+
+def test_prompt_cache_continues_a_conversation_like_mlx_lm(pair):
+    target, drafter, tok = pair
+    turns = ["def parse(", "\n\nclass Config:\n"]
+    ours, theirs = make_prompt_cache(target), make_prompt_cache(target)
+    for turn in turns:
+        a = [r.token for r in stream_generate(target, tok, turn, drafter, max_tokens=24,
+                                               draft_block_size=4, prompt_cache=ours)]
+        b = [r.token for r in mlx_stream_generate(target, tok, turn, max_tokens=24, prompt_cache=theirs)]
+        assert a == b
+        assert ours[0].offset == theirs[0].offset
+
+
+def test_a_sampler_function_is_refused_with_the_fix(pair):
+    target, drafter, tok = pair
+    with pytest.raises(ValueError, match="temp="):
+        list(stream_generate(target, tok, "x", drafter, sampler=lambda x: x))
