@@ -133,11 +133,14 @@ class Eagle2Builder:
         view.setflags(write=False)
         return view
 
-    def add_step(self, topk_tokens, topk_logprobs) -> np.ndarray:
+    def add_step(self, topk_tokens, topk_logprobs, lanes=None) -> np.ndarray:
         """Record one drafter step; return the next lanes (candidate ids, best first).
 
         Step 0 takes ``[1, K]`` (the root's top-K). Step s >= 1 takes ``[L, K]``
         where row j expands lane j of the array the previous call returned.
+        ``lanes``, when given, are the next lanes as positions among this step's
+        candidates (row-major): a drafter that ranks on the device passes the
+        choice it already expanded, so the recorded tree is the one it drafted.
         """
         k = self.topk
         expected_rows = 1 if self.num_steps == 0 else int(self._lanes.shape[0])
@@ -173,7 +176,14 @@ class Eagle2Builder:
         self._parents = np.concatenate([self._parents, np.repeat(parent_ids, k)])
         self._depths = np.concatenate([self._depths, np.repeat(parent_depths + 1, k)])
         self._scores = np.concatenate([self._scores, new_scores])
-        self._lanes = new_ids[_rank_order(new_scores, new_ids)[:k]]
+        if lanes is None:
+            self._lanes = new_ids[_rank_order(new_scores, new_ids)[:k]]
+        else:
+            lanes = as_int_array(lanes, "lanes").reshape(-1)
+            if lanes.size > k or (lanes.size and (lanes.min() < 0 or lanes.max() >= new_ids.size)):
+                raise ValueError(f"step {self.num_steps}: lanes must be at most {k} positions in "
+                                 f"0..{new_ids.size - 1}, got {lanes.tolist()}")
+            self._lanes = new_ids[lanes]
         self.num_steps += 1
         return self._lanes.copy()
 

@@ -231,6 +231,7 @@ class TreeRound:
         self.depths = np.zeros(0, np.int64)
         self.parents = np.zeros(0, np.int64)
         self.chain = True  # every round node so far is the child of the one before it
+        self._rows = None  # device visibility rows of the current forward (forward_rows)
         self._ancestors = None
         self.all_append = all(k == "append" for k in self.kinds)
         self.stand_ins = None
@@ -247,6 +248,8 @@ class TreeRound:
         if self._ancestors is None or len(self._ancestors) != self.size:
             m = self.size
             anc = np.zeros((m, m), bool)
+            if (self.parents == -2).any():
+                raise ValueError("this round has nodes added with forward_rows: no host ancestry")
             for j, p in enumerate(self.parents):  # parents[j] < j: rows are final when read
                 if p >= 0:
                     anc[j] = anc[p]
@@ -273,13 +276,37 @@ class TreeRound:
         """Run nodes `tokens` (mx int [n]) with round parents `parents`; returns logits [n, V]."""
         first = self._add(parents)
         self._new = slice(first, self.size)
+        self._rows = None
         if self.all_append and self.chain and (not self.pad_keys or len(parents) == 1):
             # Every node sees everything before it: the plain causal forward is the same forward.
             # (One-token attention takes any key length without a new kernel plan.)
             return self.model(tokens[None], cache=self.caches)[0]
+        return self._run(tokens, first)
+
+    def forward_rows(self, tokens, depth, rows):
+        """Run nodes whose visibility is known on the device only: `rows` is bool
+        [n, size + n] over the round's nodes (themselves included), all at round depth `depth`.
+
+        A drafter that picks its lanes on the device calls this, so no host sync sits between
+        its steps. Append-kind caches only (the rotating layout needs the ancestry on the host).
+        """
+        if not self.all_append:
+            raise ValueError("forward_rows needs append-kind caches; use forward with parents")
+        n = tokens.shape[0]
+        first = self.size
+        self.parents = np.concatenate([self.parents, np.full(n, -2, np.int64)])  # not on the host
+        self.depths = np.concatenate([self.depths, np.full(n, depth, np.int64)])
+        self.chain = False
+        self._masks, self._layouts = {}, {}
+        self._new = slice(first, self.size)
+        self._rows = rows
+        return self._run(tokens, first)
+
+    def _run(self, tokens, first):
+        n = self.size - first
         self.width = None
         if self.pad_keys:
-            widths = {_reserve(c, len(parents)) for c, k in zip(self.caches, self.kinds) if k == "append"}
+            widths = {_reserve(c, n) for c, k in zip(self.caches, self.kinds) if k == "append"}
             self.width = widths.pop() if len(widths) == 1 else None
         if self.stand_ins is None:
             self.stand_ins = [_STAND_INS[k](c, self) for c, k in zip(self.caches, self.kinds)]
@@ -296,22 +323,18 @@ class TreeRound:
     def _append_mask(self, window):
         mask = self._masks.get(window)
         if mask is None:
-            rows = self.ancestors[self._new]
-            tree = mx.array(rows)
-            hist = self.base
-            if window is None:
-                parts = [mx.ones((rows.shape[0], hist), mx.bool_), tree]
-                if self.width is not None:
-                    parts.append(mx.zeros((rows.shape[0], self.width - hist - self.size), mx.bool_))
-                mask = mx.concatenate(parts, axis=1)
-            else:
+            tree = self._rows if self._rows is not None else mx.array(self.ancestors[self._new])
+            hist, n = self.base, tree.shape[0]
+            parts = [mx.ones((n, hist), mx.bool_), tree]
+            if self.width is not None:
+                parts.append(mx.zeros((n, self.width - hist - self.size), mx.bool_))
+            mask = mx.concatenate(parts, axis=1)
+            if window is not None:
                 qpos = self.base + self.depths[self._new]
                 kpos = np.concatenate([np.arange(hist), self.base + self.depths])
                 near = (qpos[:, None] - kpos[None, :]) < window
-                near[:, hist:] &= rows
-                if self.width is not None:
-                    near = np.pad(near, ((0, 0), (0, self.width - near.shape[1])))
-                mask = mx.array(near)
+                near = np.pad(near, ((0, 0), (0, mask.shape[1] - near.shape[1])))
+                mask = mask & mx.array(near)
             self._masks[window] = mask
         return mask
 

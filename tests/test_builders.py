@@ -533,3 +533,18 @@ def test_every_builder_yields_valid_trees(topk, steps, budget, seed):
     logprobs = np.log(np.random.default_rng(seed).dirichlet(np.ones(10), size=steps))
     assert_valid_tree(best_first_tree(1, logprobs, budget, topk=topk))
     assert_valid_tree(chain_tree(1, np.arange(steps), logprobs[:, 0]))
+
+
+def test_eagle2_given_lanes_are_recorded_as_chosen():
+    # a drafter ranking on the device passes its own lane choice; the builder records that tree
+    b = Eagle2Builder(root_token=0, topk=2, budget=6)
+    b.add_step([[5, 6]], [[-0.1, -0.2]], lanes=[1, 0])
+    assert b.lanes.tolist() == [1, 0]
+    lanes = b.add_step([[7, 8], [9, 10]], [[-0.3, -0.4], [-0.5, -0.6]], lanes=[3, 0])
+    # row 0 expanded candidate 1 (token 6), row 1 candidate 0 (token 5)
+    assert b.cand_parents.tolist() == [-1, -1, 1, 1, 0, 0]
+    assert lanes.tolist() == [5, 2]
+    with pytest.raises(ValueError, match="lanes"):
+        b.add_step([[1, 2], [3, 4]], [[-1.0, -1.0], [-1.0, -1.0]], lanes=[4])
+    tree, cand_ids = b.build()
+    assert tree.size == 7 and (tree.parents[1:] < np.arange(1, 7)).all()

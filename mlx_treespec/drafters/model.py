@@ -80,6 +80,49 @@ class ModelDrafter:
         return Draft(parents, tokens, depth, depth, (rnd, forwarded, root_node))
 
     def _tree(self, root, logits, rnd, depth, budget):
+        if rnd.all_append:
+            return self._tree_on_device(root, logits, rnd, depth, budget)
+        return self._tree_on_host(root, logits, rnd, depth, budget)
+
+    def _tree_on_device(self, root, logits, rnd, depth, budget):
+        """EAGLE-2 with lane selection on the device: one host sync, after the last step."""
+        K = self.topk
+        root_node = rnd.size - 1
+        root_depth = int(rnd.depths[root_node])
+        idx, lp = _top_k(_logprobs(logits), K)  # the root's children: the first lanes, in order
+        steps = [(idx, lp, mx.arange(K))]
+        lane_tokens, lane_scores = idx[0], mx.minimum(lp[0], 0)
+        lane_parents = mx.full((K,), root_node)  # round node each lane hangs from
+        visible = mx.array(rnd.ancestors)  # [m, m] over the round nodes so far
+        firsts = []
+        for s in range(1, depth):
+            first = rnd.size
+            rows = mx.concatenate([visible[lane_parents], mx.eye(K, dtype=mx.bool_)], axis=1)
+            logits = rnd.forward_rows(lane_tokens.astype(mx.uint32), root_depth + s, rows)
+            firsts.append(first)
+            visible = mx.concatenate(
+                [mx.concatenate([visible, mx.zeros((first, K), mx.bool_)], axis=1), rows], axis=0)
+            idx, lp = _top_k(_logprobs(logits), K)
+            scores = (lane_scores[:, None] + mx.minimum(lp, 0)).reshape(-1)
+            choice = mx.argsort(-scores)[:K]  # the next lanes among this step's K*K candidates
+            steps.append((idx, lp, choice))
+            lane_tokens, lane_scores = idx.reshape(-1)[choice], scores[choice]
+            lane_parents = first + choice // K
+            mx.async_eval(lane_tokens, lane_scores, lane_parents)
+        mx.eval(steps)
+        builder = Eagle2Builder(root, K, budget)
+        cand_round = {}
+        for s, (idx, lp, choice) in enumerate(steps):
+            lanes = builder.add_step(np.array(idx), np.array(lp.astype(mx.float32)), lanes=np.array(choice))
+            if s + 1 < len(steps):  # these lanes were forwarded at step s + 1
+                for r, c in enumerate(lanes):
+                    cand_round[int(c)] = firsts[s] + r
+        tree, cand_ids = builder.build()
+        forwarded = np.array([cand_round.get(int(c), -1) for c in cand_ids], np.int64)
+        tokens = mx.array(tree.tokens.astype(np.uint32))
+        return Draft(tree.parents, tokens, budget, depth, (rnd, forwarded, root_node))
+
+    def _tree_on_host(self, root, logits, rnd, depth, budget):
         root_node = rnd.size - 1
         builder = Eagle2Builder(root, self.topk, budget)
         idx, lp = _top_k(_logprobs(logits), self.topk)
