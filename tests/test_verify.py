@@ -1,0 +1,36 @@
+"""The verify's masks are the tree core's masks (mask.py), generalized to rounds of several forwards."""
+import numpy as np
+import pytest
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+
+import tiny
+from mlx_treespec.mask import bool_mask_with_history
+from mlx_treespec.tree import DraftTree
+from mlx_treespec.verify import TreeRound
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_single_forward_mask_is_mask_py(pad):
+    model = tiny.build(tiny.CONFIGS["qwen3"])
+    cache = make_prompt_cache(model)
+    model(mx.array([list(range(9))]), cache=cache)
+    parents = np.array([-1, 0, 1, 1, 0, 4, 2])
+    tree = DraftTree(np.arange(7) + 3, parents)
+    rnd = TreeRound(model, cache, pad_keys=pad)
+    seen = {}
+    real = rnd._append_mask
+
+    def spy(window):
+        seen["mask"] = real(window)
+        return seen["mask"]
+
+    rnd._append_mask = spy
+    rnd.forward(mx.array(tree.tokens.astype(np.uint32)), parents)
+    expected = np.array(bool_mask_with_history(tree, 9))
+    got = np.array(seen["mask"])
+    assert got[:, : expected.shape[1]].tolist() == expected.tolist()
+    if pad:  # the padded tail is hidden and the width is the whole buffer
+        assert got.shape[1] == cache[0].keys.shape[2] and not got[:, expected.shape[1]:].any()
+    else:
+        assert got.shape == expected.shape
