@@ -58,3 +58,14 @@ def test_a_sampler_function_is_refused_with_the_fix(pair):
     target, drafter, tok = pair
     with pytest.raises(ValueError, match="temp="):
         list(stream_generate(target, tok, "x", drafter, sampler=lambda x: x))
+
+
+def test_hybrid_demo_target_trees_equal_mlx_lm(pair):
+    _, drafter, tok = pair
+    hybrid, _ = load(demo_path("hybrid"))
+    ref = [r.token for r in mlx_stream_generate(hybrid, tok, "def parse(", max_tokens=48)]
+    stats = RoundStats()
+    ours = [r.token for r in stream_generate(hybrid, tok, "def parse(", drafter, max_tokens=48,
+                                             tree_topk=3, tree_depth=4, tree_budget=12, stats=stats)]
+    assert ours == ref
+    assert stats.rounds < 48
