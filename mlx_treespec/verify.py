@@ -1,9 +1,10 @@
 """Tree forwards on unmodified mlx-lm models.
 
 A round runs one or more forwards over tree nodes on top of a model's committed caches, then
-commits the accepted root path. Nothing in the model is copied: each attention's `rope` module is
-wrapped once (a pass-through outside tree forwards) and, during a forward, each layer cache is
-replaced by a stand-in that gives the model the tree's mask and key layout.
+commits the accepted root path. Nothing in the model is copied: each attention's `rope` module
+(and each GatedDeltaNet layer) is re-classed once to a subclass that passes through outside tree
+forwards, and during a forward each layer cache is replaced by a stand-in that gives the model the
+tree's mask and key layout.
 
 - Position of a node = committed offset + its depth (per-token RoPE: a (B, H, L, D) input is
   viewed as (L*B, H, 1, D) so `mx.fast.rope` takes one offset per token).
