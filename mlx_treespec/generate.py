@@ -492,7 +492,13 @@ def _run(args):
 
 
 def _probe(args, model, drafter):
-    """Refuse speculation where a tree verify is not bitwise one-token decoding (GPU kernels)."""
+    """Refuse speculation where a tree verify is not bitwise one-token decoding (GPU kernels).
+
+    On MLX's CPU backend a verify is bitwise one-token decoding by construction (pinned by the
+    test suite for every supported family), so the probe's forwards are spent on GPUs only.
+    """
+    if mx.default_device() == mx.cpu:
+        return
     from .probe import chain_parents, check_speculation, representative_tree_parents
 
     depth = getattr(drafter, "depth", None) or getattr(drafter, "max_depth", 4)
