@@ -17,7 +17,7 @@ for section in "$@"; do
   case $section in
     gdn) timeout 150 python3 bench/gdn_kernel_bench.py --out "$OUT/gdn.json" 2>&1 | tee "$OUT/gdn.md" ;;
     shapes) timeout 100 python3 bench/kv_shapes_bench.py --out "$OUT/shapes.json" 2>&1 | tee "$OUT/shapes.md" ;;
-    loop) timeout 200 python3 bench/bench_loop.py --prompts 20 --select-prompts 3 --max-tokens 256 \
+    loop) timeout 280 python3 bench/bench_loop.py --prompts 16 --select-prompts 2 --max-tokens 256 \
             --blocks 2,3,4,6 --trees 2:3:6,3:4:12,4:4:16,4:6:24 \
             --out "$OUT/loop.json" 2>"$OUT/loop.err" | tee "$OUT/loop.md" ;;
     free) timeout 150 python3 bench/model_free_bench.py --model mlx_treespec/demo/target --prompts 8 \
