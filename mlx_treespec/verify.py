@@ -173,7 +173,7 @@ class _RotatingLayer:
         else:
             self.keys = mx.concatenate([self.keys, keys], axis=2)
             self.values = mx.concatenate([self.values, values], axis=2)
-        order = self.rnd._rotating(self.inner, None)[0]
+        order = self.rnd._rotating_order(self.inner)
         if self.inner.keys is None:
             all_k, all_v = self.keys, self.values
         else:
@@ -339,9 +339,21 @@ class TreeRound:
             self._masks[window] = mask
         return mask
 
+    @staticmethod
+    def _rotating_state(inner):
+        return (inner.offset, inner._idx, 0 if inner.keys is None else inner.keys.shape[2],
+                inner.keep, inner.max_size, inner.step)
+
+    def _rotating_order(self, inner):
+        """The key order only (any window): reuse the layout the mask request already built."""
+        state = self._rotating_state(inner)
+        for (s, _), (order, _) in self._layouts.items():
+            if s == state:
+                return order
+        return self._rotating(inner, None)[0]
+
     def _rotating(self, inner, window):
-        state = (inner.offset, inner._idx, 0 if inner.keys is None else inner.keys.shape[2],
-                 inner.keep, inner.max_size, inner.step)
+        state = self._rotating_state(inner)
         key = (state, window)
         hit = self._layouts.get(key)
         if hit is None:
