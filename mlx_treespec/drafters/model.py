@@ -80,12 +80,11 @@ class ModelDrafter:
         return Draft(parents, tokens, depth, depth, (rnd, forwarded, root_node))
 
     def _tree(self, root, logits, rnd, depth, budget):
-        if rnd.all_append:
-            return self._tree_on_device(root, logits, rnd, depth, budget)
-        return self._tree_on_host(root, logits, rnd, depth, budget)
+        """EAGLE-2 with lane selection on the device: one host sync, after the last step.
 
-    def _tree_on_device(self, root, logits, rnd, depth, budget):
-        """EAGLE-2 with lane selection on the device: one host sync, after the last step."""
+        Lanes' visibility rows are built on the device too, except over rotating draft caches,
+        whose key layout needs the lanes' parents on the host (one sync per step there).
+        """
         K = self.topk
         root_node = rnd.size - 1
         root_depth = int(rnd.depths[root_node])
@@ -93,15 +92,18 @@ class ModelDrafter:
         steps = [(idx, lp, mx.arange(K))]
         lane_tokens, lane_scores = idx[0], mx.minimum(lp[0], 0)
         lane_parents = mx.full((K,), root_node)  # round node each lane hangs from
-        visible = mx.array(rnd.ancestors)  # [m, m] over the round nodes so far
+        visible = mx.array(rnd.ancestors) if rnd.all_append else None  # [m, m] over round nodes
         firsts = []
         for s in range(1, depth):
             first = rnd.size
-            rows = mx.concatenate([visible[lane_parents], mx.eye(K, dtype=mx.bool_)], axis=1)
-            logits = rnd.forward_rows(lane_tokens.astype(mx.uint32), root_depth + s, rows)
+            if visible is None:
+                logits = rnd.forward(lane_tokens.astype(mx.uint32), np.array(lane_parents))
+            else:
+                rows = mx.concatenate([visible[lane_parents], mx.eye(K, dtype=mx.bool_)], axis=1)
+                logits = rnd.forward_rows(lane_tokens.astype(mx.uint32), root_depth + s, rows)
+                visible = mx.concatenate(
+                    [mx.concatenate([visible, mx.zeros((first, K), mx.bool_)], axis=1), rows], axis=0)
             firsts.append(first)
-            visible = mx.concatenate(
-                [mx.concatenate([visible, mx.zeros((first, K), mx.bool_)], axis=1), rows], axis=0)
             idx, lp = _top_k(_logprobs(logits), K)
             scores = (lane_scores[:, None] + mx.minimum(lp, 0)).reshape(-1)
             choice = mx.argsort(-scores)[:K]  # the next lanes among this step's K*K candidates
@@ -119,25 +121,6 @@ class ModelDrafter:
                     cand_round[int(c)] = firsts[s] + r
         tree, cand_ids = builder.build()
         forwarded = np.array([cand_round.get(int(c), -1) for c in cand_ids], np.int64)
-        tokens = mx.array(tree.tokens.astype(np.uint32))
-        return Draft(tree.parents, tokens, budget, depth, (rnd, forwarded, root_node))
-
-    def _tree_on_host(self, root, logits, rnd, depth, budget):
-        root_node = rnd.size - 1
-        builder = Eagle2Builder(root, self.topk, budget)
-        idx, lp = _top_k(_logprobs(logits), self.topk)
-        lanes = builder.add_step(np.array(idx), np.array(lp.astype(mx.float32)))
-        cand_round = {-1: root_node}
-        for _ in range(1, depth):
-            round_parents = [cand_round[int(builder.cand_parents[c])] for c in lanes]
-            first = rnd.size
-            logits = rnd.forward(mx.array(builder.cand_tokens[lanes].astype(np.uint32)), round_parents)
-            for r, c in enumerate(lanes):
-                cand_round[int(c)] = first + r
-            idx, lp = _top_k(_logprobs(logits), self.topk)
-            lanes = builder.add_step(np.array(idx), np.array(lp.astype(mx.float32)))
-        tree, cand_ids = builder.build()
-        forwarded = np.array([cand_round.get(int(c), -1) if c >= 0 else -1 for c in cand_ids], np.int64)
         tokens = mx.array(tree.tokens.astype(np.uint32))
         return Draft(tree.parents, tokens, budget, depth, (rnd, forwarded, root_node))
 
