@@ -10,11 +10,9 @@ from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
     RotatingKVCache,
-    make_prompt_cache,
 )
 
 __all__ = [
-    "make_caches",
     "committed_offset",
     "commit_appended",
     "commit_rotating",
@@ -23,11 +21,6 @@ __all__ = [
     "rotating_layout",
     "cache_kind",
 ]
-
-
-def make_caches(model, max_kv_size=None):
-    """The caches mlx-lm's own generate would make for this model."""
-    return make_prompt_cache(model, max_kv_size=max_kv_size)
 
 
 def committed_offset(caches):
@@ -128,11 +121,11 @@ def rotating_plan(offset, idx, size, keep, max_size, steps, grow=256):
     return src, pos, np.array(write_slot, np.int64), np.array(visible_len, np.int64)
 
 
-def rotating_layout(state, buffer_len, depths, ancestors, window=None):
+def rotating_layout(state, depths, ancestors, window=None):
     """Key order and visibility for tree nodes over a RotatingKVCache, matching plain decoding.
 
-    state: (offset, idx, size, keep, max_size, grow) of the committed cache; buffer_len: rows of
-    its buffer; depths: round depth of each node (position = offset + depth); ancestors: bool
+    state: (offset, idx, size, keep, max_size, grow) of the committed cache (size: rows of its
+    buffer); depths: round depth of each node (position = offset + depth); ancestors: bool
     [m, m] ancestor-or-self among the round nodes. Returns (order, visible): order indexes
     concat([buffer, round K/V]); visible is bool [m, len(order)], one row per round node.
 
@@ -142,6 +135,7 @@ def rotating_layout(state, buffer_len, depths, ancestors, window=None):
     attention sums run in the same order.
     """
     offset, idx, size, keep, max_size, grow = state
+    buffer_len = size
     depths = np.asarray(depths, np.int64)
     m = len(depths)
     steps = int(depths.max()) + 1 if m else 0

@@ -13,11 +13,12 @@ from typing import Any, Callable, List, Optional
 
 import numpy as np
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
-from .cache import committed_offset, make_caches
-from .support import require_tree_support
+from .cache import committed_offset
 from .drafters import root_only
 from .sampling import make_node_sampler
+from .support import require_tree_support
 from .tree import MAX_NODES, DraftTree
 from .verify import TreeRound
 from .walk import greedy_walk
@@ -149,7 +150,7 @@ def tree_generate_step(
         raise ValueError("the prompt is empty: pass at least one token")
     if kv_bits is not None and max_kv_size is not None:
         raise ValueError("kv_bits and max_kv_size cannot be combined (mlx-lm cannot quantize a rotating cache)")
-    caches = prompt_cache if prompt_cache is not None else make_caches(model, max_kv_size)
+    caches = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size=max_kv_size)
     choose = make_node_sampler(temp, top_p, min_p, top_k, min_tokens_to_keep, seed)
     stop_tokens = set(int(t) for t in stop_tokens)
     stats = stats if stats is not None else RoundStats()

@@ -357,9 +357,7 @@ class TreeRound:
         key = (state, window)
         hit = self._layouts.get(key)
         if hit is None:
-            order, visible = rotating_layout(
-                state, state[2], self.depths, self.ancestors, window=window
-            )
+            order, visible = rotating_layout(state, self.depths, self.ancestors, window=window)
             hit = (mx.array(order.astype(np.int32)), mx.array(visible[self._new]))
             self._layouts[key] = hit
         return hit

@@ -7,9 +7,10 @@ are plain one-token steps, and its commit is a trim, as in mlx-lm's speculative 
 """
 import numpy as np
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..builders import Eagle2Builder
-from ..cache import cache_kind, make_caches
+from ..cache import cache_kind
 from ..verify import TreeRound
 from . import Draft, root_only
 
@@ -29,7 +30,7 @@ class ModelDrafter:
             raise ValueError(f"topk must be >= 1, got {topk}")
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
-        if any(cache_kind(c) == "arrays" for c in make_caches(model)):
+        if any(cache_kind(c) == "arrays" for c in make_prompt_cache(model)):
             # lanes of later steps would need recurrent states of earlier lanes
             raise ValueError("the draft model has recurrent layers; use an attention-only drafter")
         self.model = model
@@ -42,7 +43,7 @@ class ModelDrafter:
 
     def prefill(self, prompt):
         if self.cache is None:
-            self.cache = make_caches(self.model)
+            self.cache = make_prompt_cache(self.model)
         prompt = [int(t) for t in prompt]
         body, self.pending = prompt[:-1], prompt[-1:]
         for i in range(0, len(body), self.prefill_step_size):
