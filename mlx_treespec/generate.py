@@ -165,6 +165,10 @@ def tree_generate_step(
     stats.prompt_ms = 1e3 * (time.perf_counter() - tic)
 
     root = prompt[-1]
+    if drafter is None and max_tokens != 0:
+        yield from _plain_decode(model, caches, root, max_tokens, choose, quantize, stop_tokens,
+                                 stats, forward_last=prompt_cache is not None)
+        return
     n = 0
     while max_tokens < 0 or n < max_tokens:
         room = float("inf") if max_tokens < 0 else max_tokens - n
@@ -183,12 +187,16 @@ def tree_generate_step(
         t1 = time.perf_counter()
         # verify
         rnd = TreeRound(model, caches)
-        logits = rnd.forward(draft.tokens, draft.parents)
-        positions = None if temp == 0 else mx.array((base + rnd.depths).astype(np.int32))
+        if draft.on_device and rnd.all_append:  # the topology stays on the device until the walk
+            logits = rnd.forward_rows(draft.tokens, draft.depths, draft.visible)
+            positions = None if temp == 0 else base + draft.depths
+        else:
+            logits = rnd.forward(draft.tokens, draft.host_parents())
+            positions = None if temp == 0 else mx.array((base + rnd.depths).astype(np.int32))
         chosen = choose(logits, positions)
-        mx.eval(draft.tokens, chosen)
+        mx.eval(draft.arrays(), chosen)
         # walk
-        tree = DraftTree(np.array(draft.tokens).astype(np.int64), draft.parents)
+        tree = DraftTree(np.array(draft.tokens).astype(np.int64), draft.host_parents())
         path, emitted = greedy_walk(tree, np.array(chosen).astype(np.int64), max_emit=None if room == float("inf") else int(room))
         emitted = [int(t) for t in emitted]
         accepted = len(path) - 1
@@ -223,6 +231,51 @@ def tree_generate_step(
     if prompt_cache is not None:
         model(mx.array([[root]]), cache=caches)
         quantize(caches)
+        mx.eval([c.state for c in caches])
+
+
+def _plain_decode(model, caches, root, max_tokens, choose, quantize, stop_tokens, stats, forward_last):
+    """Decoding without a drafter, pipelined as mlx-lm's generate_step: the forward of token n
+    is queued before the host reads it, so the device never waits on Python."""
+
+    def step(token, position):
+        logits = model(token.reshape(1, 1), cache=caches)[0]
+        quantize(caches)
+        return choose(logits, mx.array([position], mx.int32)), logits
+
+    position = committed_offset(caches)
+    y, logits = step(mx.array([root], mx.uint32), position)
+    mx.async_eval(y)
+    n, forwarded = 0, False
+    tic = time.perf_counter()
+    while True:
+        n += 1
+        last = 0 <= max_tokens <= n
+        if not last:  # queue the next forward before reading this token
+            next_y, next_logits = step(y, position + 1)
+            mx.async_eval(next_y)
+        token = y.item()
+        toc = time.perf_counter()
+        stats.accepted.append(0)
+        stats.emitted.append(1)
+        stats.nodes.append(1)
+        stats.depth.append(0)
+        stats.requested_budget.append(0)
+        stats.requested_depth.append(0)
+        stats.draft_ms.append(0.0)
+        stats.verify_ms.append(1e3 * (toc - tic))
+        stats.round_ms.append(1e3 * (toc - tic))
+        tic = toc
+        yield token, logits[0] - mx.logsumexp(logits[0], keepdims=True), False
+        if last or token in stop_tokens:
+            forwarded = not last
+            break
+        y, logits, position = next_y, next_logits, position + 1
+    if forward_last and not forwarded:  # the cache ends holding every emitted token
+        model(y.reshape(1, 1), cache=caches)
+        quantize(caches)
+        mx.eval([c.state for c in caches])
+    elif forward_last:
         mx.eval([c.state for c in caches])
 
 

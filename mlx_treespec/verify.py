@@ -233,6 +233,7 @@ class TreeRound:
         self.parents = np.zeros(0, np.int64)
         self.chain = True  # every round node so far is the child of the one before it
         self._rows = None  # device visibility rows of the current forward (forward_rows)
+        self._dev_depths = None  # device round depths of every node, once forward_rows ran
         self._ancestors = None
         self.all_append = all(k == "append" for k in self.kinds)
         self.stand_ins = None
@@ -261,6 +262,8 @@ class TreeRound:
     def _add(self, parents):
         parents = np.asarray(parents, np.int64)
         m0, n = self.size, len(parents)
+        if (self.depths < 0).any():
+            raise ValueError("this round has nodes with device-only depths: add nodes with forward_rows")
         if ((parents < -1) | (parents >= m0 + np.arange(n))).any():
             raise ValueError(f"round parents must be -1 or index an earlier node, got {parents}")
         depths = np.zeros(n, np.int64)
@@ -284,26 +287,41 @@ class TreeRound:
             return self.model(tokens[None], cache=self.caches)[0]
         return self._run(tokens, first)
 
-    def forward_rows(self, tokens, depth, rows):
-        """Run nodes whose visibility is known on the device only: `rows` is bool
-        [n, size + n] over the round's nodes (themselves included), all at round depth `depth`.
+    def forward_rows(self, tokens, depths, rows):
+        """Run nodes whose topology is known on the device only: `rows` is bool
+        [n, size + n] over the round's nodes (themselves included); `depths` is their round
+        depth, one int for all or an mx int array [n].
 
-        A drafter that picks its lanes on the device calls this, so no host sync sits between
-        its steps. Append-kind caches only (the rotating layout needs the ancestry on the host).
+        A drafter that ranks on the device calls this, and so does the round loop for its
+        tree, so no host sync sits between drafting and verifying. Append-kind caches only
+        (the rotating layout and the recurrent fork need the ancestry on the host).
         """
         if not self.all_append:
             raise ValueError("forward_rows needs append-kind caches; use forward with parents")
         n = tokens.shape[0]
         first = self.size
+        if isinstance(depths, mx.array):
+            depths = depths.astype(mx.int32)
+            host = np.full(n, -1, np.int64)  # not on the host
+        else:
+            host = np.full(n, depths, np.int64)
+            depths = mx.full((n,), int(depths), mx.int32)
         self.parents = np.concatenate([self.parents, np.full(n, -2, np.int64)])  # not on the host
-        self.depths = np.concatenate([self.depths, np.full(n, depth, np.int64)])
+        self.depths = np.concatenate([self.depths, host])
+        self._dev_depths = mx.concatenate([self._device_depths(first), depths])
         self.chain = False
         self._masks, self._layouts = {}, {}
         self._new = slice(first, self.size)
         self._rows = rows
-        return self._run(tokens, first)
+        return self._run(tokens, first, self.base + depths)
 
-    def _run(self, tokens, first):
+    def _device_depths(self, m):
+        """Round depths of nodes [0, m) as an mx array (device depths where the host has none)."""
+        if self._dev_depths is not None and self._dev_depths.shape[0] == m:
+            return self._dev_depths
+        return mx.array(self.depths[:m].astype(np.int32))
+
+    def _run(self, tokens, first, positions=None):
         n = self.size - first
         self.width = None
         if self.pad_keys:
@@ -311,10 +329,11 @@ class TreeRound:
             self.width = widths.pop() if len(widths) == 1 else None
         if self.stand_ins is None:
             self.stand_ins = [_STAND_INS[k](c, self) for c, k in zip(self.caches, self.kinds)]
-        new_depths = self.depths[self._new]
-        local = self.parents[self._new] - first
-        self.ctx.parents = np.where(self.parents[self._new] < first, -1, local)
-        self.ctx.positions = mx.array((self.base + new_depths).astype(np.int32))
+        if positions is None:
+            positions = mx.array((self.base + self.depths[self._new]).astype(np.int32))
+            local = self.parents[self._new] - first
+            self.ctx.parents = np.where(self.parents[self._new] < first, -1, local)
+        self.ctx.positions = positions
         try:
             return self.model(tokens[None], cache=self.stand_ins)[0]
         finally:
@@ -330,7 +349,16 @@ class TreeRound:
             if self.width is not None:
                 parts.append(mx.zeros((n, self.width - hist - self.size), mx.bool_))
             mask = mx.concatenate(parts, axis=1)
-            if window is not None:
+            if window is not None and self._rows is not None:
+                depths = self._device_depths(self.size)
+                qpos = self.base + depths[self._new]
+                kpos = mx.concatenate([mx.arange(hist), self.base + depths])
+                near = (qpos[:, None] - kpos[None, :]) < window
+                pad = mask.shape[1] - near.shape[1]
+                if pad:
+                    near = mx.concatenate([near, mx.zeros((n, pad), mx.bool_)], axis=1)
+                mask = mask & near
+            elif window is not None:
                 qpos = self.base + self.depths[self._new]
                 kpos = np.concatenate([np.arange(hist), self.base + self.depths])
                 near = (qpos[:, None] - kpos[None, :]) < window

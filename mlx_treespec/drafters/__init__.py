@@ -8,8 +8,10 @@ The round loop speaks to every drafter through three calls:
 - `commit(draft, path, emitted)`: the walk's accepted node path (root first) and the tokens it
   emitted (accepted drafts, then the target's token; the last one is the next root).
 
-A `Draft` holds the topology on the host and the tokens as an mx array, so a model drafter's
-tokens never need a host sync before the verify (the walk fetches them with the target's choices).
+A `Draft` holds its tokens as an mx array, so a model drafter's tokens never need a host sync
+before the verify (the walk fetches them with the target's choices). Its topology is on the host
+(numpy parents), or, for a drafter that ranks on the device, on the device: parents, depths and
+the ancestor-or-self rows as mx arrays, fetched by the walk's one sync (`Draft.fetch`).
 """
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -20,15 +22,30 @@ import mlx.core as mx
 
 @dataclass
 class Draft:
-    parents: np.ndarray  # int [n], parents[0] == -1
+    parents: Any  # int [n], parents[0] == -1: numpy, or an mx array when built on the device
     tokens: mx.array  # uint32 [n], tokens[0] is the root
     requested_budget: int = 0
     requested_depth: int = 0
     extra: Any = field(default=None, repr=False)  # the drafter's own bookkeeping for commit
+    depths: Optional[mx.array] = None  # int32 [n], with device parents
+    visible: Optional[mx.array] = None  # bool [n, n] ancestors-or-self, with device parents
+    pending: tuple = ()  # the drafter's device arrays its commit reads (fetched with the walk)
+
+    @property
+    def on_device(self):
+        return isinstance(self.parents, mx.array)
 
     @property
     def size(self):
-        return len(self.parents)
+        return int(self.parents.shape[0])
+
+    def host_parents(self):
+        """The parents as numpy (a host sync when they were built on the device)."""
+        return np.array(self.parents).astype(np.int64) if self.on_device else self.parents
+
+    def arrays(self):
+        """Every device array the walk fetches in its one sync."""
+        return [self.tokens] + ([self.parents] if self.on_device else []) + list(self.pending)
 
 
 def root_only(root):

@@ -9,7 +9,6 @@ import numpy as np
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..builders import Eagle2Builder
 from ..cache import cache_kind
 from ..verify import TreeRound
 from . import Draft, root_only
@@ -22,6 +21,39 @@ def _logprobs(logits):
 def _top_k(logprobs, k):
     idx = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
     return idx, mx.take_along_axis(logprobs, idx, axis=-1)
+
+
+def keep_best(root, tokens, scores, parents, depths, budget):
+    """EAGLE-2's re-rank on the device: the best `budget` candidates as a tree.
+
+    Candidates (ids 0..C-1 in order of creation) have `tokens`, cumulative `scores`, `parents`
+    (candidate id, -1 for the root's children) and `depths` (numpy: known when drafting
+    starts). Rank: higher score first, ties to the lower id, NaN as -inf; a child never
+    outranks its parent (its score is <= the parent's and its id larger), so the kept set is a
+    tree. Nodes are numbered root first, then by ascending candidate id (parents first).
+    Returns (candidate id of nodes 1..budget, parents, depths, tokens, ancestors-or-self rows).
+    """
+    n_cand = int(scores.shape[0])
+    ids = mx.arange(n_cand)
+    score = scores.astype(mx.float32)
+    score = mx.where(mx.isnan(score), -mx.inf, score)
+    beats = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (ids[None, :] < ids[:, None]))
+    kept = beats.sum(axis=1) < budget  # how many candidates beat this one
+    sel = mx.sort(mx.where(kept, ids, n_cand + ids))[:budget]
+    node_of = mx.zeros((n_cand,), mx.int32)
+    node_of[sel] = mx.arange(1, budget + 1, dtype=mx.int32)
+    cand_parent = parents[sel]
+    tree_parents = mx.concatenate([mx.array([-1], mx.int32), mx.where(
+        cand_parent < 0, 0, node_of[mx.maximum(cand_parent, 0)]).astype(mx.int32)])
+    tree_depths = mx.concatenate([mx.array([0], mx.int32), mx.array(np.asarray(depths, np.int32))[sel]])
+    tree_tokens = mx.concatenate([mx.array([root], mx.uint32), tokens[sel].astype(mx.uint32)])
+    # node i sees itself and what its parent sees: one pass per tree level
+    eye = mx.eye(budget + 1, dtype=mx.bool_)
+    up = mx.maximum(tree_parents, 0)
+    anc = eye
+    for _ in range(int(np.max(depths, initial=0))):
+        anc = eye | anc[up]
+    return sel, tree_parents, tree_depths, tree_tokens, anc
 
 
 class ModelDrafter:
@@ -81,20 +113,26 @@ class ModelDrafter:
         return Draft(parents, tokens, depth, depth, (rnd, forwarded, root_node))
 
     def _tree(self, root, logits, rnd, depth, budget):
-        """EAGLE-2 with lane selection on the device: one host sync, after the last step.
+        """EAGLE-2, ranked on the device: the host sees the tree only at the walk's sync.
 
-        Lanes' visibility rows are built on the device too, except over rotating draft caches,
-        whose key layout needs the lanes' parents on the host (one sync per step there).
+        Candidates get ids in order of creation (row-major within a step); each step's best K
+        become the next lanes; the tree keeps the best `budget` of all candidates (higher score,
+        then lower id), numbered by ascending id, so parents come first. Lanes' visibility rows
+        are built on the device too, except over rotating draft caches, whose key layout needs
+        the lanes' parents on the host (one sync per step there).
         """
         K = self.topk
         root_node = rnd.size - 1
         root_depth = int(rnd.depths[root_node])
         idx, lp = _top_k(_logprobs(logits), K)  # the root's children: the first lanes, in order
-        steps = [(idx, lp, mx.arange(K))]
         lane_tokens, lane_scores = idx[0], mx.minimum(lp[0], 0)
+        lane_cands = mx.arange(K)  # candidate id of each lane
         lane_parents = mx.full((K,), root_node)  # round node each lane hangs from
+        tokens, scores, parents = [idx.reshape(-1)], [lane_scores], [mx.full((K,), -1)]
+        cand_depths = [np.ones(K, np.int32)]
+        forwarded, forwarded_at = [], []  # candidates run as lanes, and their round nodes
         visible = mx.array(rnd.ancestors) if rnd.all_append else None  # [m, m] over round nodes
-        firsts = []
+        n_cand = K
         for s in range(1, depth):
             first = rnd.size
             if visible is None:
@@ -104,32 +142,36 @@ class ModelDrafter:
                 logits = rnd.forward_rows(lane_tokens.astype(mx.uint32), root_depth + s, rows)
                 visible = mx.concatenate(
                     [mx.concatenate([visible, mx.zeros((first, K), mx.bool_)], axis=1), rows], axis=0)
-            firsts.append(first)
+            forwarded.append(lane_cands)
+            forwarded_at.append(mx.arange(first, first + K))
             idx, lp = _top_k(_logprobs(logits), K)
-            scores = (lane_scores[:, None] + mx.minimum(lp, 0)).reshape(-1)
-            choice = mx.argsort(-scores)[:K]  # the next lanes among this step's K*K candidates
-            steps.append((idx, lp, choice))
-            lane_tokens, lane_scores = idx.reshape(-1)[choice], scores[choice]
+            step_scores = (lane_scores[:, None] + mx.minimum(lp, 0)).reshape(-1)
+            tokens.append(idx.reshape(-1))
+            scores.append(step_scores)
+            parents.append(mx.repeat(lane_cands, K))
+            cand_depths.append(np.full(K * K, s + 1, np.int32))
+            choice = mx.argsort(-step_scores)[:K]  # the next lanes among this step's K*K
+            lane_tokens, lane_scores = idx.reshape(-1)[choice], step_scores[choice]
+            lane_cands = n_cand + choice
             lane_parents = first + choice // K
+            n_cand += K * K
             mx.async_eval(lane_tokens, lane_scores, lane_parents)
-        mx.eval(steps)
-        builder = Eagle2Builder(root, K, budget)
-        cand_round = {}
-        for s, (idx, lp, choice) in enumerate(steps):
-            lanes = builder.add_step(np.array(idx), np.array(lp.astype(mx.float32)), lanes=np.array(choice))
-            if s + 1 < len(steps):  # these lanes were forwarded at step s + 1
-                for r, c in enumerate(lanes):
-                    cand_round[int(c)] = firsts[s] + r
-        tree, cand_ids = builder.build()
-        forwarded = np.array([cand_round.get(int(c), -1) for c in cand_ids], np.int64)
-        tokens = mx.array(tree.tokens.astype(np.uint32))
-        return Draft(tree.parents, tokens, budget, depth, (rnd, forwarded, root_node))
+        sel, tree_parents, tree_depths, tree_tokens, anc = keep_best(
+            root, mx.concatenate(tokens), mx.concatenate(scores), mx.concatenate(parents),
+            np.concatenate(cand_depths), budget)
+        round_of = mx.full((n_cand,), -1, mx.int32)
+        if forwarded:
+            round_of[mx.concatenate(forwarded)] = mx.concatenate(forwarded_at).astype(mx.int32)
+        tree_round = mx.concatenate([mx.array([-1], mx.int32), round_of[sel]])
+        return Draft(tree_parents, tree_tokens, budget, depth, (rnd, tree_round, root_node),
+                     depths=tree_depths, visible=anc, pending=(tree_round,))
 
     def commit(self, draft, path, emitted):
         if draft.extra is None:  # nothing was forwarded: the root is still pending
             self.pending = self.pending + list(emitted)
             return
         rnd, forwarded, root_node = draft.extra
+        forwarded = np.array(forwarded)  # fetched by the walk's sync when built on the device
         keep = list(range(root_node + 1))  # the pending tokens, root included
         for node in path[1:]:
             if forwarded[node] < 0:

@@ -1,0 +1,50 @@
+"""The model drafter's on-device EAGLE-2 re-rank equals the host builder's choice."""
+import numpy as np
+import mlx.core as mx
+import pytest
+
+from mlx_treespec.builders import Eagle2Builder
+from mlx_treespec.drafters.model import keep_best
+from mlx_treespec.tree import DraftTree
+
+
+def _paths(tokens, parents):
+    tree = DraftTree(np.asarray(tokens, np.int64), np.asarray(parents, np.int64))
+    return {tuple(tree.tokens[tree.path_to(i)].tolist()) for i in range(tree.size)}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_keep_best_matches_eagle2_builder(seed):
+    rng = np.random.default_rng(seed)
+    K, S = int(rng.integers(1, 5)), int(rng.integers(1, 7))
+    n_cand = K + (S - 1) * K * K
+    budget = int(rng.integers(1, min(n_cand, 63) + 1))
+    builder = Eagle2Builder(7, K, budget)
+    for s in range(S):
+        rows = 1 if s == 0 else K
+        # distinct tokens per row (top-K); coarse log-probs make ties, all exact in float32
+        tokens = np.stack([rng.permutation(50)[:K] for _ in range(rows)])
+        logprobs = -rng.integers(0, 6, size=(rows, K)) / 8.0
+        parent_scores = np.zeros(1) if s == 0 else builder.cand_scores[builder.lanes]
+        new = (parent_scores[:, None] + logprobs).reshape(-1)
+        lanes = np.argsort(-new, kind="stable")[:K]  # the drafter's own lane pick
+        builder.add_step(tokens, logprobs, lanes=lanes)
+    host_tree, cand_ids = builder.build()
+    sel, parents, depths, tokens, anc = keep_best(
+        7, mx.array(builder.cand_tokens), mx.array(builder.cand_scores.astype(np.float32)),
+        mx.array(builder.cand_parents), builder.cand_depths, budget)
+    assert sorted(np.array(sel).tolist()) == sorted(cand_ids[1:].tolist())
+    parents, tokens = np.array(parents), np.array(tokens)
+    assert (parents[1:] < np.arange(1, len(parents))).all() and parents[0] == -1
+    assert _paths(tokens, parents) == _paths(host_tree.tokens, host_tree.parents)
+    device_tree = DraftTree(tokens.astype(np.int64), parents)
+    assert np.array_equal(np.array(anc), device_tree.ancestor_mask())
+    assert np.array_equal(np.array(depths), device_tree.depths)
+
+
+def test_keep_best_nan_scores_rank_last():
+    scores = mx.array([-1.0, float("nan"), -0.5, -2.0])
+    sel, parents, depths, tokens, _ = keep_best(
+        1, mx.array([10, 11, 12, 13]), scores, mx.array([-1, -1, -1, -1]), np.ones(4, np.int32), 3)
+    assert np.array(sel).tolist() == [0, 2, 3]
+    assert np.array(tokens).tolist() == [1, 10, 12, 13]
