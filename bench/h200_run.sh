@@ -3,6 +3,7 @@
 # /root/mlx-site by ../shared/device/stage-mlx-cuda.sh). Usage: bash bench/h200_run.sh SECTION...
 #   gdn    GatedDeltaNet tree kernel (CUDA twin) vs the ops reference
 #   shapes attention over an unseen key length vs whole buffers (why verify pads)
+#   parts  where a tree round's time goes (host build time and synced time per part)
 #   loop   plain vs our chain vs mlx-lm's chain vs our best tree (demo pair)
 #   free   model-free drafters (prompt lookup, suffix) vs plain decode
 #   sweep  block-vs-tree sweep on the demo pair, with the cost model
@@ -17,6 +18,7 @@ for section in "$@"; do
   case $section in
     gdn) timeout 150 python3 bench/gdn_kernel_bench.py --out "$OUT/gdn.json" 2>&1 | tee "$OUT/gdn.md" ;;
     shapes) timeout 100 python3 bench/kv_shapes_bench.py --out "$OUT/shapes.json" 2>&1 | tee "$OUT/shapes.md" ;;
+    parts) timeout 120 python3 bench/round_parts_bench.py --out "$OUT/parts.json" 2>&1 | tee "$OUT/parts.md" ;;
     loop) timeout 330 python3 bench/bench_loop.py --prompts 20 --select-prompts 2 --max-tokens 256 \
             --blocks 4,6,8,10 --trees 3:6:18,4:6:24,3:8:24,4:8:32,4:10:40 \
             --out "$OUT/loop.json" 2>"$OUT/loop.err" | tee "$OUT/loop.md" ;;

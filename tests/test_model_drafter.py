@@ -40,11 +40,19 @@ def test_keep_best_matches_eagle2_builder(seed):
     device_tree = DraftTree(tokens.astype(np.int64), parents)
     assert np.array_equal(np.array(anc), device_tree.ancestor_mask())
     assert np.array_equal(np.array(depths), device_tree.depths)
+    # the spine (path to the best-ranked deepest candidate) is nodes 1..d: a contiguous commit
+    d = device_tree.max_depth
+    assert np.array_equal(parents[: d + 1], np.arange(d + 1) - 1)
+    order = np.lexsort((cand_ids[1:], -builder.cand_scores[cand_ids[1:]]))
+    deepest = max(builder.cand_depths[cand_ids[1:]])
+    best_deep = next(c for c in cand_ids[1:][order] if builder.cand_depths[c] == deepest)
+    assert np.array(sel).tolist()[d - 1] == best_deep
 
 
 def test_keep_best_nan_scores_rank_last():
     scores = mx.array([-1.0, float("nan"), -0.5, -2.0])
     sel, parents, depths, tokens, _ = keep_best(
         1, mx.array([10, 11, 12, 13]), scores, mx.array([-1, -1, -1, -1]), np.ones(4, np.int32), 3)
-    assert np.array(sel).tolist() == [0, 2, 3]
-    assert np.array(tokens).tolist() == [1, 10, 12, 13]
+    assert sorted(np.array(sel).tolist()) == [0, 2, 3]
+    assert np.array(sel).tolist()[0] == 2  # the best one leads (all are at depth 1)
+    assert sorted(np.array(tokens).tolist()[1:]) == [10, 12, 13]

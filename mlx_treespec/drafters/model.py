@@ -30,30 +30,42 @@ def keep_best(root, tokens, scores, parents, depths, budget):
     (candidate id, -1 for the root's children) and `depths` (numpy: known when drafting
     starts). Rank: higher score first, ties to the lower id, NaN as -inf; a child never
     outranks its parent (its score is <= the parent's and its id larger), so the kept set is a
-    tree. Nodes are numbered root first, then by ascending candidate id (parents first).
+    tree. Numbering: the root, then the spine (the path to the best-ranked deepest kept
+    candidate) in depth order, then the other nodes by ascending id, so parents come first and a
+    round that accepts along the spine commits without moving any K/V.
     Returns (candidate id of nodes 1..budget, parents, depths, tokens, ancestors-or-self rows).
     """
-    n_cand = int(scores.shape[0])
+    n_cand, n = int(scores.shape[0]), budget + 1
     ids = mx.arange(n_cand)
     score = scores.astype(mx.float32)
     score = mx.where(mx.isnan(score), -mx.inf, score)
     beats = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (ids[None, :] < ids[:, None]))
-    kept = beats.sum(axis=1) < budget  # how many candidates beat this one
-    sel = mx.sort(mx.where(kept, ids, n_cand + ids))[:budget]
+    rank = beats.sum(axis=1)  # how many candidates beat this one: a permutation of 0..C-1
+    sel = mx.sort(mx.where(rank < budget, ids, n_cand + ids))[:budget]  # ascending ids
     node_of = mx.zeros((n_cand,), mx.int32)
-    node_of[sel] = mx.arange(1, budget + 1, dtype=mx.int32)
+    node_of[sel] = mx.arange(1, n, dtype=mx.int32)
     cand_parent = parents[sel]
     tree_parents = mx.concatenate([mx.array([-1], mx.int32), mx.where(
         cand_parent < 0, 0, node_of[mx.maximum(cand_parent, 0)]).astype(mx.int32)])
-    tree_depths = mx.concatenate([mx.array([0], mx.int32), mx.array(np.asarray(depths, np.int32))[sel]])
-    tree_tokens = mx.concatenate([mx.array([root], mx.uint32), tokens[sel].astype(mx.uint32)])
+    cand_depths = mx.array(np.asarray(depths, np.int32))
+    tree_depths = mx.concatenate([mx.array([0], mx.int32), cand_depths[sel]])
     # node i sees itself and what its parent sees: one pass per tree level
-    eye = mx.eye(budget + 1, dtype=mx.bool_)
+    eye = mx.eye(n, dtype=mx.bool_)
     up = mx.maximum(tree_parents, 0)
     anc = eye
     for _ in range(int(np.max(depths, initial=0))):
         anc = eye | anc[up]
-    return sel, tree_parents, tree_depths, tree_tokens, anc
+    # renumber: the spine first
+    leaf = 1 + mx.argmax(cand_depths[sel] * (n_cand + 1) - rank[sel])
+    key = mx.where(anc[leaf], tree_depths, n + mx.arange(n, dtype=mx.int32))
+    perm = mx.argsort(key)
+    new_of = mx.zeros((n,), mx.int32)
+    new_of[perm] = mx.arange(n, dtype=mx.int32)
+    moved = tree_parents[perm]
+    tree_parents = mx.where(moved < 0, -1, new_of[mx.maximum(moved, 0)])
+    sel = mx.concatenate([mx.array([-1], sel.dtype), sel])[perm][1:]
+    tree_tokens = mx.concatenate([mx.array([root], mx.uint32), tokens.astype(mx.uint32)[sel]])
+    return sel, tree_parents, tree_depths[perm], tree_tokens, anc[perm][:, perm]
 
 
 class ModelDrafter:
@@ -117,7 +129,7 @@ class ModelDrafter:
 
         Candidates get ids in order of creation (row-major within a step); each step's best K
         become the next lanes; the tree keeps the best `budget` of all candidates (higher score,
-        then lower id), numbered by ascending id, so parents come first. Lanes' visibility rows
+        then lower id), numbered as `keep_best` says. Lanes' visibility rows
         are built on the device too, except over rotating draft caches, whose key layout needs
         the lanes' parents on the host (one sync per step there).
         """

@@ -1,0 +1,142 @@
+"""Where a tree round's time goes: host time to build each part's graph, and its synced time.
+
+    python bench/round_parts_bench.py [--model demo] [--draft-model demo-drafter] [--out parts.json]
+
+For each part of a round (drafter one-token step, drafter lane step of K tokens, lane
+selection, EAGLE-2 re-rank, target verify of a chain and of a tree, cache commit) it reports the
+median over repeats of (a) the host time to build the part's graph (no evaluation), and (b) the
+wall time of building and evaluating it alone. On a launch-bound pair the host column is the
+part's cost to the round whenever the device has no queued work to hide it behind.
+"""
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load
+
+from mlx_treespec.cache import commit_appended
+from mlx_treespec.drafters.model import _logprobs, _top_k, keep_best
+from mlx_treespec.generate import resolve_model_path
+from mlx_treespec.verify import TreeRound
+
+
+def measure(build, reps):
+    host, wall = [], []
+    for _ in range(reps + 2):
+        t0 = time.perf_counter()
+        out = build()
+        t1 = time.perf_counter()
+        mx.eval(out)
+        t2 = time.perf_counter()
+        host.append(1e3 * (t1 - t0))
+        wall.append(1e3 * (t2 - t0))
+    return statistics.median(host[2:]), statistics.median(wall[2:])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--draft-model", default="demo-drafter")
+    ap.add_argument("--history", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    target, _ = load(resolve_model_path(args.model))
+    draft, _ = load(resolve_model_path(args.draft_model))
+    hist = mx.array(np.arange(args.history) % 97)[None]
+    tc, dc = make_prompt_cache(target), make_prompt_cache(draft)
+    target(hist, cache=tc)
+    draft(hist, cache=dc)
+    mx.eval([c.state for c in tc + dc])
+    K, S, B = 4, 6, 24
+    rows = {}
+
+    def part(name, fn):
+        rows[name] = measure(fn, args.reps)
+        print(f"{name:48s} host {rows[name][0]:7.3f} ms   synced {rows[name][1]:7.3f} ms", flush=True)
+
+    def drafter_step(n):
+        def run():
+            rnd = TreeRound(draft, dc)
+            out = rnd.forward(mx.arange(n).astype(mx.uint32), np.arange(n) - 1)
+            rnd.commit([])
+            return out
+        return run
+
+    def drafter_lanes():
+        rnd = TreeRound(draft, dc)
+        rnd.forward(mx.array([5], mx.uint32), [-1])
+        vis = mx.array(rnd.ancestors)
+        lanes = mx.zeros((K,), mx.int32)
+        rows_ = mx.concatenate([vis[lanes], mx.eye(K, dtype=mx.bool_)], axis=1)
+        out = rnd.forward_rows(mx.arange(K).astype(mx.uint32), 1, rows_)
+        rnd.commit([])
+        return out
+
+    logits = mx.random.normal((K, draft.args.vocab_size))
+    mx.eval(logits)
+
+    def lane_select():
+        idx, lp = _top_k(_logprobs(logits), K)
+        scores = (mx.zeros((K,))[:, None] + mx.minimum(lp, 0)).reshape(-1)
+        choice = mx.argsort(-scores)[:K]
+        return idx.reshape(-1)[choice], scores[choice], choice // K
+
+    n_cand = K + (S - 1) * K * K
+    c_tok = mx.array(np.arange(n_cand) % 100)
+    c_sc = -mx.abs(mx.random.normal((n_cand,)))
+    c_par = mx.array(np.concatenate([[-1] * K, np.repeat(np.arange(n_cand - K * K) , K)[: n_cand - K]]))
+    c_dep = np.concatenate([np.ones(K, np.int32)] + [np.full(K * K, s + 1, np.int32) for s in range(1, S)])
+    mx.eval(c_tok, c_sc, c_par)
+
+    def rerank():
+        return list(keep_best(3, c_tok, c_sc, c_par, c_dep, B))
+
+    def verify_chain(n):
+        def run():
+            rnd = TreeRound(target, tc)
+            out = rnd.forward(mx.arange(n).astype(mx.uint32), np.arange(n) - 1)
+            rnd.commit([])
+            return out
+        return run
+
+    _, tp, td, tt, anc = keep_best(3, c_tok, c_sc, c_par, c_dep, B)
+    mx.eval(tp, td, tt, anc)
+
+    def verify_tree():
+        rnd = TreeRound(target, tc)
+        out = rnd.forward_rows(tt, td, anc)
+        rnd.commit([])
+        return out
+
+    def commit(keep):
+        def run():
+            base = tc[0].offset
+            for c in tc:
+                commit_appended(c, base, keep)
+                c.offset = base
+            return [c.keys for c in tc] + [c.values for c in tc]
+        return run
+
+    part("sync round trip (one tiny op)", lambda: mx.array(1) + 1)
+    part("drafter step, 1 token (plain call)", drafter_step(1))
+    part("drafter step, 2 tokens (padded on GPU)", drafter_step(2))
+    part(f"drafter lane step, {K} tokens (forward_rows)", drafter_lanes)
+    part(f"lane selection (top-{K}, argsort)", lane_select)
+    part(f"EAGLE-2 re-rank (keep_best, {n_cand} cands, budget {B})", rerank)
+    part("target verify, 1 token (plain call)", verify_chain(1))
+    part("target verify, chain of 9 (padded on GPU)", verify_chain(9))
+    part(f"target verify, tree of {B + 1} (forward_rows)", verify_tree)
+    part("commit, accepted path contiguous", commit(np.arange(5)))
+    part("commit, accepted path gathered", commit(np.array([0, 2, 7, 11, 20])))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({k: dict(host_ms=v[0], synced_ms=v[1]) for k, v in rows.items()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
