@@ -205,6 +205,11 @@ def _reserve(cache, n):
     return cache.keys.shape[2]
 
 
+def _bucket(n):
+    """The row count a forward of n nodes runs with on GPU: the next power of two."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 _STAND_INS = {"append": _AppendLayer, "rotating": _RotatingLayer, "arrays": _ArraysLayer}
 
 
@@ -237,6 +242,7 @@ class TreeRound:
         self._ancestors = None
         self.all_append = all(k == "append" for k in self.kinds)
         self.stand_ins = None
+        self._pad = 0  # filler rows of the current forward (GPU: row counts are powers of two)
         self._masks = {}
         self._layouts = {}
 
@@ -323,22 +329,35 @@ class TreeRound:
 
     def _run(self, tokens, first, positions=None):
         n = self.size - first
-        self.width = None
+        self.width, self._pad = None, 0
         if self.pad_keys:
-            widths = {_reserve(c, n) for c, k in zip(self.caches, self.kinds) if k == "append"}
+            # Whole buffers, and (attention-only models) a power-of-two row count: the shapes a
+            # GPU kernel meets repeat, so drafts of varying size never pay for a new plan.
+            total = _bucket(n) if self.all_append else n
+            widths = {_reserve(c, total) for c, k in zip(self.caches, self.kinds) if k == "append"}
             self.width = widths.pop() if len(widths) == 1 else None
+            if self.width is not None and self.all_append:
+                self._pad = total - n
         if self.stand_ins is None:
             self.stand_ins = [_STAND_INS[k](c, self) for c, k in zip(self.caches, self.kinds)]
         if positions is None:
             positions = mx.array((self.base + self.depths[self._new]).astype(np.int32))
             local = self.parents[self._new] - first
             self.ctx.parents = np.where(self.parents[self._new] < first, -1, local)
+        pad = self._pad
+        if pad:  # filler rows: they see the history and themselves; no real row sees them
+            tokens = mx.concatenate([tokens, mx.zeros((pad,), tokens.dtype)])
+            positions = mx.concatenate([positions, mx.full((pad,), self.base, mx.int32)])
         self.ctx.positions = positions
         try:
-            return self.model(tokens[None], cache=self.stand_ins)[0]
+            out = self.model(tokens[None], cache=self.stand_ins)[0]
         finally:
             self.ctx.positions = None
             self.ctx.parents = None
+            if pad:  # the next forward of this round writes over the filler K/V
+                for c, k in zip(self.caches, self.kinds):
+                    c.offset -= pad
+        return out[:n] if pad else out
 
     def _append_mask(self, window):
         mask = self._masks.get(window)
@@ -364,6 +383,11 @@ class TreeRound:
                 near = (qpos[:, None] - kpos[None, :]) < window
                 near = np.pad(near, ((0, 0), (0, mask.shape[1] - near.shape[1])))
                 mask = mask & mx.array(near)
+            if self._pad:
+                p = self._pad
+                filler = [mx.ones((p, hist), mx.bool_), mx.zeros((p, self.size), mx.bool_),
+                          mx.eye(p, dtype=mx.bool_), mx.zeros((p, self.width - hist - self.size - p), mx.bool_)]
+                mask = mx.concatenate([mask, mx.concatenate(filler, axis=1)], axis=0)
             self._masks[window] = mask
         return mask
 

@@ -213,3 +213,22 @@ def test_greedy_identical_reading_whole_buffers(pairs, family, shape, monkeypatc
     out, stats = speculative(target, draft, prompt, SHAPES[shape])
     assert out == ref
     assert_meaningful(ref, stats)
+
+
+@pytest.mark.parametrize("max_kv", [None, 16])
+def test_drafterless_decoding_is_mlx_lm_generate_step(pairs, max_kv):
+    # drafter=None runs mlx-lm's pipelined loop: same tokens, and a prompt cache left as mlx-lm
+    # leaves it, whether the run ends at max_tokens or at a stop token
+    target, _ = pairs("gemma3")
+    prompt = prompt_tokens(3)
+    ours, theirs = make_prompt_cache(target, max_kv_size=max_kv), make_prompt_cache(target, max_kv_size=max_kv)
+    out = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=40, prompt_cache=ours)]
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), target, max_tokens=40, prompt_cache=theirs)]
+    assert out == ref and len(set(ref)) > 3
+    for a, b in zip(ours, theirs):
+        assert a.offset == b.offset
+        for x, y in zip(a.state, b.state):
+            assert mx.array_equal(x, y)
+    stop = ref[12]
+    out = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=40, stop_tokens=[stop])]
+    assert out == ref[: ref.index(stop) + 1]

@@ -29,8 +29,11 @@ def test_single_forward_mask_is_mask_py(pad):
     rnd.forward(mx.array(tree.tokens.astype(np.uint32)), parents)
     expected = np.array(bool_mask_with_history(tree, 9))
     got = np.array(seen["mask"])
-    assert got[:, : expected.shape[1]].tolist() == expected.tolist()
+    assert got[:7, : expected.shape[1]].tolist() == expected.tolist()
     if pad:  # the padded tail is hidden and the width is the whole buffer
-        assert got.shape[1] == cache[0].keys.shape[2] and not got[:, expected.shape[1]:].any()
+        assert got.shape[1] == cache[0].keys.shape[2] and not got[:7, expected.shape[1]:].any()
+        # 7 nodes run as 8 rows: the filler row sees the history and itself only
+        assert got.shape[0] == 8 and got[7, :9].all() and got[7, 9 + 7] and got[7].sum() == 10
+        assert cache[0].offset == 9 + 7  # the filler's K/V are not counted
     else:
         assert got.shape == expected.shape
