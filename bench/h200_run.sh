@@ -19,13 +19,14 @@ for section in "$@"; do
     gdn) timeout 150 python3 bench/gdn_kernel_bench.py --out "$OUT/gdn.json" 2>&1 | tee "$OUT/gdn.md" ;;
     shapes) timeout 100 python3 bench/kv_shapes_bench.py --out "$OUT/shapes.json" 2>&1 | tee "$OUT/shapes.md" ;;
     parts) timeout 120 python3 bench/round_parts_bench.py --out "$OUT/parts.json" 2>&1 | tee "$OUT/parts.md" ;;
-    loop) timeout 330 python3 bench/bench_loop.py --prompts 20 --select-prompts 2 --max-tokens 256 \
-            --blocks 4,6,8,10 --trees 3:6:18,4:6:24,3:8:24,4:8:32,4:10:40 \
+    loop) timeout 330 python3 bench/bench_loop.py --prompts 20 --select-prompts 3 --max-tokens 256 \
+            --blocks 6,8,10 --trees 4:8:32,4:8:32:2,4:8:16:1,4:10:24:1,8:10:40:1 \
             --out "$OUT/loop.json" 2>"$OUT/loop.err" | tee "$OUT/loop.md" ;;
     free) timeout 150 python3 bench/model_free_bench.py --model mlx_treespec/demo/target --prompts 8 \
             --out "$OUT/free.json" 2>&1 | tee "$OUT/free.md" ;;
     sweep) timeout 200 python3 -m mlx_treespec.sweep --max-tokens 128 --max-seconds 100 --cost-model \
             --blocks 2,4,6,8 --tree-topk 2,4 --tree-depth 4,8 --budgets 8,16,32 \
+            --arms tree:4:8:16:1,tree:4:10:24:1,tree:4:8:32:2 \
             --no-progress --out "$OUT/sweep" 2>&1 | tee "$OUT/sweep.md" ;;
     hybrid) timeout 200 python3 -m mlx_treespec.sweep --model mlx_treespec/demo/hybrid --max-tokens 128 \
             --max-seconds 90 --blocks 1,2,4 --tree-topk 2,4 --budgets 4,8 --no-progress \

@@ -223,7 +223,8 @@ def n_params(model):
 
 
 def draft_plan(kind, depth=0, topk=1):
-    """Drafter forwards of one round as [(rows, count)] for the model drafter.
+    """Drafter forwards of one round as [(rows, count)] for the model drafter (`topk`: the
+    lanes expanded per step).
 
     A model-drafted round first forwards the tokens the draft cache lacks (the last round's
     bonus token, plus its deepest accepted draft when the whole draft was accepted: one row

@@ -280,9 +280,10 @@ def _plain_decode(model, caches, root, max_tokens, choose, quantize, stop_tokens
 
 
 def make_drafter(draft_model=None, *, drafter=None, draft_block_size=None, tree_topk=1,
-                 tree_depth=None, tree_budget=None):
+                 tree_depth=None, tree_budget=None, tree_lanes=None):
     """The drafter for a set of mlx-lm-style options: a chain of `draft_block_size`, or an
-    EAGLE-2 tree of `tree_topk` lanes, `tree_depth` steps and `tree_budget` nodes."""
+    EAGLE-2 tree of `tree_topk` children per node, `tree_lanes` nodes expanded per step (default
+    `tree_topk`), `tree_depth` steps and `tree_budget` nodes."""
     if drafter is not None:
         return drafter
     if draft_model is None:
@@ -291,6 +292,9 @@ def make_drafter(draft_model=None, *, drafter=None, draft_block_size=None, tree_
 
     if tree_topk < 1 or tree_topk > 16:
         raise ValueError(f"--tree-topk must be in 1..16, got {tree_topk}")
+    lanes = tree_topk if tree_lanes is None else tree_lanes
+    if not 1 <= lanes <= tree_topk:
+        raise ValueError(f"--tree-lanes must be in 1..--tree-topk ({tree_topk}), got {lanes}")
     if draft_block_size is not None and (tree_depth is not None or tree_topk > 1):
         raise ValueError("give either --draft-block-size (a chain) or --tree-topk/--tree-depth (a tree), not both")
     depth = draft_block_size if draft_block_size is not None else (tree_depth if tree_depth is not None else 4)
@@ -299,7 +303,7 @@ def make_drafter(draft_model=None, *, drafter=None, draft_block_size=None, tree_
     budget = depth if tree_topk == 1 else (tree_budget if tree_budget is not None else min(MAX_NODES - 1, 4 * depth))
     if tree_topk > 1 and not 1 <= budget <= MAX_NODES - 1:
         raise ValueError(f"--tree-budget counts draft nodes without the root: 1..{MAX_NODES - 1}, got {budget}")
-    return ModelDrafter(draft_model, topk=tree_topk, depth=depth, budget=budget)
+    return ModelDrafter(draft_model, topk=tree_topk, depth=depth, budget=budget, lanes=lanes)
 
 
 def _check_vocab(model, draft_model):
@@ -320,7 +324,7 @@ def _check_vocab(model, draft_model):
 
 def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=256, drafter=None,
                     draft_block_size=None, tree_topk=1, tree_depth=None, tree_budget=None,
-                    stats=None, sampler=None, **kwargs):
+                    tree_lanes=None, stats=None, sampler=None, **kwargs):
     """mlx-lm's `stream_generate`, speculating with a draft tree. Yields `GenerationResponse`s.
 
     Sampling options are `temp`, `top_p`, `min_p`, `top_k`, `seed` (not a `sampler` function:
@@ -342,7 +346,8 @@ def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=25
     if draft_model is not None:
         _check_vocab(model, draft_model)
     drafter = make_drafter(draft_model, drafter=drafter, draft_block_size=draft_block_size,
-                           tree_topk=tree_topk, tree_depth=tree_depth, tree_budget=tree_budget)
+                           tree_topk=tree_topk, tree_depth=tree_depth, tree_budget=tree_budget,
+                           tree_lanes=tree_lanes)
     if drafter is not None:
         require_tree_support(model)
     stats = stats if stats is not None else RoundStats()
@@ -465,7 +470,11 @@ def setup_arg_parser():
                    help="print round statistics too (--verbose F prints only the response)")
     t = p.add_argument_group("tree")
     t.add_argument("--draft-block-size", type=int, default=None, help="draft a chain of this many tokens")
-    t.add_argument("--tree-topk", type=int, default=None, help="EAGLE-2 lanes per step (1: a chain)")
+    t.add_argument("--tree-topk", type=int, default=None,
+                   help="EAGLE-2: children per expanded node, and lanes per step (1: a chain)")
+    t.add_argument("--tree-lanes", type=int, default=None,
+                   help="nodes expanded per step, 1..--tree-topk (default: --tree-topk); 1 drafts a "
+                        "chain of one-token steps with its top-K siblings as leaves")
     t.add_argument("--tree-depth", type=int, default=None, help="draft steps (tree depth)")
     t.add_argument("--tree-budget", type=int, default=None,
                    help="draft nodes verified per round, root excluded (at most 63)")
@@ -484,7 +493,7 @@ def _build_drafter(args, model, draft_model):
         _check_vocab(model, draft_model)
         return make_drafter(draft_model, draft_block_size=args.draft_block_size,
                             tree_topk=1 if args.tree_topk is None else args.tree_topk, tree_depth=args.tree_depth,
-                            tree_budget=args.tree_budget)
+                            tree_budget=args.tree_budget, tree_lanes=args.tree_lanes)
     budget = args.tree_budget if args.tree_budget is not None else 16
     depth = args.tree_depth if args.tree_depth is not None else (args.draft_block_size or 8)
     if not 1 <= budget <= MAX_NODES - 1 or not 1 <= depth <= MAX_NODES - 1:

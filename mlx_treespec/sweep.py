@@ -65,6 +65,11 @@ class Arm:
     topk: int = 1
     depth: int = 0
     budget: int = 0
+    lanes: int = 0  # tree: nodes expanded per step; 0 means topk (EAGLE-2)
+
+    @property
+    def _lanes_tag(self):
+        return "" if self.lanes in (0, self.topk) else f"-l{self.lanes}"
 
     @property
     def name(self):
@@ -73,7 +78,7 @@ class Arm:
         if self.kind == "chain":
             return f"chain{self.block}"
         if self.kind == "tree":
-            return f"tree-k{self.topk}-d{self.depth}-b{self.budget}"
+            return f"tree-k{self.topk}{self._lanes_tag}-d{self.depth}-b{self.budget}"
         return f"{self.kind}-b{self.budget}-d{self.depth}"
 
     @property
@@ -83,7 +88,8 @@ class Arm:
         if self.kind == "chain":
             return f"chain k={self.block}"
         if self.kind == "tree":
-            return f"tree K={self.topk} S={self.depth} B={self.budget}"
+            lanes = "" if self.lanes in (0, self.topk) else f" L={self.lanes}"
+            return f"tree K={self.topk}{lanes} S={self.depth} B={self.budget}"
         return f"{self.kind} B={self.budget} D={self.depth}"
 
     @property
@@ -95,7 +101,8 @@ class Arm:
         return {"plain": "plain", "chain": "chain", "tree": "tree"}.get(self.kind, "model-free")
 
     def params(self):
-        return dict(block=self.block, topk=self.topk, depth=self.depth, budget=self.budget)
+        return dict(block=self.block, topk=self.topk, depth=self.depth, budget=self.budget,
+                    lanes=self.lanes or self.topk)
 
     def make(self, draft_model):
         """A fresh drafter for one run (None for plain decoding)."""
@@ -105,7 +112,7 @@ class Arm:
             return make_drafter(draft_model, draft_block_size=self.block)
         if self.kind == "tree":
             return make_drafter(draft_model, tree_topk=self.topk, tree_depth=self.depth,
-                                tree_budget=self.budget)
+                                tree_budget=self.budget, tree_lanes=self.lanes or None)
         return model_free_class(self.kind)(self.budget, self.depth)
 
     def topology(self):
@@ -144,7 +151,7 @@ def _int(text, what):
 
 
 def parse_arm(spec):
-    """'plain', 'chain:K' (or 'chainK'), 'tree:K:S:B', 'lookup:B:D', 'suffix:B:D'."""
+    """'plain', 'chain:K' (or 'chainK'), 'tree:K:S:B[:L]', 'lookup:B:D', 'suffix:B:D'."""
     spec = spec.strip()
     parts = spec.split(":")
     kind = parts[0].lower()
@@ -157,17 +164,19 @@ def parse_arm(spec):
         if not 1 <= k <= MAX_NODES - 1:
             raise SystemExit(f"arm {spec!r}: a chain holds 1..{MAX_NODES - 1} draft tokens")
         return Arm("chain", block=k, depth=k, budget=k)
-    if kind == "tree" and len(parts) == 4:
-        K, S, B = (_int(p, f"arm {spec!r}") for p in parts[1:])
-        if not (1 <= K <= 16 and 1 <= S <= MAX_NODES - 1 and 1 <= B <= MAX_NODES - 1):
-            raise SystemExit(f"arm {spec!r}: tree:K:S:B needs K in 1..16, S and B in 1..{MAX_NODES - 1}")
-        return Arm("tree", topk=K, depth=S, budget=B)
+    if kind == "tree" and len(parts) in (4, 5):
+        K, S, B = (_int(p, f"arm {spec!r}") for p in parts[1:4])
+        L = _int(parts[4], f"arm {spec!r}") if len(parts) == 5 else K
+        if not (1 <= K <= 16 and 1 <= S <= MAX_NODES - 1 and 1 <= B <= MAX_NODES - 1 and 1 <= L <= K):
+            raise SystemExit(f"arm {spec!r}: tree:K:S:B[:L] needs K in 1..16, S and B in "
+                             f"1..{MAX_NODES - 1}, L in 1..K")
+        return Arm("tree", topk=K, depth=S, budget=B, lanes=0 if L == K else L)
     if kind in _MODEL_FREE and len(parts) == 3:
         B, D = (_int(p, f"arm {spec!r}") for p in parts[1:])
         if not (1 <= B <= MAX_NODES - 1 and 1 <= D <= MAX_NODES - 1):
             raise SystemExit(f"arm {spec!r}: {kind}:B:D needs B and D in 1..{MAX_NODES - 1}")
         return Arm(kind, depth=D, budget=B)
-    raise SystemExit(f"cannot read arm {spec!r}: use plain, chain:K, tree:K:S:B, lookup:B:D or suffix:B:D")
+    raise SystemExit(f"cannot read arm {spec!r}: use plain, chain:K, tree:K:S:B[:L], lookup:B:D or suffix:B:D")
 
 
 def auto_depths(budget):
@@ -494,7 +503,9 @@ def plot(sweep, path, title=""):
             if series == "tree" and metric == "tok_s":
                 for a, x, y in zip(arms, xs, ys):
                     p = a["params"]
-                    ax.annotate(f"K{p['topk']}S{p['depth']}", (x, y), fontsize=6,
+                    lanes = p.get("lanes") or p["topk"]
+                    tag = f"K{p['topk']}S{p['depth']}" + ("" if lanes == p["topk"] else f"L{lanes}")
+                    ax.annotate(tag, (x, y), fontsize=6,
                                 textcoords="offset points", xytext=(3, 3))
         plain = [a for a in sweep["arms"] if a["kind"] == "plain"]
         if plain:
@@ -517,7 +528,7 @@ def plot(sweep, path, title=""):
 def _arm_plan(a):
     p = a["params"]
     depth = p["block"] if a["kind"] == "chain" else p["depth"]
-    return costmodel.draft_plan(a["kind"], depth, p["topk"])
+    return costmodel.draft_plan(a["kind"], depth, p.get("lanes") or p["topk"])
 
 
 def pair_cost_model(target, draft_model, sweep, *, history=256, repeats=5, log=None):
@@ -753,7 +764,7 @@ def build_parser():
     p.add_argument("--tree-topk", default="2,4", help="tree lanes K; 'none' for no trees")
     p.add_argument("--tree-depth", default="auto", help="tree depths S; 'auto': {2, B/2, B} per budget")
     p.add_argument("--budgets", default=None, help="tree budgets (draft nodes); default: the blocks")
-    p.add_argument("--arms", default="", help="extra arms: plain, chain:K, tree:K:S:B, lookup:B:D, suffix:B:D")
+    p.add_argument("--arms", default="", help="extra arms: plain, chain:K, tree:K:S:B[:L] (L: lanes), lookup:B:D, suffix:B:D")
     p.add_argument("--out", default="bench/out/sweep", help="folder for sweep.md, sweep.json, sweep.png")
     p.add_argument("--plot-from", default=None,
                    help="only (re)draw sweep.png under --out from a sweep JSON (e.g. one written "

@@ -42,6 +42,7 @@ def test_cli_output_equals_plain_decoding_of_the_demo_target():
 @pytest.mark.parametrize("args,needle", [
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--tree-topk", "0"], "--tree-topk"),
+    (["--tree-topk", "2", "--tree-lanes", "3"], "--tree-lanes"),
     (["--tree-topk", "2", "--tree-depth", "3", "--tree-budget", "100"], "--tree-budget"),
     (["--draft-block-size", "70"], "depth"),
     (["--draft-block-size", "3", "--tree-topk", "2"], "not both"),

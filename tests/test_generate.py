@@ -24,6 +24,8 @@ SHAPES = {
     "k2s3b6": dict(tree_topk=2, tree_depth=3, tree_budget=6),
     "k3s6b31": dict(tree_topk=3, tree_depth=6, tree_budget=31),
     "k4s5b20": dict(tree_topk=4, tree_depth=5, tree_budget=20),
+    "k4l1s6b16": dict(tree_topk=4, tree_depth=6, tree_budget=16, tree_lanes=1),  # chain + siblings
+    "k3l2s4b12": dict(tree_topk=3, tree_depth=4, tree_budget=12, tree_lanes=2),
 }
 N = 200
 

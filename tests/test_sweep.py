@@ -212,6 +212,12 @@ def test_arms_grid_and_specs():
         assert a.requested_nodes == a.budget + 1
     assert parse_arm("chain:4") == parse_arm("chain4") == Arm("chain", block=4, depth=4, budget=4)
     assert parse_arm("tree:2:4:8") == Arm("tree", topk=2, depth=4, budget=8)
+    assert parse_arm("tree:2:4:8:2") == Arm("tree", topk=2, depth=4, budget=8)  # lanes = K
+    one_lane = parse_arm("tree:4:8:16:1")
+    assert one_lane.name == "tree-k4-l1-d8-b16" and one_lane.shape == "tree K=4 L=1 S=8 B=16"
+    assert one_lane.params()["lanes"] == 1 and parse_arm("tree:2:4:8").params()["lanes"] == 2
+    with pytest.raises(SystemExit, match="L in 1..K"):
+        parse_arm("tree:2:4:8:3")
     assert parse_arm("lookup:8:4") == Arm("lookup", depth=4, budget=8)
     with pytest.raises(SystemExit, match="cannot read arm"):
         parse_arm("bogus:1")

@@ -49,12 +49,11 @@ def keep_best(root, tokens, scores, parents, depths, budget):
         cand_parent < 0, 0, node_of[mx.maximum(cand_parent, 0)]).astype(mx.int32)])
     cand_depths = mx.array(np.asarray(depths, np.int32))
     tree_depths = mx.concatenate([mx.array([0], mx.int32), cand_depths[sel]])
-    # node i sees itself and what its parent sees: one pass per tree level
-    eye = mx.eye(n, dtype=mx.bool_)
-    up = mx.maximum(tree_parents, 0)
-    anc = eye
-    for _ in range(int(np.max(depths, initial=0))):
-        anc = eye | anc[up]
+    # ancestors-or-self: reachability along parent links, by squaring (paths double each time)
+    reach = mx.eye(n) + (tree_parents[:, None] == mx.arange(n)[None, :]).astype(mx.float32)
+    for _ in range(int(np.max(depths, initial=1) - 1).bit_length()):
+        reach = mx.minimum(reach @ reach, 1.0)
+    anc = reach > 0
     # renumber: the spine first
     leaf = 1 + mx.argmax(cand_depths[sel] * (n_cand + 1) - rank[sel])
     key = mx.where(anc[leaf], tree_depths, n + mx.arange(n, dtype=mx.int32))
@@ -69,9 +68,17 @@ def keep_best(root, tokens, scores, parents, depths, budget):
 
 
 class ModelDrafter:
-    def __init__(self, model, topk=1, depth=4, budget=None, cache=None, prefill_step_size=2048):
+    """`topk` children per expanded node, `lanes` nodes expanded per step (EAGLE-2: lanes = topk;
+    lanes = 1 expands only the best candidate, a chain of one-token steps whose siblings ride
+    along as leaves), `depth` steps, `budget` draft nodes kept."""
+
+    def __init__(self, model, topk=1, depth=4, budget=None, cache=None, prefill_step_size=2048,
+                 lanes=None):
         if topk < 1:
             raise ValueError(f"topk must be >= 1, got {topk}")
+        lanes = topk if lanes is None else lanes
+        if not 1 <= lanes <= topk:
+            raise ValueError(f"lanes must be in 1..topk ({topk}), got {lanes}")
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
         if any(cache_kind(c) == "arrays" for c in make_prompt_cache(model)):
@@ -79,6 +86,7 @@ class ModelDrafter:
             raise ValueError("the draft model has recurrent layers; use an attention-only drafter")
         self.model = model
         self.topk = topk
+        self.lanes = lanes
         self.depth = depth
         self.budget = depth if budget is None else budget
         self.cache = cache
@@ -96,9 +104,9 @@ class ModelDrafter:
 
     def draft(self, root, max_depth):
         depth = min(self.depth, max_depth)
-        # the builder can keep at most K + (S - 1) K^2 candidates; a chain keeps all of its S
+        # there are K + (S - 1) L K candidates; a chain keeps all of its S
         budget = depth if self.topk == 1 else min(
-            self.budget, self.topk + (depth - 1) * self.topk**2
+            self.budget, self.topk + (depth - 1) * self.lanes * self.topk
         )
         if depth == 0 or budget == 0:
             return root_only(root)
@@ -133,40 +141,44 @@ class ModelDrafter:
         are built on the device too, except over rotating draft caches, whose key layout needs
         the lanes' parents on the host (one sync per step there).
         """
-        K = self.topk
+        K, L = self.topk, self.lanes
         root_node = rnd.size - 1
         root_depth = int(rnd.depths[root_node])
-        idx, lp = _top_k(_logprobs(logits), K)  # the root's children: the first lanes, in order
-        lane_tokens, lane_scores = idx[0], mx.minimum(lp[0], 0)
-        lane_cands = mx.arange(K)  # candidate id of each lane
-        lane_parents = mx.full((K,), root_node)  # round node each lane hangs from
-        tokens, scores, parents = [idx.reshape(-1)], [lane_scores], [mx.full((K,), -1)]
+        idx, lp = _top_k(_logprobs(logits), K)  # the root's children, the first candidates
+        step_scores = mx.minimum(lp[0], 0)
+        choice = mx.argsort(-step_scores)[:L] if L < K else mx.arange(K)
+        lane_tokens, lane_scores = idx[0][choice], step_scores[choice]
+        lane_cands = choice  # candidate id of each lane
+        lane_parents = mx.full((L,), root_node)  # round node each lane hangs from
+        tokens, scores, parents = [idx.reshape(-1)], [step_scores], [mx.full((K,), -1)]
         cand_depths = [np.ones(K, np.int32)]
         forwarded, forwarded_at = [], []  # candidates run as lanes, and their round nodes
-        visible = mx.array(rnd.ancestors) if rnd.all_append else None  # [m, m] over round nodes
+        visible = mx.array(rnd.ancestors) if rnd.all_append and L > 1 else None
         n_cand = K
         for s in range(1, depth):
             first = rnd.size
-            if visible is None:
+            if L == 1:  # one lane: it hangs from the last round node, a plain one-token step
+                logits = rnd.forward(lane_tokens.astype(mx.uint32), [first - 1])
+            elif visible is None:
                 logits = rnd.forward(lane_tokens.astype(mx.uint32), np.array(lane_parents))
             else:
-                rows = mx.concatenate([visible[lane_parents], mx.eye(K, dtype=mx.bool_)], axis=1)
+                rows = mx.concatenate([visible[lane_parents], mx.eye(L, dtype=mx.bool_)], axis=1)
                 logits = rnd.forward_rows(lane_tokens.astype(mx.uint32), root_depth + s, rows)
                 visible = mx.concatenate(
-                    [mx.concatenate([visible, mx.zeros((first, K), mx.bool_)], axis=1), rows], axis=0)
+                    [mx.concatenate([visible, mx.zeros((first, L), mx.bool_)], axis=1), rows], axis=0)
             forwarded.append(lane_cands)
-            forwarded_at.append(mx.arange(first, first + K))
+            forwarded_at.append(mx.arange(first, first + L))
             idx, lp = _top_k(_logprobs(logits), K)
             step_scores = (lane_scores[:, None] + mx.minimum(lp, 0)).reshape(-1)
             tokens.append(idx.reshape(-1))
             scores.append(step_scores)
             parents.append(mx.repeat(lane_cands, K))
-            cand_depths.append(np.full(K * K, s + 1, np.int32))
-            choice = mx.argsort(-step_scores)[:K]  # the next lanes among this step's K*K
+            cand_depths.append(np.full(L * K, s + 1, np.int32))
+            choice = mx.argsort(-step_scores)[:L]  # the next lanes among this step's L*K
             lane_tokens, lane_scores = idx.reshape(-1)[choice], step_scores[choice]
             lane_cands = n_cand + choice
             lane_parents = first + choice // K
-            n_cand += K * K
+            n_cand += L * K
             mx.async_eval(lane_tokens, lane_scores, lane_parents)
         sel, tree_parents, tree_depths, tree_tokens, anc = keep_best(
             root, mx.concatenate(tokens), mx.concatenate(scores), mx.concatenate(parents),
