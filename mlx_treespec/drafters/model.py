@@ -146,7 +146,8 @@ class ModelDrafter:
         root_depth = int(rnd.depths[root_node])
         idx, lp = _top_k(_logprobs(logits), K)  # the root's children, the first candidates
         step_scores = mx.minimum(lp[0], 0)
-        choice = mx.argsort(-step_scores)[:L] if L < K else mx.arange(K)
+        choice = mx.arange(K) if L == K else (
+            mx.argmax(step_scores, keepdims=True) if L == 1 else mx.argsort(-step_scores)[:L])
         lane_tokens, lane_scores = idx[0][choice], step_scores[choice]
         lane_cands = choice  # candidate id of each lane
         lane_parents = mx.full((L,), root_node)  # round node each lane hangs from
@@ -174,7 +175,8 @@ class ModelDrafter:
             scores.append(step_scores)
             parents.append(mx.repeat(lane_cands, K))
             cand_depths.append(np.full(L * K, s + 1, np.int32))
-            choice = mx.argsort(-step_scores)[:L]  # the next lanes among this step's L*K
+            # the next lanes among this step's L*K (one lane: the first best, as argsort's)
+            choice = mx.argmax(step_scores, keepdims=True) if L == 1 else mx.argsort(-step_scores)[:L]
             lane_tokens, lane_scores = idx.reshape(-1)[choice], step_scores[choice]
             lane_cands = n_cand + choice
             lane_parents = first + choice // K
