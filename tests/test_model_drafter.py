@@ -56,3 +56,28 @@ def test_keep_best_nan_scores_rank_last():
     assert sorted(np.array(sel).tolist()) == [0, 2, 3]
     assert np.array(sel).tolist()[0] == 2  # the best one leads (all are at depth 1)
     assert sorted(np.array(tokens).tolist()[1:]) == [10, 12, 13]
+
+
+@pytest.mark.parametrize("shape", [dict(draft_block_size=4), dict(tree_topk=3, tree_depth=4, tree_budget=12),
+                                   dict(tree_topk=4, tree_depth=6, tree_budget=16, tree_lanes=1),
+                                   dict(tree_topk=3, tree_depth=4, tree_budget=12, tree_lanes=2)])
+def test_draft_cache_holds_what_plain_decoding_builds(shape):
+    # after every run the drafter's cache holds exactly the emitted text minus its pending
+    # tokens, as a plain forward of that text builds it (bitwise on CPU)
+    import tiny
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_treespec.generate import make_drafter, tree_generate_step
+
+    target = tiny.build(tiny.CONFIGS["qwen3"])
+    draft = tiny.perturbed(target)
+    prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 9).tolist()
+    drafter = make_drafter(draft, **shape)
+    out = [t for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=60)]
+    text = (prompt + out)[: len(prompt) + len(out) - len(drafter.pending)]
+    assert (prompt + out)[len(text):] == drafter.pending
+    ref = make_prompt_cache(draft)
+    draft(mx.array(text)[None], cache=ref)
+    for ours, theirs in zip(drafter.cache, ref):
+        assert ours.offset == theirs.offset == len(text)
+        assert mx.array_equal(ours.keys[..., : len(text), :], theirs.keys[..., : len(text), :])
+        assert mx.array_equal(ours.values[..., : len(text), :], theirs.values[..., : len(text), :])

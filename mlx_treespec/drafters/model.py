@@ -116,6 +116,8 @@ class ModelDrafter:
         logits = rnd.forward(mx.array(self.pending, mx.uint32), np.arange(p) - 1)[-1:]
         if self.topk == 1:
             return self._chain(root, logits, rnd, depth)
+        if self.lanes == 1:
+            return self._chain_with_siblings(root, logits, rnd, depth, budget)
         return self._tree(root, logits, rnd, depth, budget)
 
     def _chain(self, root, logits, rnd, depth):
@@ -131,6 +133,43 @@ class ModelDrafter:
         forwarded = np.arange(depth + 1, dtype=np.int64) + root_node
         forwarded[0] = forwarded[-1] = -1
         return Draft(parents, tokens, depth, depth, (rnd, forwarded, root_node))
+
+    def _chain_with_siblings(self, root, logits, rnd, depth, budget):
+        """One lane: draft the chain exactly as `_chain` does (an argmax per one-token step),
+        then rank every step's top-K at once. The chain is the spine; its siblings are leaves."""
+        K, S = self.topk, depth
+        root_node = rnd.size - 1
+        rows, toks = [logits], [mx.argmax(logits, axis=-1)]
+        for s in range(1, S):
+            logits = rnd.forward(toks[-1].astype(mx.uint32), [root_node + s - 1])
+            rows.append(logits)
+            toks.append(mx.argmax(logits, axis=-1))
+            mx.async_eval(toks[-1])
+        chain = mx.concatenate(toks).astype(mx.int32)  # [S]
+        lp = _logprobs(mx.concatenate(rows))  # [S, V]
+        idx, top = _top_k(lp, K)
+        # the chain token is its step's lane: put it in its row's slot (it is there already
+        # unless more than K tokens tie for the top)
+        hit = idx == chain[:, None]
+        slot = mx.where(hit.any(axis=1), mx.argmax(hit, axis=1), 0).astype(mx.int32)
+        in_slot = mx.arange(K)[None, :] == slot[:, None]
+        chain_lp = mx.take_along_axis(lp, chain[:, None], axis=1)  # [S, 1]
+        idx = mx.where(in_slot, chain[:, None], idx)
+        step = mx.minimum(mx.where(in_slot, chain_lp, top), 0)
+        lane_score = mx.concatenate([mx.zeros((1,)), mx.cumsum(mx.minimum(chain_lp[:-1, 0], 0))])
+        scores = (lane_score[:, None] + step).reshape(-1)
+        lanes = mx.arange(S, dtype=mx.int32) * K + slot  # candidate id of each step's lane
+        parents = mx.concatenate([mx.full((K,), -1, mx.int32), mx.repeat(lanes[:-1], K)])
+        depths = np.repeat(np.arange(1, S + 1, dtype=np.int32), K)
+        sel, tree_parents, tree_depths, tree_tokens, anc = keep_best(
+            root, idx.reshape(-1), scores, parents, depths, budget)
+        # lane s (s < S - 1) was forwarded at step s + 1, as round node root_node + 1 + s
+        round_of = mx.full((S * K,), -1, mx.int32)
+        if S > 1:
+            round_of[lanes[:-1]] = mx.arange(root_node + 1, root_node + S, dtype=mx.int32)
+        tree_round = mx.concatenate([mx.array([-1], mx.int32), round_of[sel]])
+        return Draft(tree_parents, tree_tokens, budget, depth, (rnd, tree_round, root_node),
+                     depths=tree_depths, visible=anc, pending=(tree_round,))
 
     def _tree(self, root, logits, rnd, depth, budget):
         """EAGLE-2, ranked on the device: the host sees the tree only at the walk's sync.
