@@ -1,9 +1,11 @@
 """A small mlx-lm model as drafter: chains (topk=1) and EAGLE-2 dynamic trees (topk=K).
 
 Each step forwards the current lanes on the draft model over its own cache, with the tree mask
-(through the same TreeRound the target uses), and expands them from the draft logits. A chain is
-the tree with one lane: its tokens stay on the device (no host sync until the walk), its forwards
-are plain one-token steps, and its commit is a trim, as in mlx-lm's speculative loop.
+(through the same TreeRound the target uses), and expands them from the draft logits; lanes,
+re-rank and the tree's topology stay on the device, so the round's one host sync is the walk's.
+A chain is the tree with one lane and one child per node: plain one-token steps, a trim for
+commit, as in mlx-lm's speculative loop. One lane with K children is that chain plus its best
+siblings as leaves.
 """
 import numpy as np
 import mlx.core as mx
