@@ -271,11 +271,10 @@ def _plain_decode(model, caches, root, max_tokens, choose, quantize, stop_tokens
             forwarded = not last
             break
         y, logits, position = next_y, next_logits, position + 1
-    if forward_last and not forwarded:  # the cache ends holding every emitted token
-        model(y.reshape(1, 1), cache=caches)
-        quantize(caches)
-        mx.eval([c.state for c in caches])
-    elif forward_last:
+    if forward_last:  # the cache ends holding every emitted token
+        if not forwarded:
+            model(y.reshape(1, 1), cache=caches)
+            quantize(caches)
         mx.eval([c.state for c in caches])
 
 

@@ -11,13 +11,15 @@ The round loop speaks to every drafter through three calls:
 A `Draft` holds its tokens as an mx array, so a model drafter's tokens never need a host sync
 before the verify (the walk fetches them with the target's choices). Its topology is on the host
 (numpy parents), or, for a drafter that ranks on the device, on the device: parents, depths and
-the ancestor-or-self rows as mx arrays, fetched by the walk's one sync (`Draft.fetch`).
+the ancestor-or-self rows as mx arrays, fetched by the walk's one sync (`Draft.arrays`).
 """
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 import mlx.core as mx
+
+from ..tree import MAX_NODES
 
 
 @dataclass
@@ -46,6 +48,14 @@ class Draft:
     def arrays(self):
         """Every device array the walk fetches in its one sync."""
         return [self.tokens] + ([self.parents] if self.on_device else []) + list(self.pending)
+
+
+def check_budget_depth(budget, max_depth):
+    """The bounds every model-free drafter shares: both count draft nodes, root excluded."""
+    if not 0 <= budget <= MAX_NODES - 1:
+        raise ValueError(f"budget counts draft nodes without the root: 0..{MAX_NODES - 1}, got {budget}")
+    if not 0 <= max_depth <= MAX_NODES - 1:
+        raise ValueError(f"max_depth must be in 0..{MAX_NODES - 1}, got {max_depth}")
 
 
 def root_only(root):

@@ -122,13 +122,21 @@ class ModelDrafter:
             return self._chain_with_siblings(root, logits, rnd, depth, budget)
         return self._tree(root, logits, rnd, depth, budget)
 
-    def _chain(self, root, logits, rnd, depth):
+    @staticmethod
+    def _spine(logits, rnd, depth):
+        """Greedy one-token steps from the root: each step's logits and argmax token."""
         root_node = rnd.size - 1
-        toks = [mx.argmax(logits, axis=-1).astype(mx.uint32)]
+        rows, toks = [logits], [mx.argmax(logits, axis=-1).astype(mx.uint32)]
         for s in range(1, depth):
             logits = rnd.forward(toks[-1], [root_node + s - 1])
+            rows.append(logits)
             toks.append(mx.argmax(logits, axis=-1).astype(mx.uint32))
             mx.async_eval(toks[-1])
+        return rows, toks
+
+    def _chain(self, root, logits, rnd, depth):
+        root_node = rnd.size - 1
+        _, toks = self._spine(logits, rnd, depth)
         tokens = mx.concatenate([mx.array([root], mx.uint32)] + toks)
         parents = np.arange(depth + 1, dtype=np.int32) - 1
         # tree node i (1 <= i < depth) was forwarded as round node root_node + i; the last was not
@@ -141,12 +149,7 @@ class ModelDrafter:
         then rank every step's top-K at once. The chain is the spine; its siblings are leaves."""
         K, S = self.topk, depth
         root_node = rnd.size - 1
-        rows, toks = [logits], [mx.argmax(logits, axis=-1)]
-        for s in range(1, S):
-            logits = rnd.forward(toks[-1].astype(mx.uint32), [root_node + s - 1])
-            rows.append(logits)
-            toks.append(mx.argmax(logits, axis=-1))
-            mx.async_eval(toks[-1])
+        rows, toks = self._spine(logits, rnd, S)
         chain = mx.concatenate(toks).astype(mx.int32)  # [S]
         lp = _logprobs(mx.concatenate(rows))  # [S, V]
         idx, top = _top_k(lp, K)
@@ -174,7 +177,8 @@ class ModelDrafter:
                      depths=tree_depths, visible=anc, pending=(tree_round,))
 
     def _tree(self, root, logits, rnd, depth, budget):
-        """EAGLE-2, ranked on the device: the host sees the tree only at the walk's sync.
+        """EAGLE-2 (L >= 2 lanes), ranked on the device: the host sees the tree only at the
+        walk's sync.
 
         Candidates get ids in order of creation (row-major within a step); each step's best K
         become the next lanes; the tree keeps the best `budget` of all candidates (higher score,
@@ -187,21 +191,18 @@ class ModelDrafter:
         root_depth = int(rnd.depths[root_node])
         idx, lp = _top_k(_logprobs(logits), K)  # the root's children, the first candidates
         step_scores = mx.minimum(lp[0], 0)
-        choice = mx.arange(K) if L == K else (
-            mx.argmax(step_scores, keepdims=True) if L == 1 else mx.argsort(-step_scores)[:L])
+        choice = mx.arange(K) if L == K else mx.argsort(-step_scores)[:L]
         lane_tokens, lane_scores = idx[0][choice], step_scores[choice]
         lane_cands = choice  # candidate id of each lane
         lane_parents = mx.full((L,), root_node)  # round node each lane hangs from
         tokens, scores, parents = [idx.reshape(-1)], [step_scores], [mx.full((K,), -1)]
         cand_depths = [np.ones(K, np.int32)]
         forwarded, forwarded_at = [], []  # candidates run as lanes, and their round nodes
-        visible = mx.array(rnd.ancestors) if rnd.all_append and L > 1 else None
+        visible = mx.array(rnd.ancestors) if rnd.all_append else None  # [m, m] over round nodes
         n_cand = K
         for s in range(1, depth):
             first = rnd.size
-            if L == 1:  # one lane: it hangs from the last round node, a plain one-token step
-                logits = rnd.forward(lane_tokens.astype(mx.uint32), [first - 1])
-            elif visible is None:
+            if visible is None:
                 logits = rnd.forward(lane_tokens.astype(mx.uint32), np.array(lane_parents))
             else:
                 rows = mx.concatenate([visible[lane_parents], mx.eye(L, dtype=mx.bool_)], axis=1)
@@ -216,8 +217,7 @@ class ModelDrafter:
             scores.append(step_scores)
             parents.append(mx.repeat(lane_cands, K))
             cand_depths.append(np.full(L * K, s + 1, np.int32))
-            # the next lanes among this step's L*K (one lane: the first best, as argsort's)
-            choice = mx.argmax(step_scores, keepdims=True) if L == 1 else mx.argsort(-step_scores)[:L]
+            choice = mx.argsort(-step_scores)[:L]  # the next lanes among this step's L*K
             lane_tokens, lane_scores = idx.reshape(-1)[choice], step_scores[choice]
             lane_cands = n_cand + choice
             lane_parents = first + choice // K
