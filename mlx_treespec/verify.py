@@ -354,8 +354,8 @@ class TreeRound:
         finally:
             self.ctx.positions = None
             self.ctx.parents = None
-            if pad:  # the next forward of this round writes over the filler K/V
-                for c, k in zip(self.caches, self.kinds):
+            if pad:  # (all caches append) the next forward of this round writes over the filler K/V
+                for c in self.caches:
                     c.offset -= pad
         return out[:n] if pad else out
 
@@ -368,7 +368,7 @@ class TreeRound:
             if self.width is not None:
                 parts.append(mx.zeros((n, self.width - hist - self.size), mx.bool_))
             mask = mx.concatenate(parts, axis=1)
-            if window is not None and self._rows is not None:
+            if window is not None:  # depths on the device: forward_rows may have no host copy
                 depths = self._device_depths(self.size)
                 qpos = self.base + depths[self._new]
                 kpos = mx.concatenate([mx.arange(hist), self.base + depths])
@@ -377,12 +377,6 @@ class TreeRound:
                 if pad:
                     near = mx.concatenate([near, mx.zeros((n, pad), mx.bool_)], axis=1)
                 mask = mask & near
-            elif window is not None:
-                qpos = self.base + self.depths[self._new]
-                kpos = np.concatenate([np.arange(hist), self.base + self.depths])
-                near = (qpos[:, None] - kpos[None, :]) < window
-                near = np.pad(near, ((0, 0), (0, mask.shape[1] - near.shape[1])))
-                mask = mask & mx.array(near)
             if self._pad:
                 p = self._pad
                 filler = [mx.ones((p, hist), mx.bool_), mx.zeros((p, self.size), mx.bool_),

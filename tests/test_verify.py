@@ -37,3 +37,27 @@ def test_single_forward_mask_is_mask_py(pad):
         assert cache[0].offset == 9 + 7  # the filler's K/V are not counted
     else:
         assert got.shape == expected.shape
+
+
+@pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.parametrize("device_topology", [False, True])
+def test_windowed_append_mask_is_mask_py(pad, device_topology):
+    # a sliding-window layer over an append cache: the windowed mask of mask.py, whether the
+    # tree came with host parents or (forward_rows) device depths and rows only
+    model = tiny.build(tiny.CONFIGS["qwen3"])
+    cache = make_prompt_cache(model)
+    model(mx.array([list(range(9))]), cache=cache)
+    parents = np.array([-1, 0, 1, 1, 0, 4, 2])
+    tree = DraftTree(np.arange(7) + 3, parents)
+    rnd = TreeRound(model, cache, pad_keys=pad)
+    tokens = mx.array(tree.tokens.astype(np.uint32))
+    if device_topology:
+        rnd.forward_rows(tokens, mx.array(tree.depths.astype(np.int32)), mx.array(tree.ancestor_mask()))
+    else:
+        rnd.forward(tokens, parents)
+    for window in (3, 5):
+        expected = np.array(bool_mask_with_history(tree, 9, window=window))
+        got = np.array(rnd._append_mask(window))
+        assert got[:7, : expected.shape[1]].tolist() == expected.tolist()
+        assert not got[:7, expected.shape[1]:].any()
+    rnd.commit([])
