@@ -35,7 +35,7 @@ import numpy as np
 import mlx.core as mx
 
 from ..tree import MAX_NODES, DraftTree
-from . import Draft, root_only
+from . import Draft, check_budget_depth, root_only
 
 __all__ = ["NgramIndex", "ngram_matches", "merge_continuations", "LookupDrafter"]
 
@@ -166,10 +166,7 @@ class LookupDrafter:
 
     def __init__(self, budget: int = 16, max_depth: int = 8, ngram_max: int = 4, ngram_min: int = 1,
                  max_matches: int = 16, branches: Optional[int] = None, backoff: bool = False):
-        if not 0 <= budget <= MAX_NODES - 1:
-            raise ValueError(f"budget counts draft nodes without the root: 0..{MAX_NODES - 1}, got {budget}")
-        if not 0 <= max_depth <= MAX_NODES - 1:
-            raise ValueError(f"max_depth must be in 0..{MAX_NODES - 1}, got {max_depth}")
+        check_budget_depth(budget, max_depth)
         if max_matches < 1:
             raise ValueError(f"max_matches must be >= 1, got {max_matches}")
         if branches is not None and branches < 1:

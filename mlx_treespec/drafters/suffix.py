@@ -29,7 +29,7 @@ import numpy as np
 import mlx.core as mx
 
 from ..tree import MAX_NODES, DraftTree
-from . import Draft, root_only
+from . import Draft, check_budget_depth, root_only
 
 __all__ = ["SuffixIndex", "SuffixCursor", "expand_best_first", "SuffixDrafter"]
 
@@ -174,10 +174,7 @@ class SuffixDrafter:
     def __init__(self, budget: int = 16, max_depth: int = 8, index: Optional[SuffixIndex] = None,
                  max_match: int = 16, min_prob: float = 0.0, index_depth: int = 32,
                  branches: Optional[int] = None):
-        if not 0 <= budget <= MAX_NODES - 1:
-            raise ValueError(f"budget counts draft nodes without the root: 0..{MAX_NODES - 1}, got {budget}")
-        if not 0 <= max_depth <= MAX_NODES - 1:
-            raise ValueError(f"max_depth must be in 0..{MAX_NODES - 1}, got {max_depth}")
+        check_budget_depth(budget, max_depth)
         if max_match < 1:
             raise ValueError(f"max_match must be >= 1, got {max_match}")
         if not 0.0 <= min_prob <= 1.0:
