@@ -59,9 +59,10 @@ def main():
         rows[name] = measure(fn, args.reps)
         print(f"{name:48s} host {rows[name][0]:7.3f} ms   synced {rows[name][1]:7.3f} ms", flush=True)
 
-    def drafter_step(n):
+    def chain_forward(model, cache, n):
+        """A round of one forward over a chain of n nodes, committed away."""
         def run():
-            rnd = TreeRound(draft, dc)
+            rnd = TreeRound(model, cache)
             out = rnd.forward(mx.arange(n).astype(mx.uint32), np.arange(n) - 1)
             rnd.commit([])
             return out
@@ -96,14 +97,6 @@ def main():
     def rerank():
         return list(keep_best(3, c_tok, c_sc, c_par, c_dep, B))
 
-    def verify_chain(n):
-        def run():
-            rnd = TreeRound(target, tc)
-            out = rnd.forward(mx.arange(n).astype(mx.uint32), np.arange(n) - 1)
-            rnd.commit([])
-            return out
-        return run
-
     _, tp, td, tt, anc = keep_best(3, c_tok, c_sc, c_par, c_dep, B)
     mx.eval(tp, td, tt, anc)
 
@@ -123,13 +116,13 @@ def main():
         return run
 
     part("sync round trip (one tiny op)", lambda: mx.array(1) + 1)
-    part("drafter step, 1 token (plain call)", drafter_step(1))
-    part("drafter step, 2 tokens (padded on GPU)", drafter_step(2))
+    part("drafter step, 1 token (plain call)", chain_forward(draft, dc, 1))
+    part("drafter step, 2 tokens (padded on GPU)", chain_forward(draft, dc, 2))
     part(f"drafter lane step, {K} tokens (forward_rows)", drafter_lanes)
     part(f"lane selection (top-{K}, argsort)", lane_select)
     part(f"EAGLE-2 re-rank (keep_best, {n_cand} cands, budget {B})", rerank)
-    part("target verify, 1 token (plain call)", verify_chain(1))
-    part("target verify, chain of 9 (padded on GPU)", verify_chain(9))
+    part("target verify, 1 token (plain call)", chain_forward(target, tc, 1))
+    part("target verify, chain of 9 (padded on GPU)", chain_forward(target, tc, 9))
     part(f"target verify, tree of {B + 1} (forward_rows)", verify_tree)
     part("commit, accepted path contiguous", commit(np.arange(5)))
     part("commit, accepted path gathered", commit(np.array([0, 2, 7, 11, 20])))
