@@ -70,7 +70,9 @@ def run_arm(arm, prompt, target, draft, n):
         toks, tps = timed(t for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=n, stats=stats))
     s = stats.summary() if stats.rounds else {}
     return dict(tokens=toks, tps=tps, emitted_per_verify=s.get("emitted_per_verify", 1.0 if "plain" in kind else None),
-                round_ms=s.get("round_ms"), nodes=s.get("nodes_per_round"), rounds=stats.rounds)
+                round_ms=s.get("round_ms"), nodes=s.get("nodes_per_round"), rounds=stats.rounds,
+                sync_ms=s.get("sync_ms_per_round"), walk_ms=s.get("walk_ms_per_round"),
+                held=s.get("held_per_round"))
 
 
 def interleaved(arms, prompts, target, draft, n, log):
@@ -155,7 +157,11 @@ def main():
     best_tree = max((a for a in select if a["name"].startswith("tree")), key=lambda a: sel_tps[a["name"]])
     widest = max((a for a in select if a["name"].startswith("tree")), key=lambda a: sel_epv[a["name"]])
     k = best_chain["opts"]["draft_block_size"]
-    log(f"selected {best_chain['name']}, {best_tree['name']} (tok/s) and {widest['name']} (emitted/verify)")
+    # the fastest tree among those that emit >= 1.2x the best chain per verify (both tree bars)
+    both = [a for a in select if a["name"].startswith("tree") and sel_epv[a["name"]] >= 1.2 * sel_epv[best_chain["name"]]]
+    both = max(both, key=lambda a: sel_tps[a["name"]]) if both else None
+    log(f"selected {best_chain['name']}, {best_tree['name']} (tok/s), {widest['name']} (emitted/verify)"
+        f" and {both['name'] if both else '-'} (fastest at >= 1.2x emitted/verify)")
 
     # Phase 2: the arms, interleaved
     arms = [
@@ -165,8 +171,9 @@ def main():
         dict(name=f"ours chain k={k}", kind="tree", opts=best_chain["opts"]),
         dict(name=f"ours {best_tree['name']}", kind="tree", opts=best_tree["opts"]),
     ]
-    if widest is not best_tree:  # the tree that emits most per verify, when it is not the fastest
-        arms.append(dict(name=f"ours {widest['name']}", kind="tree", opts=widest["opts"]))
+    for extra in (both, widest):  # when they are not the fastest tree
+        if extra is not None and extra is not best_tree and f"ours {extra['name']}" not in [a["name"] for a in arms]:
+            arms.append(dict(name=f"ours {extra['name']}", kind="tree", opts=extra["opts"]))
     res = interleaved(arms, prompts, target, draft, args.max_tokens, log)
 
     base = median_spread([r["tps"] for r in res["mlx-lm plain"]])[0]
@@ -191,7 +198,10 @@ def main():
         lanes = opts.get("tree_lanes") or opts.get("tree_topk", 1)
         gpu = forward_ms(target, int(round(nodes))) + steps * forward_ms(draft, lanes)
         overhead[a["name"]] = dict(round_ms=median_spread([r["round_ms"] for r in rs])[0],
-                                   forwards_ms=gpu)
+                                   forwards_ms=gpu,
+                                   sync_ms=median_spread([r["sync_ms"] for r in rs])[0],
+                                   walk_ms=median_spread([r["walk_ms"] for r in rs])[0],
+                                   held=median_spread([r["held"] for r in rs])[0])
         overhead[a["name"]]["python_ms"] = overhead[a["name"]]["round_ms"] - gpu
 
     print(f"\n## Verify loop on {device} ({len(prompts)} prompts x {args.max_tokens} tokens, temp 0)\n")
@@ -207,7 +217,8 @@ def main():
     print("\nPython overhead per round (round wall time minus the same forwards back to back):")
     for name, o in overhead.items():
         print(f"- {name}: round {o['round_ms']:.2f} ms, forwards {o['forwards_ms']:.2f} ms, "
-              f"overhead {o['python_ms']:.2f} ms")
+              f"overhead {o['python_ms']:.2f} ms (in the round: waiting on the device {o['sync_ms']:.2f} ms, "
+              f"walk and commits {o['walk_ms']:.2f} ms; tokens re-run per round {o['held']:.2f})")
     chain_name, mlx_name = arms[3]["name"], arms[2]["name"]
     med = lambda n, key: median_spread([r[key] for r in res[n]])[0]
     print(f"\nBars: ours chain / mlx-lm chain tok/s = {med(chain_name, 'tps') / med(mlx_name, 'tps'):.3f} (>= 1.0)")

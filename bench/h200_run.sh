@@ -19,8 +19,8 @@ for section in "$@"; do
     gdn) timeout 150 python3 bench/gdn_kernel_bench.py --out "$OUT/gdn.json" 2>&1 | tee "$OUT/gdn.md" ;;
     shapes) timeout 100 python3 bench/kv_shapes_bench.py --out "$OUT/shapes.json" 2>&1 | tee "$OUT/shapes.md" ;;
     parts) timeout 120 python3 bench/round_parts_bench.py --out "$OUT/parts.json" 2>&1 | tee "$OUT/parts.md" ;;
-    loop) timeout 330 python3 bench/bench_loop.py --prompts 20 --select-prompts 3 --max-tokens 256 \
-            --blocks 6,8,10 --trees 4:8:32,4:8:32:2,4:8:16:1,4:10:24:1,8:10:40:1 \
+    loop) timeout 400 python3 bench/bench_loop.py --prompts 20 --select-prompts 4 --max-tokens 256 \
+            --blocks 5,6,7,8 --trees 4:6:24:1,3:7:21:1,4:7:28:1,3:8:24:1,4:8:32:1,4:10:24:1,4:8:32:2 \
             --out "$OUT/loop.json" 2>"$OUT/loop.err" | tee "$OUT/loop.md" ;;
     free) timeout 150 python3 bench/model_free_bench.py --model mlx_treespec/demo/target --prompts 8 \
             --out "$OUT/free.json" 2>&1 | tee "$OUT/free.md" ;;

@@ -19,12 +19,12 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
 from mlx_treespec.cache import commit_appended
-from mlx_treespec.drafters.model import _logprobs, _top_k, keep_best
-from mlx_treespec.generate import resolve_model_path
+from mlx_treespec.drafters.model import ModelDrafter, _logprobs, _top_k, keep_best
+from mlx_treespec.generate import _verify, resolve_model_path
 from mlx_treespec.verify import TreeRound
 
 
-def measure(build, reps):
+def measure(build, reps, after=None):
     host, wall = [], []
     for _ in range(reps + 2):
         t0 = time.perf_counter()
@@ -34,6 +34,8 @@ def measure(build, reps):
         t2 = time.perf_counter()
         host.append(1e3 * (t1 - t0))
         wall.append(1e3 * (t2 - t0))
+        if after is not None:
+            after(out)
     return statistics.median(host[2:]), statistics.median(wall[2:])
 
 
@@ -55,8 +57,8 @@ def main():
     K, S, B = 4, 6, 24
     rows = {}
 
-    def part(name, fn):
-        rows[name] = measure(fn, args.reps)
+    def part(name, fn, after=None):
+        rows[name] = measure(fn, args.reps, after)
         print(f"{name:48s} host {rows[name][0]:7.3f} ms   synced {rows[name][1]:7.3f} ms", flush=True)
 
     def chain_forward(model, cache, n):
@@ -124,6 +126,51 @@ def main():
     part("target verify, 1 token (plain call)", chain_forward(target, tc, 1))
     part("target verify, chain of 9 (padded on GPU)", chain_forward(target, tc, 9))
     part(f"target verify, tree of {B + 1} (forward_rows)", verify_tree)
+    def verify_held():
+        rnd = TreeRound(target, tc)
+        out = _verify(rnd, held_draft, [11])[0]
+        rnd.commit([])
+        return out
+
+    from mlx_treespec.drafters import Draft
+    held_draft = Draft(np.zeros(B + 1, np.int64), tt, depths=td, visible=anc)
+    part(f"target verify, 1 held token + tree of {B + 1}", verify_held)
+
+    spine_logits = mx.random.normal((S, draft.args.vocab_size)).astype(mx.float16)
+    spine = mx.argmax(spine_logits, axis=-1)
+    mx.eval(spine_logits, spine)
+
+    def sibling_pick():  # what a one-lane tree adds to a chain's drafting, for all S steps at once
+        masked = mx.put_along_axis(spine_logits, spine[:, None].astype(mx.int32),
+                                   mx.array(-mx.inf, spine_logits.dtype), axis=-1)
+        return mx.argpartition(-masked, kth=K - 2, axis=-1)[:, : K - 1].reshape(-1)
+
+    part(f"sibling pick (top-{K - 1} runners-up of {S} steps)", sibling_pick)
+
+    def whole_draft(name, queue=None, **shape):
+        """A drafter's whole draft() from one pending root (its first forward included), then
+        the round dropped so every repeat starts from the same cache."""
+        d = ModelDrafter(draft, cache=dc, **shape)
+        if queue is not None:
+            d.queue_steps = queue
+        rounds = []
+
+        def build():
+            d.pending = [5]
+            dr = d.draft(5, 63)
+            rounds.append(dr.extra[0])
+            return dr.arrays()
+
+        part(name, build, lambda _: rounds.pop().commit([]))
+
+    whole_draft("drafter draft(): chain of 6, each step queued", queue=True, topk=1, depth=6)
+    whole_draft("drafter draft(): chain of 6, evaluated once", queue=False, topk=1, depth=6)
+    whole_draft("drafter draft(): chain of 8", topk=1, depth=8)
+    whole_draft("drafter draft(): spine 6 + siblings (K=4, B=24)", topk=4, depth=6, budget=24, lanes=1)
+    whole_draft("drafter draft(): spine 8 + siblings (K=4, B=32)", topk=4, depth=8, budget=32, lanes=1)
+    whole_draft("drafter draft(): spine 10, ranked (K=4, B=24)", topk=4, depth=10, budget=24, lanes=1)
+    whole_draft("drafter draft(): EAGLE-2 K=4 S=6 B=24, each step queued", queue=True, topk=4, depth=6, budget=24)
+    whole_draft("drafter draft(): EAGLE-2 K=4 S=6 B=24, evaluated once", queue=False, topk=4, depth=6, budget=24)
     part("commit, accepted path contiguous", commit(np.arange(5)))
     part("commit, accepted path gathered", commit(np.array([0, 2, 7, 11, 20])))
     if args.out:

@@ -36,11 +36,14 @@ class RoundStats:
     emitted: List[int] = field(default_factory=list)  # tokens emitted per round (per verify)
     nodes: List[int] = field(default_factory=list)  # nodes verified per round (root included)
     depth: List[int] = field(default_factory=list)  # effective tree depth per round
+    held: List[int] = field(default_factory=list)  # accepted tokens left for the next forward
     requested_budget: List[int] = field(default_factory=list)
     requested_depth: List[int] = field(default_factory=list)
     draft_ms: List[float] = field(default_factory=list)
     verify_ms: List[float] = field(default_factory=list)
     round_ms: List[float] = field(default_factory=list)
+    sync_ms: List[float] = field(default_factory=list)  # waiting in the round's one host sync
+    walk_ms: List[float] = field(default_factory=list)  # after the sync: walk and commits
     prompt_ms: float = 0.0
 
     @property
@@ -65,6 +68,7 @@ class RoundStats:
             "emitted_per_verify": sum(self.emitted) / n,
             "accepted_per_round": sum(self.accepted) / n,
             "nodes_per_round": sum(self.nodes) / n,
+            "held_per_round": sum(self.held) / n,
             "acceptance_by_depth": self.acceptance_by_depth(),
             "requested_budget": max(self.requested_budget, default=0),
             "effective_budget": (sum(self.nodes) - self.rounds) / n,
@@ -73,6 +77,8 @@ class RoundStats:
             "draft_ms_per_round": sum(self.draft_ms) / n,
             "verify_ms_per_round": sum(self.verify_ms) / n,
             "round_ms": sum(self.round_ms) / n,
+            "sync_ms_per_round": sum(self.sync_ms) / n,
+            "walk_ms_per_round": sum(self.walk_ms) / n,
             "prompt_ms": self.prompt_ms,
         }
 
@@ -81,13 +87,14 @@ class RoundStats:
         by_depth = " ".join(f"{a:.2f}" for a in s["acceptance_by_depth"])
         return (
             f"Rounds: {s['rounds']}, emitted/verify: {s['emitted_per_verify']:.3f}, "
-            f"accepted/round: {s['accepted_per_round']:.3f}\n"
+            f"accepted/round: {s['accepted_per_round']:.3f}, re-run next round: {s['held_per_round']:.3f}\n"
             f"Nodes/round: {s['nodes_per_round']:.2f} (budget requested {s['requested_budget']}, "
             f"effective {s['effective_budget']:.2f}; depth requested {s['requested_depth']}, "
             f"effective {s['effective_depth']:.2f})\n"
             f"Acceptance by depth: {by_depth or '-'}\n"
             f"Draft {s['draft_ms_per_round']:.2f} ms/round, verify {s['verify_ms_per_round']:.2f} "
-            f"ms/round, round {s['round_ms']:.2f} ms"
+            f"ms/round, round {s['round_ms']:.2f} ms (of which waiting on the device "
+            f"{s['sync_ms_per_round']:.2f}, walk and commit {s['walk_ms_per_round']:.2f})"
         )
 
 
@@ -170,6 +177,7 @@ def tree_generate_step(
                                  stats, forward_last=prompt_cache is not None)
         return
     n = 0
+    held = []  # accepted tokens whose K/V the target did not keep: they lead the next forward
     while max_tokens < 0 or n < max_tokens:
         room = float("inf") if max_tokens < 0 else max_tokens - n
         base = committed_offset(caches)
@@ -187,14 +195,11 @@ def tree_generate_step(
         t1 = time.perf_counter()
         # verify
         rnd = TreeRound(model, caches)
-        if draft.on_device and rnd.all_append:  # the topology stays on the device until the walk
-            logits = rnd.forward_rows(draft.tokens, draft.depths, draft.visible)
-            positions = None if temp == 0 else base + draft.depths
-        else:
-            logits = rnd.forward(draft.tokens, draft.host_parents())
-            positions = None if temp == 0 else mx.array((base + rnd.depths).astype(np.int32))
-        chosen = choose(logits, positions)
+        logits, depths = _verify(rnd, draft, held)
+        chosen = choose(logits, None if temp == 0 else base + depths)
+        ts = time.perf_counter()
         mx.eval(draft.arrays(), chosen)
+        tw = time.perf_counter()
         # walk
         tree = DraftTree(np.array(draft.tokens).astype(np.int64), draft.host_parents())
         path, emitted = greedy_walk(tree, np.array(chosen).astype(np.int64), max_emit=None if room == float("inf") else int(room))
@@ -205,8 +210,13 @@ def tree_generate_step(
                 emitted = emitted[: i + 1]
                 break
         path = path[: len(emitted)]
-        # commit
-        rnd.commit(path)
+        # commit: where the path leaves the nodes' order, moving K/V would cost a gather per
+        # layer; append caches keep the leading run and re-run the rest with the next round
+        keep = np.concatenate([np.arange(len(held)), len(held) + path])
+        run = len(keep) if not rnd.all_append or kv_bits is not None else int(np.argmin(
+            np.append(keep == np.arange(len(keep)), False)))
+        rnd.commit(keep[:run])
+        held = tree.tokens[keep[run:] - len(held)].tolist()
         quantize(caches)
         if drafter is not None:
             drafter.commit(draft, path, emitted)
@@ -215,11 +225,14 @@ def tree_generate_step(
         stats.emitted.append(len(emitted))
         stats.nodes.append(draft.size)
         stats.depth.append(int(tree.max_depth))
+        stats.held.append(len(held))
         stats.requested_budget.append(draft.requested_budget)
         stats.requested_depth.append(draft.requested_depth)
         stats.draft_ms.append(1e3 * (t1 - t0))
         stats.verify_ms.append(1e3 * (t2 - t1))
         stats.round_ms.append(1e3 * (t2 - t0))
+        stats.sync_ms.append(1e3 * (tw - ts))
+        stats.walk_ms.append(1e3 * (t2 - tw))
         logprobs = logits[mx.array(path.astype(np.int32))]
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
         for i, t in enumerate(emitted):
@@ -229,9 +242,32 @@ def tree_generate_step(
         if root in stop_tokens:
             break
     if prompt_cache is not None:
-        model(mx.array([[root]]), cache=caches)
+        model(mx.array([held + [root]]), cache=caches)
         quantize(caches)
         mx.eval([c.state for c in caches])
+
+
+def _verify(rnd, draft, held):
+    """One target forward: the held tokens (accepted earlier, not in the caches yet) as a
+    chain, the draft tree hung from the last of them. Returns the tree's logits and its nodes'
+    round depths (mx int32)."""
+    p, n = len(held), draft.size
+    tokens = mx.concatenate([mx.array(held, mx.uint32), draft.tokens]) if p else draft.tokens
+    if draft.visible is not None and rnd.all_append:  # the topology stays on the device
+        depths, rows = draft.depths, draft.visible
+        if p:
+            depths = mx.concatenate([mx.arange(p, dtype=mx.int32), depths.astype(mx.int32) + p])
+            lead = np.concatenate([np.tril(np.ones((p, p), bool)), np.zeros((p, n), bool)], axis=1)
+            rows = mx.concatenate([mx.array(lead), mx.concatenate(
+                [mx.ones((n, p), mx.bool_), rows], axis=1)], axis=0)
+        logits = rnd.forward_rows(tokens, depths, rows)
+    else:
+        parents = draft.host_parents()
+        if p:
+            parents = np.concatenate([np.arange(p) - 1, np.where(parents < 0, p - 1, parents + p)])
+        logits = rnd.forward(tokens, parents)
+        depths = mx.array(rnd.depths.astype(np.int32))
+    return (logits[p:], depths[p:]) if p else (logits, depths)
 
 
 def _plain_decode(model, caches, root, max_tokens, choose, quantize, stop_tokens, stats, forward_last):
@@ -254,17 +290,21 @@ def _plain_decode(model, caches, root, max_tokens, choose, quantize, stop_tokens
         if not last:  # queue the next forward before reading this token
             next_y, next_logits = step(y, position + 1)
             mx.async_eval(next_y)
+        ts = time.perf_counter()
         token = y.item()
         toc = time.perf_counter()
         stats.accepted.append(0)
         stats.emitted.append(1)
         stats.nodes.append(1)
         stats.depth.append(0)
+        stats.held.append(0)
         stats.requested_budget.append(0)
         stats.requested_depth.append(0)
         stats.draft_ms.append(0.0)
         stats.verify_ms.append(1e3 * (toc - tic))
         stats.round_ms.append(1e3 * (toc - tic))
+        stats.sync_ms.append(1e3 * (toc - ts))
+        stats.walk_ms.append(0.0)
         tic = toc
         yield token, logits[0] - mx.logsumexp(logits[0], keepdims=True), False
         if last or token in stop_tokens:

@@ -210,6 +210,19 @@ def _bucket(n):
     return 1 << max(n - 1, 0).bit_length()
 
 
+_FILLER = {}
+
+
+def _filler_block(n, m, p):
+    """bool [n + p, m + p]: True on the filler rows' own columns only (cached per shape)."""
+    block = _FILLER.get((n, m, p))
+    if block is None:
+        block = np.zeros((n + p, m + p), bool)
+        block[np.arange(n, n + p), np.arange(m, m + p)] = True
+        block = _FILLER[(n, m, p)] = mx.array(block)
+    return block
+
+
 _STAND_INS = {"append": _AppendLayer, "rotating": _RotatingLayer, "arrays": _ArraysLayer}
 
 
@@ -363,25 +376,20 @@ class TreeRound:
         mask = self._masks.get(window)
         if mask is None:
             tree = self._rows if self._rows is not None else mx.array(self.ancestors[self._new])
-            hist, n = self.base, tree.shape[0]
-            parts = [mx.ones((n, hist), mx.bool_), tree]
-            if self.width is not None:
-                parts.append(mx.zeros((n, self.width - hist - self.size), mx.bool_))
-            mask = mx.concatenate(parts, axis=1)
+            hist, n, p = self.base, tree.shape[0], self._pad
+            if p:  # filler rows see the history and themselves; no real row sees them
+                tree = mx.pad(tree, ((0, p), (0, p))) | _filler_block(n, tree.shape[1], p)
+            tail = 0 if self.width is None else self.width - hist - self.size - p
+            parts = [mx.ones((n + p, hist), mx.bool_), tree]
+            mask = mx.concatenate(parts + ([mx.zeros((n + p, tail), mx.bool_)] if tail else []), axis=1)
             if window is not None:  # depths on the device: forward_rows may have no host copy
                 depths = self._device_depths(self.size)
                 qpos = self.base + depths[self._new]
                 kpos = mx.concatenate([mx.arange(hist), self.base + depths])
                 near = (qpos[:, None] - kpos[None, :]) < window
-                pad = mask.shape[1] - near.shape[1]
-                if pad:
-                    near = mx.concatenate([near, mx.zeros((n, pad), mx.bool_)], axis=1)
+                # filler rows sit at the committed offset: the window never hides their keys
+                near = mx.pad(near, ((0, p), (0, mask.shape[1] - near.shape[1])), constant_values=True)
                 mask = mask & near
-            if self._pad:
-                p = self._pad
-                filler = [mx.ones((p, hist), mx.bool_), mx.zeros((p, self.size), mx.bool_),
-                          mx.eye(p, dtype=mx.bool_), mx.zeros((p, self.width - hist - self.size - p), mx.bool_)]
-                mask = mx.concatenate([mask, mx.concatenate(filler, axis=1)], axis=0)
             self._masks[window] = mask
         return mask
 

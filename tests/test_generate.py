@@ -24,7 +24,8 @@ SHAPES = {
     "k2s3b6": dict(tree_topk=2, tree_depth=3, tree_budget=6),
     "k3s6b31": dict(tree_topk=3, tree_depth=6, tree_budget=31),
     "k4s5b20": dict(tree_topk=4, tree_depth=5, tree_budget=20),
-    "k4l1s6b16": dict(tree_topk=4, tree_depth=6, tree_budget=16, tree_lanes=1),  # chain + siblings
+    "k4l1s6b16": dict(tree_topk=4, tree_depth=6, tree_budget=16, tree_lanes=1),  # chain + ranked siblings
+    "k4l1s6b24": dict(tree_topk=4, tree_depth=6, tree_budget=24, tree_lanes=1),  # chain + all siblings
     "k3l2s4b12": dict(tree_topk=3, tree_depth=4, tree_budget=12, tree_lanes=2),
 }
 N = 200
@@ -161,7 +162,7 @@ def cache_state(c):
 
 @pytest.mark.parametrize("family,max_kv", [("qwen3", None), ("qwen3", 16), ("gemma3", None),
                                            ("gemma4", 16), ("qwen3_moe", None)])
-@pytest.mark.parametrize("shape", ["chain4", "k3s6b31"])
+@pytest.mark.parametrize("shape", ["chain4", "k3s6b31", "k4l1s6b24"])
 def test_committed_cache_equals_plain_decoding(pairs, family, max_kv, shape):
     target, draft = pairs(family)
     prompt = prompt_tokens(4, n=15)
@@ -203,7 +204,7 @@ def test_sampled_min_p(pairs):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "gemma4", "phi3"])
-@pytest.mark.parametrize("shape", ["chain1", "chain4", "k3s6b31"])
+@pytest.mark.parametrize("shape", ["chain1", "chain4", "k3s6b31", "k4l1s6b24"])
 def test_greedy_identical_reading_whole_buffers(pairs, family, shape, monkeypatch):
     # the GPU path: attention reads whole KV buffers, the mask hides the unused tail
     import mlx_treespec.verify as verify
@@ -234,3 +235,27 @@ def test_drafterless_decoding_is_mlx_lm_generate_step(pairs, max_kv):
     stop = ref[12]
     out = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=40, stop_tokens=[stop])]
     assert out == ref[: ref.index(stop) + 1]
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_off_order_accepts_are_rerun_not_moved(pairs, monkeypatch, pad):
+    # a path that leaves the node order (an accepted sibling) keeps its leading run in the
+    # cache and runs the rest first in the next round: no K/V row moves, same tokens
+    import mlx_treespec.verify as verify
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: pad)
+    moved = []
+    real = verify.commit_appended
+
+    def spy(cache, base, keep):
+        moved.append(bool((np.asarray(keep) != np.arange(len(keep))).any()))
+        return real(cache, base, keep)
+
+    monkeypatch.setattr(verify, "commit_appended", spy)
+    target, draft = pairs("qwen3")
+    prompt = prompt_tokens(8)
+    ref = plain(target, prompt)
+    out, stats = speculative(target, draft, prompt, SHAPES["k4l1s6b24"])
+    assert out == ref
+    assert sum(stats.held) > 0, "no sibling was ever accepted"
+    assert moved and not any(moved)

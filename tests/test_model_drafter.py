@@ -60,6 +60,7 @@ def test_keep_best_nan_scores_rank_last():
 
 @pytest.mark.parametrize("shape", [dict(draft_block_size=4), dict(tree_topk=3, tree_depth=4, tree_budget=12),
                                    dict(tree_topk=4, tree_depth=6, tree_budget=16, tree_lanes=1),
+                                   dict(tree_topk=4, tree_depth=5, tree_budget=20, tree_lanes=1),
                                    dict(tree_topk=3, tree_depth=4, tree_budget=12, tree_lanes=2)])
 def test_draft_cache_holds_what_plain_decoding_builds(shape):
     # after every run the drafter's cache holds exactly the emitted text minus its pending
@@ -81,3 +82,30 @@ def test_draft_cache_holds_what_plain_decoding_builds(shape):
         assert ours.offset == theirs.offset == len(text)
         assert mx.array_equal(ours.keys[..., : len(text), :], theirs.keys[..., : len(text), :])
         assert mx.array_equal(ours.values[..., : len(text), :], theirs.values[..., : len(text), :])
+
+
+def test_one_lane_full_budget_is_the_ranked_tree():
+    # with a budget that keeps every candidate, the fixed spine-and-siblings layout proposes the
+    # tree EAGLE-2's re-rank would: the same root paths, the spine first
+    import tiny
+    from mlx_treespec.drafters.model import ModelDrafter
+
+    target = tiny.build(tiny.CONFIGS["qwen3"])
+    draft = tiny.perturbed(target)
+    prompt = np.random.default_rng(1).integers(0, tiny.VOCAB, 9).tolist()
+    fixed = ModelDrafter(draft, topk=4, depth=5, budget=20, lanes=1)
+    ranked = ModelDrafter(draft, topk=4, depth=5, budget=20, lanes=1)
+    ranked._spine_and_siblings = ranked._ranked_siblings
+    fixed.prefill(prompt)
+    ranked.prefill(prompt)
+    for root in np.random.default_rng(2).integers(0, tiny.VOCAB, 6).tolist():
+        a, b = fixed.draft(root, 10), ranked.draft(root, 10)
+        assert not a.on_device and b.on_device  # the fixed layout needs no re-rank
+        ta, pa = np.array(a.tokens), a.host_parents()
+        assert _paths(ta, pa) == _paths(np.array(b.tokens), b.host_parents())
+        assert np.array_equal(pa[:6], np.arange(6) - 1)  # the spine is nodes 1..5
+        tree = DraftTree(ta.astype(np.int64), pa)
+        assert np.array_equal(np.array(a.visible), tree.ancestor_mask())
+        assert np.array_equal(np.array(a.depths), tree.depths)
+        for d in (fixed, ranked):  # nothing accepted: the next root follows this one
+            d.commit(a if d is fixed else b, np.array([0]), [root])

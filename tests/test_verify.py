@@ -60,4 +60,6 @@ def test_windowed_append_mask_is_mask_py(pad, device_topology):
         got = np.array(rnd._append_mask(window))
         assert got[:7, : expected.shape[1]].tolist() == expected.tolist()
         assert not got[:7, expected.shape[1]:].any()
+        if pad:  # the filler row: the history and itself, whatever the window
+            assert got.shape[0] == 8 and got[7, :9].all() and got[7, 9 + 7] and got[7].sum() == 10
     rnd.commit([])

@@ -74,6 +74,10 @@ class ModelDrafter:
     lanes = 1 expands only the best candidate, a chain of one-token steps whose siblings ride
     along as leaves), `depth` steps, `budget` draft nodes kept."""
 
+    # Queue each draft step as it is built? On the H200 a chain of 6 drafts in 2.0 ms built
+    # whole and evaluated once, 2.8 ms queued step by step (bench/round_parts_bench.py times both).
+    queue_steps = False
+
     def __init__(self, model, topk=1, depth=4, budget=None, cache=None, prefill_step_size=2048,
                  lanes=None):
         if topk < 1:
@@ -94,6 +98,7 @@ class ModelDrafter:
         self.cache = cache
         self.prefill_step_size = prefill_step_size
         self.pending = []  # emitted tokens not yet in the draft cache; the last is the root
+        self._layouts = {}  # spine depth -> fixed topology of one-lane drafts
 
     def prefill(self, prompt):
         if self.cache is None:
@@ -116,14 +121,14 @@ class ModelDrafter:
         rnd = TreeRound(self.model, self.cache)
         p = len(self.pending)
         logits = rnd.forward(mx.array(self.pending, mx.uint32), np.arange(p) - 1)[-1:]
-        if self.topk == 1:
-            return self._chain(root, logits, rnd, depth)
         if self.lanes == 1:
-            return self._chain_with_siblings(root, logits, rnd, depth, budget)
+            rows, toks = self._spine(logits, rnd, depth)
+            if budget >= depth * self.topk:  # every candidate stays: nothing to rank
+                return self._spine_and_siblings(root, rows, toks, rnd, budget)
+            return self._ranked_siblings(root, rows, toks, rnd, budget)
         return self._tree(root, logits, rnd, depth, budget)
 
-    @staticmethod
-    def _spine(logits, rnd, depth):
+    def _spine(self, logits, rnd, depth):
         """Greedy one-token steps from the root: each step's logits and argmax token."""
         root_node = rnd.size - 1
         rows, toks = [logits], [mx.argmax(logits, axis=-1).astype(mx.uint32)]
@@ -131,25 +136,55 @@ class ModelDrafter:
             logits = rnd.forward(toks[-1], [root_node + s - 1])
             rows.append(logits)
             toks.append(mx.argmax(logits, axis=-1).astype(mx.uint32))
-            mx.async_eval(toks[-1])
+            if self.queue_steps:  # the device starts on this step while the host builds the next
+                mx.async_eval(toks[-1])
         return rows, toks
 
-    def _chain(self, root, logits, rnd, depth):
-        root_node = rnd.size - 1
-        _, toks = self._spine(logits, rnd, depth)
-        tokens = mx.concatenate([mx.array([root], mx.uint32)] + toks)
-        parents = np.arange(depth + 1, dtype=np.int32) - 1
-        # tree node i (1 <= i < depth) was forwarded as round node root_node + i; the last was not
-        forwarded = np.arange(depth + 1, dtype=np.int64) + root_node
-        forwarded[0] = forwarded[-1] = -1
-        return Draft(parents, tokens, depth, depth, (rnd, forwarded, root_node))
+    def _layout(self, S):
+        """The fixed topology of a spine of S with its step's K - 1 runners-up as leaves: host
+        parents, and the device depths and ancestor-or-self rows the verify reads (built once
+        per depth, so a round spends no op on them)."""
+        hit = self._layouts.get(S)
+        if hit is None:
+            K = self.topk
+            spine = np.arange(S + 1, dtype=np.int64) - 1  # node i (1..S) at depth i
+            leaves = np.repeat(np.arange(S, dtype=np.int64), K - 1)  # children of nodes 0..S-1
+            parents = np.concatenate([spine, leaves])
+            depths = np.concatenate([np.arange(S + 1), leaves + 1]).astype(np.int32)
+            anc = np.zeros((len(parents), len(parents)), bool)
+            for j, p in enumerate(parents):
+                if p >= 0:
+                    anc[j] = anc[p]
+                anc[j, j] = True
+            hit = (parents, mx.array(depths), mx.array(anc))
+            self._layouts[S] = hit
+        return hit
 
-    def _chain_with_siblings(self, root, logits, rnd, depth, budget):
-        """One lane: draft the chain exactly as `_chain` does (an argmax per one-token step),
-        then rank every step's top-K at once. The chain is the spine; its siblings are leaves."""
-        K, S = self.topk, depth
-        root_node = rnd.size - 1
-        rows, toks = self._spine(logits, rnd, S)
+    def _spine_and_siblings(self, root, rows, toks, rnd, budget):
+        """The chain (K = 1), or the chain with each step's K - 1 runners-up as leaves: a fixed
+        topology, so nothing is ranked and the host knows the parents without a sync."""
+        S, K = len(toks), self.topk
+        root_node = rnd.size - S  # the spine forwarded S - 1 nodes after the root
+        chain = mx.concatenate(toks)
+        parts = [mx.array([root], mx.uint32), chain]
+        if K > 1:
+            logits = mx.concatenate(rows)  # [S, V]
+            # the spine token is its step's argmax: mask it, the next K - 1 are its siblings
+            logits = mx.put_along_axis(logits, chain[:, None].astype(mx.int32),
+                                       mx.array(-mx.inf, logits.dtype), axis=-1)
+            parts.append(mx.argpartition(-logits, kth=K - 2, axis=-1)[:, : K - 1].reshape(-1).astype(mx.uint32))
+        parents, depths, visible = self._layout(S)
+        # spine node i (1 <= i < S) was forwarded as round node root_node + i; nothing else was
+        forwarded = np.full(len(parents), -1, np.int64)
+        forwarded[1:S] = np.arange(1, S) + root_node
+        return Draft(parents, mx.concatenate(parts), budget, S,
+                     (rnd, forwarded, root_node), depths=depths, visible=visible)
+
+    def _ranked_siblings(self, root, rows, toks, rnd, budget):
+        """One lane with a budget below S * K: the chain's steps' top-K, ranked at once on the
+        device (EAGLE-2's re-rank); the chain is the spine."""
+        K, S = self.topk, len(toks)
+        root_node = rnd.size - S  # the spine forwarded S - 1 nodes after the root
         chain = mx.concatenate(toks).astype(mx.int32)  # [S]
         lp = _logprobs(mx.concatenate(rows))  # [S, V]
         idx, top = _top_k(lp, K)
@@ -173,7 +208,7 @@ class ModelDrafter:
         if S > 1:
             round_of[lanes[:-1]] = mx.arange(root_node + 1, root_node + S, dtype=mx.int32)
         tree_round = mx.concatenate([mx.array([-1], mx.int32), round_of[sel]])
-        return Draft(tree_parents, tree_tokens, budget, depth, (rnd, tree_round, root_node),
+        return Draft(tree_parents, tree_tokens, budget, S, (rnd, tree_round, root_node),
                      depths=tree_depths, visible=anc, pending=(tree_round,))
 
     def _tree(self, root, logits, rnd, depth, budget):
@@ -222,7 +257,8 @@ class ModelDrafter:
             lane_cands = n_cand + choice
             lane_parents = first + choice // K
             n_cand += L * K
-            mx.async_eval(lane_tokens, lane_scores, lane_parents)
+            if self.queue_steps:
+                mx.async_eval(lane_tokens, lane_scores, lane_parents)
         sel, tree_parents, tree_depths, tree_tokens, anc = keep_best(
             root, mx.concatenate(tokens), mx.concatenate(scores), mx.concatenate(parents),
             np.concatenate(cand_depths), budget)
