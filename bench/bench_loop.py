@@ -130,11 +130,17 @@ def main():
     ap.add_argument("--trees", default="2:3:6,2:4:8,3:4:12,4:4:16,2:6:12,3:5:15,4:5:24,4:6:32")
     ap.add_argument("--out", default="bench/out/loop.json")
     ap.add_argument("--quick", action="store_true", help="tiny run for a CPU smoke test")
+    ap.add_argument("--queue-draft", type=int, choices=(0, 1), default=None,
+                    help="queue the draft before building the verify (default: the library's)")
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.select_prompts, args.max_tokens = 2, 1, 24
         args.blocks, args.trees = "1,3", "2:3:6"
     log = lambda m: print(m, file=sys.stderr, flush=True)
+    if args.queue_draft is not None:
+        import mlx_treespec.generate as gen
+
+        gen.QUEUE_DRAFT = bool(args.queue_draft)
 
     target, tok = load(resolve_model_path(args.model))
     draft, _ = load(resolve_model_path(args.draft_model))

@@ -10,7 +10,9 @@ part's cost to the round whenever the device has no queued work to hide it behin
 """
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -22,6 +24,8 @@ from mlx_treespec.cache import commit_appended
 from mlx_treespec.drafters.model import ModelDrafter, _logprobs, _top_k, keep_best
 from mlx_treespec.generate import _verify, resolve_model_path
 from mlx_treespec.verify import TreeRound
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def measure(build, reps, after=None):
@@ -39,15 +43,48 @@ def measure(build, reps, after=None):
     return statistics.median(host[2:]), statistics.median(wall[2:])
 
 
+def loop_variants(target, tokenizer, draft, rows, n_prompts, n=256):
+    """Whole rounds of the real loop on held-out prompts, the draft queued before the verify is
+    built or not, variants interleaved per prompt: median tok/s and round ms."""
+    import mlx_treespec.generate as gen
+    from bench_loop import load_prompts
+    from mlx_treespec.generate import RoundStats, make_drafter, tree_generate_step
+
+    prompts = load_prompts(tokenizer, n_prompts)
+    shapes = {"chain 8": dict(draft_block_size=8),
+              "spine 7 + siblings (K=4)": dict(tree_topk=4, tree_depth=7, tree_budget=28, tree_lanes=1),
+              "spine 10 + siblings (K=3)": dict(tree_topk=3, tree_depth=10, tree_budget=30, tree_lanes=1)}
+    variants = [(name, queue) for name in shapes for queue in (False, True)]
+    got = {v: ([], []) for v in variants}
+    for i, p in enumerate([prompts[0]] + prompts):  # the first prompt warms up
+        for name, queue in variants:
+            gen.QUEUE_DRAFT = queue
+            st = RoundStats()
+            t0 = None
+            for k, _ in enumerate(tree_generate_step(p, target, make_drafter(draft, **shapes[name]),
+                                                     max_tokens=n, stats=st)):
+                if k == 0:
+                    t0 = time.perf_counter()
+            if i:
+                got[(name, queue)][0].append(k / (time.perf_counter() - t0))
+                got[(name, queue)][1].append(st.summary()["round_ms"])
+    gen.QUEUE_DRAFT = True
+    for (name, queue), (tps, ms) in got.items():
+        label = f"loop, {name}, draft {'queued' if queue else 'not queued'} before verify"
+        rows[label] = dict(tok_s=statistics.median(tps), round_ms=statistics.median(ms))
+        print(f"{label:64s} {rows[label]['tok_s']:8.1f} tok/s, round {rows[label]['round_ms']:6.2f} ms", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="demo")
     ap.add_argument("--draft-model", default="demo-drafter")
     ap.add_argument("--history", type=int, default=200)
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--loop-prompts", type=int, default=8)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    target, _ = load(resolve_model_path(args.model))
+    target, tokenizer = load(resolve_model_path(args.model))
     draft, _ = load(resolve_model_path(args.draft_model))
     hist = mx.array(np.arange(args.history) % 97)[None]
     tc, dc = make_prompt_cache(target), make_prompt_cache(draft)
@@ -125,15 +162,50 @@ def main():
     part(f"EAGLE-2 re-rank (keep_best, {n_cand} cands, budget {B})", rerank)
     part("target verify, 1 token (plain call)", chain_forward(target, tc, 1))
     part("target verify, chain of 9 (padded on GPU)", chain_forward(target, tc, 9))
+
+    def rows_forward(model, cache, n, rows_of):
+        """One forward over n nodes through forward_rows, topology made on the device."""
+        ones = rows_of(n)
+
+        def run():
+            rnd = TreeRound(model, cache)
+            out = rnd.forward_rows(mx.arange(n).astype(mx.uint32), mx.arange(n, dtype=mx.int32), ones)
+            rnd.commit([])
+            return out
+        return run
+
+    causal = {}
+
+    def causal_rows(n):
+        if n not in causal:
+            causal[n] = mx.tril(mx.ones((n, n), mx.bool_))
+            mx.eval(causal[n])
+        return causal[n]
+
+    part("target verify, chain of 9 (forward_rows, rows on device)", rows_forward(target, tc, 9, causal_rows))
+    part("drafter step, 2 tokens (forward_rows, rows on device)", rows_forward(draft, dc, 2, causal_rows))
+    host9 = np.arange(9, dtype=np.int32)
+    part("host -> device: mx.array of 9 int32, + 1", lambda: mx.array(host9) + 1)
+    part("device: mx.arange(9) + 1", lambda: mx.arange(9, dtype=mx.int32) + 1)
     part(f"target verify, tree of {B + 1} (forward_rows)", verify_tree)
+    host_parents = np.array(tp)
+
+    def verify_tree_host():
+        rnd = TreeRound(target, tc)
+        out = rnd.forward(tt, host_parents)
+        rnd.commit([])
+        return out
+
+    part(f"target verify, tree of {B + 1} (forward, host parents)", verify_tree_host)
     def verify_held():
         rnd = TreeRound(target, tc)
-        out = _verify(rnd, held_draft, [11])[0]
+        out = _verify(rnd, held_draft, held_tok)[0]
         rnd.commit([])
         return out
 
     from mlx_treespec.drafters import Draft
     held_draft = Draft(np.zeros(B + 1, np.int64), tt, depths=td, visible=anc)
+    held_tok = tt[3:4]  # a held token is a slice of the last round's tokens
     part(f"target verify, 1 held token + tree of {B + 1}", verify_held)
 
     spine_logits = mx.random.normal((S, draft.args.vocab_size)).astype(mx.float16)
@@ -171,11 +243,13 @@ def main():
     whole_draft("drafter draft(): spine 10, ranked (K=4, B=24)", topk=4, depth=10, budget=24, lanes=1)
     whole_draft("drafter draft(): EAGLE-2 K=4 S=6 B=24, each step queued", queue=True, topk=4, depth=6, budget=24)
     whole_draft("drafter draft(): EAGLE-2 K=4 S=6 B=24, evaluated once", queue=False, topk=4, depth=6, budget=24)
+    loop_variants(target, tokenizer, draft, rows, args.loop_prompts)
     part("commit, accepted path contiguous", commit(np.arange(5)))
     part("commit, accepted path gathered", commit(np.array([0, 2, 7, 11, 20])))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({k: dict(host_ms=v[0], synced_ms=v[1]) for k, v in rows.items()}, f, indent=1)
+            json.dump({k: v if isinstance(v, dict) else dict(host_ms=v[0], synced_ms=v[1])
+                       for k, v in rows.items()}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,12 @@ from .drafters import root_only
 from .sampling import make_node_sampler
 from .support import require_tree_support
 from .tree import MAX_NODES, DraftTree
-from .verify import TreeRound
+from .verify import TreeRound, cached_array
 from .walk import greedy_walk
 
 DEFAULT_QUANTIZED_KV_START = 5000
+# Queue the draft before building the verify? (bench/round_parts_bench.py times both)
+QUEUE_DRAFT = True
 
 __all__ = ["tree_generate_step", "stream_generate", "generate", "RoundStats", "main"]
 
@@ -178,6 +180,7 @@ def tree_generate_step(
         return
     n = 0
     held = []  # accepted tokens whose K/V the target did not keep: they lead the next forward
+    held_tokens = None  # the same, as an mx array
     while max_tokens < 0 or n < max_tokens:
         room = float("inf") if max_tokens < 0 else max_tokens - n
         base = committed_offset(caches)
@@ -192,10 +195,12 @@ def tree_generate_step(
             raise ValueError(f"the drafter proposed {draft.size} nodes; at most {MAX_NODES} fit")
         if sync_timing:
             mx.eval(draft.tokens)
+        elif QUEUE_DRAFT:  # the device drafts while the host builds the verify
+            mx.async_eval(draft.arrays())
         t1 = time.perf_counter()
         # verify
         rnd = TreeRound(model, caches)
-        logits, depths = _verify(rnd, draft, held)
+        logits, depths = _verify(rnd, draft, held_tokens)
         chosen = choose(logits, None if temp == 0 else base + depths)
         ts = time.perf_counter()
         mx.eval(draft.arrays(), chosen)
@@ -216,7 +221,10 @@ def tree_generate_step(
         run = len(keep) if not rnd.all_append or kv_bits is not None else int(np.argmin(
             np.append(keep == np.arange(len(keep)), False)))
         rnd.commit(keep[:run])
-        held = tree.tokens[keep[run:] - len(held)].tolist()
+        nodes = (keep[run:] - len(held)).tolist()  # tree nodes: the held lead is always kept
+        held = tree.tokens[nodes].tolist()
+        # the held tokens stay on the device (slices, no host copy): the next verify reads them
+        held_tokens = mx.concatenate([draft.tokens[i : i + 1] for i in nodes]) if nodes else None
         quantize(caches)
         if drafter is not None:
             drafter.commit(draft, path, emitted)
@@ -233,7 +241,7 @@ def tree_generate_step(
         stats.round_ms.append(1e3 * (t2 - t0))
         stats.sync_ms.append(1e3 * (tw - ts))
         stats.walk_ms.append(1e3 * (t2 - tw))
-        logprobs = logits[mx.array(path.astype(np.int32))]
+        logprobs = logits[cached_array(path.astype(np.int32))]
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
         for i, t in enumerate(emitted):
             n += 1
@@ -248,17 +256,18 @@ def tree_generate_step(
 
 
 def _verify(rnd, draft, held):
-    """One target forward: the held tokens (accepted earlier, not in the caches yet) as a
-    chain, the draft tree hung from the last of them. Returns the tree's logits and its nodes'
-    round depths (mx int32)."""
-    p, n = len(held), draft.size
-    tokens = mx.concatenate([mx.array(held, mx.uint32), draft.tokens]) if p else draft.tokens
+    """One target forward: the `held` tokens (mx array: accepted earlier, not in the caches
+    yet; or None) as a chain, the draft tree hung from the last of them. Returns the tree's
+    logits and its nodes' round depths (mx int32). No host array is made here: on a GPU one
+    would wait for the queued draft."""
+    p, n = (0 if held is None else held.shape[0]), draft.size
+    tokens = mx.concatenate([held, draft.tokens]) if p else draft.tokens
     if draft.visible is not None and rnd.all_append:  # the topology stays on the device
         depths, rows = draft.depths, draft.visible
         if p:
             depths = mx.concatenate([mx.arange(p, dtype=mx.int32), depths.astype(mx.int32) + p])
             lead = np.concatenate([np.tril(np.ones((p, p), bool)), np.zeros((p, n), bool)], axis=1)
-            rows = mx.concatenate([mx.array(lead), mx.concatenate(
+            rows = mx.concatenate([cached_array(lead), mx.concatenate(
                 [mx.ones((n, p), mx.bool_), rows], axis=1)], axis=0)
         logits = rnd.forward_rows(tokens, depths, rows)
     else:
@@ -266,7 +275,7 @@ def _verify(rnd, draft, held):
         if p:
             parents = np.concatenate([np.arange(p) - 1, np.where(parents < 0, p - 1, parents + p)])
         logits = rnd.forward(tokens, parents)
-        depths = mx.array(rnd.depths.astype(np.int32))
+        depths = cached_array(rnd.depths.astype(np.int32))
     return (logits[p:], depths[p:]) if p else (logits, depths)
 
 
@@ -277,7 +286,7 @@ def _plain_decode(model, caches, root, max_tokens, choose, quantize, stop_tokens
     def step(token, position):
         logits = model(token.reshape(1, 1), cache=caches)[0]
         quantize(caches)
-        return choose(logits, mx.array([position], mx.int32)), logits
+        return choose(logits, None if choose.greedy else mx.array([position], mx.int32)), logits
 
     position = committed_offset(caches)
     y, logits = step(mx.array([root], mx.uint32), position)

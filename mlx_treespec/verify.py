@@ -23,7 +23,7 @@ from .cache import (
     rotating_layout,
 )
 
-__all__ = ["TreeRound", "install", "is_tree_module"]
+__all__ = ["TreeRound", "install", "is_tree_module", "cached_array"]
 
 
 def _rope_call(self, x, offset=0, **kwargs):
@@ -211,6 +211,19 @@ def _bucket(n):
 
 
 _FILLER = {}
+_CACHED_ARRAYS = {}
+
+
+def cached_array(a):
+    """A small host array as an mx array, kept for the next round that needs the same one: on a
+    GPU each host array costs a copy that waits on the queue, and rounds repeat their shapes."""
+    key = (a.dtype.str, a.shape, a.tobytes())
+    hit = _CACHED_ARRAYS.get(key)
+    if hit is None:
+        if len(_CACHED_ARRAYS) >= 512:
+            _CACHED_ARRAYS.clear()
+        hit = _CACHED_ARRAYS[key] = mx.array(a)
+    return hit
 
 
 def _filler_block(n, m, p):
@@ -251,7 +264,7 @@ class TreeRound:
         self.parents = np.zeros(0, np.int64)
         self.chain = True  # every round node so far is the child of the one before it
         self._rows = None  # device visibility rows of the current forward (forward_rows)
-        self._dev_depths = None  # device round depths of every node, once forward_rows ran
+        self._dev_depths = []  # (first node, device depths) of each forward_rows call
         self._ancestors = None
         self.all_append = all(k == "append" for k in self.kinds)
         self.stand_ins = None
@@ -327,7 +340,7 @@ class TreeRound:
             depths = mx.full((n,), int(depths), mx.int32)
         self.parents = np.concatenate([self.parents, np.full(n, -2, np.int64)])  # not on the host
         self.depths = np.concatenate([self.depths, host])
-        self._dev_depths = mx.concatenate([self._device_depths(first), depths])
+        self._dev_depths.append((first, depths))
         self.chain = False
         self._masks, self._layouts = {}, {}
         self._new = slice(first, self.size)
@@ -335,10 +348,17 @@ class TreeRound:
         return self._run(tokens, first, self.base + depths)
 
     def _device_depths(self, m):
-        """Round depths of nodes [0, m) as an mx array (device depths where the host has none)."""
-        if self._dev_depths is not None and self._dev_depths.shape[0] == m:
-            return self._dev_depths
-        return mx.array(self.depths[:m].astype(np.int32))
+        """Round depths of nodes [0, m) as an mx array (device depths where the host has none).
+        Built only when asked (windowed masks): a host array sent to a GPU costs a copy."""
+        parts, at = [], 0
+        for first, depths in self._dev_depths:
+            if first > at:
+                parts.append(mx.array(self.depths[at:first].astype(np.int32)))
+            parts.append(depths)
+            at = first + depths.shape[0]
+        if m > at:
+            parts.append(mx.array(self.depths[at:m].astype(np.int32)))
+        return mx.concatenate(parts)[:m] if len(parts) > 1 else parts[0][:m]
 
     def _run(self, tokens, first, positions=None):
         n = self.size - first
@@ -354,7 +374,7 @@ class TreeRound:
         if self.stand_ins is None:
             self.stand_ins = [_STAND_INS[k](c, self) for c, k in zip(self.caches, self.kinds)]
         if positions is None:
-            positions = mx.array((self.base + self.depths[self._new]).astype(np.int32))
+            positions = self.base + cached_array(self.depths[self._new].astype(np.int32))
             local = self.parents[self._new] - first
             self.ctx.parents = np.where(self.parents[self._new] < first, -1, local)
         pad = self._pad
@@ -375,7 +395,7 @@ class TreeRound:
     def _append_mask(self, window):
         mask = self._masks.get(window)
         if mask is None:
-            tree = self._rows if self._rows is not None else mx.array(self.ancestors[self._new])
+            tree = self._rows if self._rows is not None else cached_array(self.ancestors[self._new])
             hist, n, p = self.base, tree.shape[0], self._pad
             if p:  # filler rows see the history and themselves; no real row sees them
                 tree = mx.pad(tree, ((0, p), (0, p))) | _filler_block(n, tree.shape[1], p)

@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache import cache_kind
-from ..verify import TreeRound
+from ..verify import TreeRound, cached_array
 from . import Draft, root_only
 
 
@@ -47,10 +47,10 @@ def keep_best(root, tokens, scores, parents, depths, budget):
     node_of = mx.zeros((n_cand,), mx.int32)
     node_of[sel] = mx.arange(1, n, dtype=mx.int32)
     cand_parent = parents[sel]
-    tree_parents = mx.concatenate([mx.array([-1], mx.int32), mx.where(
+    tree_parents = mx.concatenate([mx.full((1,), -1, mx.int32), mx.where(
         cand_parent < 0, 0, node_of[mx.maximum(cand_parent, 0)]).astype(mx.int32)])
-    cand_depths = mx.array(np.asarray(depths, np.int32))
-    tree_depths = mx.concatenate([mx.array([0], mx.int32), cand_depths[sel]])
+    cand_depths = cached_array(np.asarray(depths, np.int32))
+    tree_depths = mx.concatenate([mx.zeros((1,), mx.int32), cand_depths[sel]])
     # ancestors-or-self: reachability along parent links, by squaring (paths double each time)
     reach = mx.eye(n) + (tree_parents[:, None] == mx.arange(n)[None, :]).astype(mx.float32)
     for _ in range(int(np.max(depths, initial=1) - 1).bit_length()):
@@ -64,8 +64,9 @@ def keep_best(root, tokens, scores, parents, depths, budget):
     new_of[perm] = mx.arange(n, dtype=mx.int32)
     moved = tree_parents[perm]
     tree_parents = mx.where(moved < 0, -1, new_of[mx.maximum(moved, 0)])
-    sel = mx.concatenate([mx.array([-1], sel.dtype), sel])[perm][1:]
-    tree_tokens = mx.concatenate([mx.array([root], mx.uint32), tokens.astype(mx.uint32)[sel]])
+    sel = mx.concatenate([mx.full((1,), -1, sel.dtype), sel])[perm][1:]
+    root = root if isinstance(root, mx.array) else mx.array([root], mx.uint32)
+    tree_tokens = mx.concatenate([root, tokens.astype(mx.uint32)[sel]])
     return sel, tree_parents, tree_depths[perm], tree_tokens, anc[perm][:, perm]
 
 
@@ -120,13 +121,14 @@ class ModelDrafter:
         # The pending tokens (the last is the root) are round nodes too: they always stay.
         rnd = TreeRound(self.model, self.cache)
         p = len(self.pending)
-        logits = rnd.forward(mx.array(self.pending, mx.uint32), np.arange(p) - 1)[-1:]
+        pending = mx.array(self.pending, mx.uint32)
+        logits = rnd.forward(pending, np.arange(p) - 1)[-1:]
         if self.lanes == 1:
             rows, toks = self._spine(logits, rnd, depth)
             if budget >= depth * self.topk:  # every candidate stays: nothing to rank
-                return self._spine_and_siblings(root, rows, toks, rnd, budget)
-            return self._ranked_siblings(root, rows, toks, rnd, budget)
-        return self._tree(root, logits, rnd, depth, budget)
+                return self._spine_and_siblings(pending[-1:], rows, toks, rnd, budget)
+            return self._ranked_siblings(pending[-1:], rows, toks, rnd, budget)
+        return self._tree(pending[-1:], logits, rnd, depth, budget)
 
     def _spine(self, logits, rnd, depth):
         """Greedy one-token steps from the root: each step's logits and argmax token."""
@@ -166,7 +168,7 @@ class ModelDrafter:
         S, K = len(toks), self.topk
         root_node = rnd.size - S  # the spine forwarded S - 1 nodes after the root
         chain = mx.concatenate(toks)
-        parts = [mx.array([root], mx.uint32), chain]
+        parts = [root, chain]  # root: the pending tokens' last, already on the device
         if K > 1:
             logits = mx.concatenate(rows)  # [S, V]
             # the spine token is its step's argmax: mask it, the next K - 1 are its siblings
@@ -207,7 +209,7 @@ class ModelDrafter:
         round_of = mx.full((S * K,), -1, mx.int32)
         if S > 1:
             round_of[lanes[:-1]] = mx.arange(root_node + 1, root_node + S, dtype=mx.int32)
-        tree_round = mx.concatenate([mx.array([-1], mx.int32), round_of[sel]])
+        tree_round = mx.concatenate([mx.full((1,), -1, mx.int32), round_of[sel]])
         return Draft(tree_parents, tree_tokens, budget, S, (rnd, tree_round, root_node),
                      depths=tree_depths, visible=anc, pending=(tree_round,))
 
@@ -233,7 +235,7 @@ class ModelDrafter:
         tokens, scores, parents = [idx.reshape(-1)], [step_scores], [mx.full((K,), -1)]
         cand_depths = [np.ones(K, np.int32)]
         forwarded, forwarded_at = [], []  # candidates run as lanes, and their round nodes
-        visible = mx.array(rnd.ancestors) if rnd.all_append else None  # [m, m] over round nodes
+        visible = cached_array(rnd.ancestors) if rnd.all_append else None  # [m, m] over round nodes
         n_cand = K
         for s in range(1, depth):
             first = rnd.size
@@ -265,7 +267,7 @@ class ModelDrafter:
         round_of = mx.full((n_cand,), -1, mx.int32)
         if forwarded:
             round_of[mx.concatenate(forwarded)] = mx.concatenate(forwarded_at).astype(mx.int32)
-        tree_round = mx.concatenate([mx.array([-1], mx.int32), round_of[sel]])
+        tree_round = mx.concatenate([mx.full((1,), -1, mx.int32), round_of[sel]])
         return Draft(tree_parents, tree_tokens, budget, depth, (rnd, tree_round, root_node),
                      depths=tree_depths, visible=anc, pending=(tree_round,))
 
