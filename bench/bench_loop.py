@@ -3,9 +3,10 @@
     python bench/bench_loop.py [--model demo] [--draft-model demo-drafter] [--prompts 20]
                                [--max-tokens 256] [--out bench/out/loop.json] [--quick]
 
-Phase 1 picks the best chain block size and the best tree shape on a few prompts; phase 2 runs
-every arm on every prompt, interleaved (each prompt runs all arms, in a rotating order, after a
-warm-up), so drift hits all arms alike. Figures are medians over prompts with min-max spread.
+Phase 1 picks, on a few prompts, the block size mlx-lm's chain runs at (it is slow: one run per
+prompt only); phase 2 runs every arm on every prompt, interleaved (each prompt runs all arms, in
+a rotating order, after a warm-up), so drift hits all arms alike, and the best chain and trees
+are chosen on those runs. Figures are medians over prompts with min-max spread.
 
 Also reported: Python overhead per round (round wall time minus the time the same forwards take
 back to back with nothing else), the exactness probe's figures, and how many tokens each arm's
@@ -148,39 +149,30 @@ def main():
     device = str(mx.default_device())
     log(f"device {device}; {len(prompts)} prompts, {args.max_tokens} tokens")
 
-    # Phase 1: best chain block size, best tree shape
+    # Phase 1 (a few prompts): the block size for mlx-lm's chain
     blocks = [int(k) for k in args.blocks.split(",")]
     trees = [tuple(int(x) for x in s.split(":")) for s in args.trees.split(",")]
     trees = [t if len(t) == 4 else t + (t[0],) for t in trees]  # K:S:B[:L], lanes default K
-    select = [dict(name=f"chain{k}", kind="tree", opts=dict(draft_block_size=k)) for k in blocks]
-    select += [dict(name=f"tree{K}x{S}b{B}" + ("" if L == K else f"l{L}"), kind="tree",
-                    opts=dict(tree_topk=K, tree_depth=S, tree_budget=B, tree_lanes=L))
-               for K, S, B, L in trees]
-    sel = interleaved(select, prompts[: args.select_prompts], target, draft, args.max_tokens, log)
+    chains = [dict(name=f"ours chain k={k}", kind="tree", opts=dict(draft_block_size=k)) for k in blocks]
+    tree_arms = [dict(name=f"ours tree K={K} L={L} S={S} B={B}", kind="tree",
+                      opts=dict(tree_topk=K, tree_depth=S, tree_budget=B, tree_lanes=L))
+                 for K, S, B, L in trees]
+    sel = interleaved(chains, prompts[: args.select_prompts], target, draft, args.max_tokens, log)
     sel_tps = {k: median_spread([r["tps"] for r in v])[0] for k, v in sel.items()}
-    sel_epv = {k: median_spread([r["emitted_per_verify"] for r in v])[0] for k, v in sel.items()}
-    best_chain = max((a for a in select if a["name"].startswith("chain")), key=lambda a: sel_tps[a["name"]])
-    best_tree = max((a for a in select if a["name"].startswith("tree")), key=lambda a: sel_tps[a["name"]])
-    widest = max((a for a in select if a["name"].startswith("tree")), key=lambda a: sel_epv[a["name"]])
-    k = best_chain["opts"]["draft_block_size"]
-    # the fastest tree among those that emit >= 1.2x the best chain per verify (both tree bars)
-    both = [a for a in select if a["name"].startswith("tree") and sel_epv[a["name"]] >= 1.2 * sel_epv[best_chain["name"]]]
-    both = max(both, key=lambda a: sel_tps[a["name"]]) if both else None
-    log(f"selected {best_chain['name']}, {best_tree['name']} (tok/s), {widest['name']} (emitted/verify)"
-        f" and {both['name'] if both else '-'} (fastest at >= 1.2x emitted/verify)")
+    k = max(chains, key=lambda a: sel_tps[a["name"]])["opts"]["draft_block_size"]
+    log(f"mlx-lm's chain runs at k={k}")
 
-    # Phase 2: the arms, interleaved
-    arms = [
-        dict(name="mlx-lm plain", kind="mlx_plain"),
-        dict(name="ours plain", kind="plain"),
-        dict(name=f"mlx-lm chain k={k}", kind="mlx_chain", k=k),
-        dict(name=f"ours chain k={k}", kind="tree", opts=best_chain["opts"]),
-        dict(name=f"ours {best_tree['name']}", kind="tree", opts=best_tree["opts"]),
-    ]
-    for extra in (both, widest):  # when they are not the fastest tree
-        if extra is not None and extra is not best_tree and f"ours {extra['name']}" not in [a["name"] for a in arms]:
-            arms.append(dict(name=f"ours {extra['name']}", kind="tree", opts=extra["opts"]))
+    # Phase 2 (every prompt): every arm, interleaved; best chain and trees chosen on these runs
+    arms = [dict(name="mlx-lm plain", kind="mlx_plain"), dict(name="ours plain", kind="plain"),
+            dict(name=f"mlx-lm chain k={k}", kind="mlx_chain", k=k)] + chains + tree_arms
     res = interleaved(arms, prompts, target, draft, args.max_tokens, log)
+    med = lambda n, key: median_spread([r[key] for r in res[n]])[0]
+    best_chain = max(chains, key=lambda a: med(a["name"], "tps"))
+    fastest = max(tree_arms, key=lambda a: med(a["name"], "tps"))
+    widest = max(tree_arms, key=lambda a: med(a["name"], "emitted_per_verify"))
+    both = [a for a in tree_arms if med(a["name"], "emitted_per_verify")
+            >= 1.2 * med(best_chain["name"], "emitted_per_verify")]
+    both = max(both, key=lambda a: med(a["name"], "tps")) if both else None
 
     base = median_spread([r["tps"] for r in res["mlx-lm plain"]])[0]
     rows, raw = [], {}
@@ -196,7 +188,7 @@ def main():
 
     # Python overhead per round: round wall time minus the same forwards run back to back
     overhead = {}
-    for a in arms[3:]:
+    for a in chains + tree_arms:
         opts = a["opts"]
         rs = res[a["name"]]
         nodes = statistics.median([r["nodes"] for r in rs])
@@ -216,26 +208,30 @@ def main():
     for name, tps, epv, rms, div in rows:
         same = sum(d is None for d in div)
         dvals = [d for d in div if d is not None]
-        med = statistics.median(dvals) if dvals else "-"
+        first = statistics.median(dvals) if dvals else "-"
         f = lambda t: "-" if t[0] is None else f"{t[0]:.2f} ({t[1]:.2f}-{t[2]:.2f})"
         print(f"| {name} | {f(tps)} | {tps[0] / base:.2f} | {f(epv)} | "
-              f"{'-' if rms[0] is None else f'{rms[0]:.2f}'} | {same}/{len(div)} | {med} |")
+              f"{'-' if rms[0] is None else f'{rms[0]:.2f}'} | {same}/{len(div)} | {first} |")
     print("\nPython overhead per round (round wall time minus the same forwards back to back):")
     for name, o in overhead.items():
         print(f"- {name}: round {o['round_ms']:.2f} ms, forwards {o['forwards_ms']:.2f} ms, "
               f"overhead {o['python_ms']:.2f} ms (in the round: waiting on the device {o['sync_ms']:.2f} ms, "
               f"walk and commits {o['walk_ms']:.2f} ms; tokens re-run per round {o['held']:.2f})")
-    chain_name, mlx_name = arms[3]["name"], arms[2]["name"]
-    med = lambda n, key: median_spread([r[key] for r in res[n]])[0]
-    print(f"\nBars: ours chain / mlx-lm chain tok/s = {med(chain_name, 'tps') / med(mlx_name, 'tps'):.3f} (>= 1.0)")
-    for a in arms[4:]:
+    chain_name, mlx_name = best_chain["name"], arms[2]["name"]
+    print(f"\nBest chain (tok/s): {chain_name}; fastest tree: {fastest['name']}; tree emitting most per "
+          f"verify: {widest['name']}; fastest tree emitting >= 1.2x the best chain per verify: "
+          f"{both['name'] if both else '-'}")
+    print(f"\nBars: ours chain k={k} / mlx-lm chain k={k} tok/s = "
+          f"{med(f'ours chain k={k}', 'tps') / med(mlx_name, 'tps'):.3f} (>= 1.0)")
+    for a in [t for i, t in enumerate([fastest, widest, both]) if t is not None and t not in [fastest, widest, both][:i]]:
         print(f"- {a['name']} / {chain_name}: emitted per verify "
               f"{med(a['name'], 'emitted_per_verify') / med(chain_name, 'emitted_per_verify'):.3f} (>= 1.2), "
               f"tok/s {med(a['name'], 'tps') / med(chain_name, 'tps'):.3f} (>= 1.0)")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(device=device, args=vars(args), select={k2: v for k2, v in sel_tps.items()},
-                       select_emitted_per_verify=sel_epv,
+        json.dump(dict(device=device, args=vars(args), select=sel_tps, mlx_chain_k=k,
+                       best_chain=chain_name, fastest_tree=fastest["name"], widest_tree=widest["name"],
+                       fastest_tree_at_1_2x=both["name"] if both else None,
                        arms=raw, overhead=overhead), f, indent=1)
 
 

@@ -19,11 +19,8 @@ for section in "$@"; do
     gdn) timeout 150 python3 bench/gdn_kernel_bench.py --out "$OUT/gdn.json" 2>&1 | tee "$OUT/gdn.md" ;;
     shapes) timeout 100 python3 bench/kv_shapes_bench.py --out "$OUT/shapes.json" 2>&1 | tee "$OUT/shapes.md" ;;
     parts) timeout 200 python3 bench/round_parts_bench.py --out "$OUT/parts.json" 2>&1 | tee "$OUT/parts.md" ;;
-    loop) # the draft queued before the verify or not: what parts measured faster for trees
-          q=$(python3 -c "import json,sys; d=json.load(open(sys.argv[1])); k='loop, spine 7 + siblings (K=4), draft %s before verify'; print(int(d[k % 'queued']['tok_s'] >= d[k % 'not queued']['tok_s']))" "$OUT/parts.json" 2>/dev/null || echo 1)
-          echo "queue draft: $q"
-          timeout 400 python3 bench/bench_loop.py --prompts 20 --select-prompts 6 --max-tokens 256 \
-            --blocks 6,7,8 --trees 4:7:28:1,3:8:24:1,3:10:30:1,4:8:32:2 --queue-draft "$q" \
+    loop) timeout 480 python3 bench/bench_loop.py --prompts 20 --select-prompts 3 --max-tokens 256 \
+            --blocks 6,7,8 --trees 4:7:28:1,3:8:24:1,3:10:30:1,4:8:32:2 \
             --out "$OUT/loop.json" 2>"$OUT/loop.err" | tee "$OUT/loop.md" ;;
     free) timeout 150 python3 bench/model_free_bench.py --model mlx_treespec/demo/target --prompts 8 \
             --out "$OUT/free.json" 2>&1 | tee "$OUT/free.md" ;;
