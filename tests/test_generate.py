@@ -259,3 +259,19 @@ def test_off_order_accepts_are_rerun_not_moved(pairs, monkeypatch, pad):
     assert out == ref
     assert sum(stats.held) > 0, "no sibling was ever accepted"
     assert moved and not any(moved)
+
+
+@pytest.mark.parametrize("shape", ["chain4", "k4l1s6b24", "k3s6b31"])
+def test_queueing_choices_do_not_change_tokens(pairs, monkeypatch, shape):
+    # queueing each draft step, or not queueing the draft before the verify, is a speed choice
+    import mlx_treespec.generate as gen
+    from mlx_treespec.drafters.model import ModelDrafter
+
+    monkeypatch.setattr(ModelDrafter, "queue_steps", True)
+    monkeypatch.setattr(gen, "QUEUE_DRAFT", False)
+    target, draft = pairs("qwen3")
+    prompt = prompt_tokens(9)
+    ref = plain(target, prompt)
+    out, stats = speculative(target, draft, prompt, SHAPES[shape])
+    assert out == ref
+    assert_meaningful(ref, stats)

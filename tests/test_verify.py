@@ -63,3 +63,16 @@ def test_windowed_append_mask_is_mask_py(pad, device_topology):
         if pad:  # the filler row: the history and itself, whatever the window
             assert got.shape[0] == 8 and got[7, :9].all() and got[7, 9 + 7] and got[7].sum() == 10
     rnd.commit([])
+
+
+def test_cached_array_is_a_copy_keyed_by_value():
+    from mlx_treespec.verify import cached_array
+
+    a = np.array([[True, False], [True, True]])
+    first = cached_array(a)
+    assert np.array_equal(np.array(first), a)
+    assert cached_array(a.copy()) is first  # same dtype, shape and bytes: the same device array
+    a[0, 1] = True  # the cached array is a copy: later edits of the host array do not reach it
+    assert not np.array(first)[0, 1]
+    assert cached_array(a) is not first and np.array(cached_array(a))[0, 1]
+    assert cached_array(np.zeros(2, np.int32)) is not cached_array(np.zeros(2, np.int64))
