@@ -14,6 +14,7 @@ from mlx_lm.models.cache import (
 
 __all__ = [
     "committed_offset",
+    "leading_run",
     "commit_appended",
     "commit_rotating",
     "rotating_slot_positions",
@@ -40,6 +41,14 @@ def cache_kind(cache):
     if type(cache).__name__ == "ArraysCache":
         return "arrays"
     return None
+
+
+def leading_run(keep):
+    """How many of the kept round nodes `keep` already sit where plain decoding puts them
+    (keep[i] == i): the part of an accepted path a commit keeps by a trim."""
+    keep = np.asarray(keep)
+    off = np.flatnonzero(keep != np.arange(len(keep)))
+    return int(off[0]) if off.size else len(keep)
 
 
 def commit_appended(cache, base, keep):

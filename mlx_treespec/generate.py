@@ -15,7 +15,7 @@ import numpy as np
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from .cache import committed_offset
+from .cache import committed_offset, leading_run
 from .drafters import root_only
 from .sampling import make_node_sampler
 from .support import require_tree_support
@@ -218,8 +218,7 @@ def tree_generate_step(
         # commit: where the path leaves the nodes' order, moving K/V would cost a gather per
         # layer; append caches keep the leading run and re-run the rest with the next round
         keep = np.concatenate([np.arange(len(held)), len(held) + path])
-        run = len(keep) if not rnd.all_append or kv_bits is not None else int(np.argmin(
-            np.append(keep == np.arange(len(keep)), False)))
+        run = leading_run(keep) if rnd.all_append and kv_bits is None else len(keep)
         rnd.commit(keep[:run])
         nodes = (keep[run:] - len(held)).tolist()  # tree nodes: the held lead is always kept
         held = tree.tokens[nodes].tolist()
@@ -255,13 +254,13 @@ def tree_generate_step(
         mx.eval([c.state for c in caches])
 
 
-def _verify(rnd, draft, held):
-    """One target forward: the `held` tokens (mx array: accepted earlier, not in the caches
-    yet; or None) as a chain, the draft tree hung from the last of them. Returns the tree's
-    logits and its nodes' round depths (mx int32). No host array is made here: on a GPU one
-    would wait for the queued draft."""
-    p, n = (0 if held is None else held.shape[0]), draft.size
-    tokens = mx.concatenate([held, draft.tokens]) if p else draft.tokens
+def _verify(rnd, draft, held_tokens):
+    """One target forward: `held_tokens` (mx array: accepted earlier, not in the caches yet;
+    or None) as a chain, the draft tree hung from the last of them. Returns the tree's logits
+    and its nodes' round depths (mx int32). No host array is made here: on a GPU one would
+    wait for the queued draft."""
+    p, n = (0 if held_tokens is None else held_tokens.shape[0]), draft.size
+    tokens = mx.concatenate([held_tokens, draft.tokens]) if p else draft.tokens
     if draft.visible is not None and rnd.all_append:  # the topology stays on the device
         depths, rows = draft.depths, draft.visible
         if p:

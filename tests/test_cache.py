@@ -59,3 +59,12 @@ def test_commit_appended_prefix_is_a_trim():
     commit_appended(cache, 4, [0, 1])
     assert cache.offset == 6
     assert buffer_positions(cache)[:6].tolist() == [0, 1, 2, 3, 7, 8]
+
+
+def test_leading_run_counts_nodes_already_in_place():
+    from mlx_treespec.cache import leading_run
+
+    assert leading_run([]) == 0
+    assert leading_run([0, 1, 2]) == 3
+    assert leading_run([0, 1, 5, 6]) == 2  # an accepted sibling (node 5) and its child
+    assert leading_run([0, 3]) == 1

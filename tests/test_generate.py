@@ -166,9 +166,11 @@ def cache_state(c):
 def test_committed_cache_equals_plain_decoding(pairs, family, max_kv, shape):
     target, draft = pairs(family)
     prompt = prompt_tokens(4, n=15)
+    ended_held = []
     for n in (1, 7, 23, 40):  # stops inside and at the end of rounds
         ours = make_prompt_cache(target, max_kv_size=max_kv)
-        out, _ = speculative(target, draft, prompt, SHAPES[shape], n=n, prompt_cache=ours)
+        out, stats = speculative(target, draft, prompt, SHAPES[shape], n=n, prompt_cache=ours)
+        ended_held.append(stats.held[-1])
         ref_cache = make_prompt_cache(target, max_kv_size=max_kv)
         ref = plain(target, prompt, n=n, prompt_cache=ref_cache)
         assert out == ref
@@ -177,6 +179,10 @@ def test_committed_cache_equals_plain_decoding(pairs, family, max_kv, shape):
             assert meta_a == meta_b
             for x, y in zip(arrs_a, arrs_b):
                 assert mx.array_equal(x, y)
+    if shape == "k4l1s6b24" and family == "qwen3" and max_kv is None:
+        # some run ends with a token held for a next round that never comes: the last forward
+        # (made for the prompt cache) takes it
+        assert any(ended_held), ended_held
 
 
 @pytest.mark.parametrize("shape", ["chain4", "k2s3b6", "k4s5b20"])

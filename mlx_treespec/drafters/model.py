@@ -75,8 +75,9 @@ class ModelDrafter:
     lanes = 1 expands only the best candidate, a chain of one-token steps whose siblings ride
     along as leaves), `depth` steps, `budget` draft nodes kept."""
 
-    # Queue each draft step as it is built? On the H200 a chain of 6 drafts in 2.0 ms built
-    # whole and evaluated once, 2.8 ms queued step by step (bench/round_parts_bench.py times both).
+    # Queue each draft step as it is built? A chain of 6 drafted built whole and evaluated once
+    # in 2.0 vs 2.8 ms and 2.0 vs 2.2 ms queued step by step on two H200 machines, 3.7 vs 2.7 ms
+    # on a third (bench/RESULTS.md, section 2): off, so a round queues its draft once.
     queue_steps = False
 
     def __init__(self, model, topk=1, depth=4, budget=None, cache=None, prefill_step_size=2048,
