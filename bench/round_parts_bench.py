@@ -1,12 +1,15 @@
 """Where a tree round's time goes: host time to build each part's graph, and its synced time.
 
-    python bench/round_parts_bench.py [--model demo] [--draft-model demo-drafter] [--out parts.json]
+    python bench/round_parts_bench.py [--model demo] [--draft-model demo-drafter]
+                                      [--loop-prompts 8] [--out parts.json]
 
-For each part of a round (drafter one-token step, drafter lane step of K tokens, lane
-selection, EAGLE-2 re-rank, target verify of a chain and of a tree, cache commit) it reports the
-median over repeats of (a) the host time to build the part's graph (no evaluation), and (b) the
-wall time of building and evaluating it alone. On a launch-bound pair the host column is the
-part's cost to the round whenever the device has no queued work to hide it behind.
+For each part of a round (drafter steps, whole drafts of each kind, lane selection, EAGLE-2
+re-rank, sibling pick, target verifies through host parents or device rows, with a held token,
+host-to-device arrays, cache commits) it reports the median over repeats of (a) the host time to
+build the part's graph (no evaluation), and (b) the wall time of building and evaluating it
+alone. On a launch-bound pair the host column is the part's cost to the round whenever the
+device has no queued work to hide it behind. Last, whole loops on held-out prompts with the
+draft queued before the verify is built or not (median tok/s and round ms).
 """
 import argparse
 import json
@@ -21,6 +24,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load
 
 from mlx_treespec.cache import commit_appended
+from mlx_treespec.drafters import Draft
 from mlx_treespec.drafters.model import ModelDrafter, _logprobs, _top_k, keep_best
 from mlx_treespec.generate import _verify, resolve_model_path
 from mlx_treespec.verify import TreeRound
@@ -165,11 +169,11 @@ def main():
 
     def rows_forward(model, cache, n, rows_of):
         """One forward over n nodes through forward_rows, topology made on the device."""
-        ones = rows_of(n)
+        rows_ = rows_of(n)
 
         def run():
             rnd = TreeRound(model, cache)
-            out = rnd.forward_rows(mx.arange(n).astype(mx.uint32), mx.arange(n, dtype=mx.int32), ones)
+            out = rnd.forward_rows(mx.arange(n).astype(mx.uint32), mx.arange(n, dtype=mx.int32), rows_)
             rnd.commit([])
             return out
         return run
@@ -197,15 +201,16 @@ def main():
         return out
 
     part(f"target verify, tree of {B + 1} (forward, host parents)", verify_tree_host)
+
+    held_draft = Draft(host_parents, tt, depths=td, visible=anc)
+    held_tok = tt[3:4]  # a held token is a slice of the last round's tokens
+
     def verify_held():
         rnd = TreeRound(target, tc)
         out = _verify(rnd, held_draft, held_tok)[0]
         rnd.commit([])
         return out
 
-    from mlx_treespec.drafters import Draft
-    held_draft = Draft(np.zeros(B + 1, np.int64), tt, depths=td, visible=anc)
-    held_tok = tt[3:4]  # a held token is a slice of the last round's tokens
     part(f"target verify, 1 held token + tree of {B + 1}", verify_held)
 
     spine_logits = mx.random.normal((S, draft.args.vocab_size)).astype(mx.float16)
