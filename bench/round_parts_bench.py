@@ -1,7 +1,7 @@
 """Where a tree round's time goes: host time to build each part's graph, and its synced time.
 
     python bench/round_parts_bench.py [--model demo] [--draft-model demo-drafter]
-                                      [--loop-prompts 8] [--out parts.json]
+                                      [--loop-prompts 8] [--loop-tokens 256] [--out parts.json]
 
 For each part of a round (drafter steps, whole drafts of each kind, lane selection, EAGLE-2
 re-rank, sibling pick, target verifies through host parents or device rows, with a held token,
@@ -86,6 +86,7 @@ def main():
     ap.add_argument("--history", type=int, default=200)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--loop-prompts", type=int, default=8)
+    ap.add_argument("--loop-tokens", type=int, default=256)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     target, tokenizer = load(resolve_model_path(args.model))
@@ -248,7 +249,7 @@ def main():
     whole_draft("drafter draft(): spine 10, ranked (K=4, B=24)", topk=4, depth=10, budget=24, lanes=1)
     whole_draft("drafter draft(): EAGLE-2 K=4 S=6 B=24, each step queued", queue=True, topk=4, depth=6, budget=24)
     whole_draft("drafter draft(): EAGLE-2 K=4 S=6 B=24, evaluated once", queue=False, topk=4, depth=6, budget=24)
-    loop_variants(target, tokenizer, draft, rows, args.loop_prompts)
+    loop_variants(target, tokenizer, draft, rows, args.loop_prompts, args.loop_tokens)
     part("commit, accepted path contiguous", commit(np.arange(5)))
     part("commit, accepted path gathered", commit(np.array([0, 2, 7, 11, 20])))
     if args.out:
