@@ -26,6 +26,9 @@ from .walk import greedy_walk
 DEFAULT_QUANTIZED_KV_START = 5000
 # Queue the draft before building the verify? (bench/round_parts_bench.py times both)
 QUEUE_DRAFT = True
+# The draft shape when none is given (topk, lanes, depth): a spine of 8 with each step's two
+# runners-up, the fastest tree on the H200 with the demo pair (bench/RESULTS.md, section 1)
+DEFAULT_TREE = (3, 1, 8)
 
 __all__ = ["tree_generate_step", "stream_generate", "generate", "RoundStats", "main"]
 
@@ -326,17 +329,21 @@ def _plain_decode(model, caches, root, max_tokens, choose, quantize, stop_tokens
         mx.eval([c.state for c in caches])
 
 
-def make_drafter(draft_model=None, *, drafter=None, draft_block_size=None, tree_topk=1,
+def make_drafter(draft_model=None, *, drafter=None, draft_block_size=None, tree_topk=None,
                  tree_depth=None, tree_budget=None, tree_lanes=None):
     """The drafter for a set of mlx-lm-style options: a chain of `draft_block_size`, or an
-    EAGLE-2 tree of `tree_topk` children per node, `tree_lanes` nodes expanded per step (default
-    `tree_topk`), `tree_depth` steps and `tree_budget` nodes."""
+    EAGLE-2 tree of `tree_topk` children per node (default 1: a chain), `tree_lanes` nodes
+    expanded per step (default `tree_topk`), `tree_depth` steps and `tree_budget` nodes. With no
+    shape option at all: `DEFAULT_TREE`."""
     if drafter is not None:
         return drafter
     if draft_model is None:
         return None
     from .drafters.model import ModelDrafter
 
+    if all(o is None for o in (draft_block_size, tree_topk, tree_depth, tree_budget, tree_lanes)):
+        tree_topk, tree_lanes, tree_depth = DEFAULT_TREE
+    tree_topk = 1 if tree_topk is None else tree_topk
     if tree_topk < 1 or tree_topk > 16:
         raise ValueError(f"--tree-topk must be in 1..16, got {tree_topk}")
     lanes = tree_topk if tree_lanes is None else tree_lanes
@@ -370,7 +377,7 @@ def _check_vocab(model, draft_model):
 
 
 def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=256, drafter=None,
-                    draft_block_size=None, tree_topk=1, tree_depth=None, tree_budget=None,
+                    draft_block_size=None, tree_topk=None, tree_depth=None, tree_budget=None,
                     tree_lanes=None, stats=None, sampler=None, **kwargs):
     """mlx-lm's `stream_generate`, speculating with a draft tree. Yields `GenerationResponse`s.
 
@@ -515,10 +522,12 @@ def setup_arg_parser():
     p.add_argument("--verbose", nargs="?", const=True, default=None,
                    type=lambda v: str(v).lower() in ("1", "t", "true", "yes"),
                    help="print round statistics too (--verbose F prints only the response)")
-    t = p.add_argument_group("tree")
+    t = p.add_argument_group("tree", "with a draft model and none of these: --tree-topk 3 "
+                                     "--tree-lanes 1 --tree-depth 8")
     t.add_argument("--draft-block-size", type=int, default=None, help="draft a chain of this many tokens")
     t.add_argument("--tree-topk", type=int, default=None,
-                   help="EAGLE-2: children per expanded node, and lanes per step (1: a chain)")
+                   help="EAGLE-2: children per expanded node, and lanes per step (1, the default "
+                        "when other tree flags are given: a chain)")
     t.add_argument("--tree-lanes", type=int, default=None,
                    help="nodes expanded per step, 1..--tree-topk (default: --tree-topk); 1 drafts a "
                         "chain of one-token steps with its top-K siblings as leaves")
@@ -539,7 +548,7 @@ def _build_drafter(args, model, draft_model):
             raise ValueError("--drafter model needs --draft-model")
         _check_vocab(model, draft_model)
         return make_drafter(draft_model, draft_block_size=args.draft_block_size,
-                            tree_topk=1 if args.tree_topk is None else args.tree_topk, tree_depth=args.tree_depth,
+                            tree_topk=args.tree_topk, tree_depth=args.tree_depth,
                             tree_budget=args.tree_budget, tree_lanes=args.tree_lanes)
     budget = args.tree_budget if args.tree_budget is not None else 16
     depth = args.tree_depth if args.tree_depth is not None else (args.draft_block_size or 8)

@@ -116,3 +116,18 @@ def test_errors_leave_a_passed_cache_untouched():
     for c, (off, keys) in zip(cache, before):
         assert c.offset == off
         assert np.array_equal(np.array(c.keys[..., : c.offset, :]), keys)
+
+
+def test_default_draft_shape_is_the_fixed_one_lane_tree():
+    # no shape option: a spine of 8 with each step's two runners-up (DEFAULT_TREE); any one
+    # option keeps the old meaning (tree_topk defaults to 1: a chain)
+    draft = tiny.build(tiny.CONFIGS["qwen3"])
+    d = make_drafter(draft)
+    assert (d.topk, d.lanes, d.depth, d.budget) == (3, 1, 8, 32)
+    assert d.budget >= d.depth * d.topk  # every candidate stays: the fixed layout, no re-rank
+    c = make_drafter(draft, tree_depth=5)
+    assert (c.topk, c.lanes, c.depth, c.budget) == (1, 1, 5, 5)
+    assert make_drafter(draft, draft_block_size=3).depth == 3
+    r = cli("--prompt", "def parse(", "--max-tokens", "24", "--verbose")
+    assert r.returncode == 0, r.stderr
+    assert "budget requested 24" in r.stdout and "depth requested 8" in r.stdout
