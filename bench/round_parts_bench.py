@@ -51,7 +51,7 @@ def loop_variants(target, tokenizer, draft, rows, n_prompts, n=256):
     """Whole rounds of the real loop on held-out prompts, the draft queued before the verify is
     built or not, variants interleaved per prompt: median tok/s and round ms."""
     import mlx_treespec.generate as gen
-    from bench_loop import load_prompts
+    from bench_loop import load_prompts, timed
     from mlx_treespec.generate import RoundStats, make_drafter, tree_generate_step
 
     prompts = load_prompts(tokenizer, n_prompts)
@@ -64,13 +64,10 @@ def loop_variants(target, tokenizer, draft, rows, n_prompts, n=256):
         for name, queue in variants:
             gen.QUEUE_DRAFT = queue
             st = RoundStats()
-            t0 = None
-            for k, _ in enumerate(tree_generate_step(p, target, make_drafter(draft, **shapes[name]),
-                                                     max_tokens=n, stats=st)):
-                if k == 0:
-                    t0 = time.perf_counter()
+            _, tps = timed(t for t, _, _ in tree_generate_step(
+                p, target, make_drafter(draft, **shapes[name]), max_tokens=n, stats=st))
             if i:
-                got[(name, queue)][0].append(k / (time.perf_counter() - t0))
+                got[(name, queue)][0].append(tps)
                 got[(name, queue)][1].append(st.summary()["round_ms"])
     gen.QUEUE_DRAFT = True
     for (name, queue), (tps, ms) in got.items():

@@ -182,8 +182,7 @@ def tree_generate_step(
                                  stats, forward_last=prompt_cache is not None)
         return
     n = 0
-    held = []  # accepted tokens whose K/V the target did not keep: they lead the next forward
-    held_tokens = None  # the same, as an mx array
+    held_tokens = None  # accepted tokens whose K/V the target did not keep: they lead the next forward
     while max_tokens < 0 or n < max_tokens:
         room = float("inf") if max_tokens < 0 else max_tokens - n
         base = committed_offset(caches)
@@ -220,11 +219,11 @@ def tree_generate_step(
         path = path[: len(emitted)]
         # commit: where the path leaves the nodes' order, moving K/V would cost a gather per
         # layer; append caches keep the leading run and re-run the rest with the next round
-        keep = np.concatenate([np.arange(len(held)), len(held) + path])
+        p = 0 if held_tokens is None else held_tokens.shape[0]
+        keep = np.concatenate([np.arange(p), p + path])
         run = leading_run(keep) if rnd.all_append and kv_bits is None else len(keep)
         rnd.commit(keep[:run])
-        nodes = (keep[run:] - len(held)).tolist()  # tree nodes: the held lead is always kept
-        held = tree.tokens[nodes].tolist()
+        nodes = (keep[run:] - p).tolist()  # tree nodes: the held lead is always kept
         # the held tokens stay on the device (slices, no host copy): the next verify reads them
         held_tokens = mx.concatenate([draft.tokens[i : i + 1] for i in nodes]) if nodes else None
         quantize(caches)
@@ -235,7 +234,7 @@ def tree_generate_step(
         stats.emitted.append(len(emitted))
         stats.nodes.append(draft.size)
         stats.depth.append(int(tree.max_depth))
-        stats.held.append(len(held))
+        stats.held.append(len(nodes))
         stats.requested_budget.append(draft.requested_budget)
         stats.requested_depth.append(draft.requested_depth)
         stats.draft_ms.append(1e3 * (t1 - t0))
@@ -252,7 +251,10 @@ def tree_generate_step(
         if root in stop_tokens:
             break
     if prompt_cache is not None:
-        model(mx.array([held + [root]]), cache=caches)
+        last = mx.array([root], mx.uint32)
+        if held_tokens is not None:
+            last = mx.concatenate([held_tokens, last])
+        model(last[None], cache=caches)
         quantize(caches)
         mx.eval([c.state for c in caches])
 

@@ -210,7 +210,6 @@ def _bucket(n):
     return 1 << max(n - 1, 0).bit_length()
 
 
-_FILLER = {}
 _CACHED_ARRAYS = {}
 
 
@@ -227,13 +226,10 @@ def cached_array(a):
 
 
 def _filler_block(n, m, p):
-    """bool [n + p, m + p]: True on the filler rows' own columns only (cached per shape)."""
-    block = _FILLER.get((n, m, p))
-    if block is None:
-        block = np.zeros((n + p, m + p), bool)
-        block[np.arange(n, n + p), np.arange(m, m + p)] = True
-        block = _FILLER[(n, m, p)] = mx.array(block)
-    return block
+    """bool [n + p, m + p]: True on the filler rows' own columns only."""
+    block = np.zeros((n + p, m + p), bool)
+    block[np.arange(n, n + p), np.arange(m, m + p)] = True
+    return cached_array(block)
 
 
 _STAND_INS = {"append": _AppendLayer, "rotating": _RotatingLayer, "arrays": _ArraysLayer}
@@ -349,15 +345,15 @@ class TreeRound:
 
     def _device_depths(self, m):
         """Round depths of nodes [0, m) as an mx array (device depths where the host has none).
-        Built only when asked (windowed masks): a host array sent to a GPU costs a copy."""
+        Built only when asked (windowed masks)."""
         parts, at = [], 0
         for first, depths in self._dev_depths:
             if first > at:
-                parts.append(mx.array(self.depths[at:first].astype(np.int32)))
+                parts.append(cached_array(self.depths[at:first].astype(np.int32)))
             parts.append(depths)
             at = first + depths.shape[0]
         if m > at:
-            parts.append(mx.array(self.depths[at:m].astype(np.int32)))
+            parts.append(cached_array(self.depths[at:m].astype(np.int32)))
         return mx.concatenate(parts)[:m] if len(parts) > 1 else parts[0][:m]
 
     def _run(self, tokens, first, positions=None):

@@ -10,14 +10,19 @@ from mlx_treespec.tree import DraftTree
 from mlx_treespec.verify import TreeRound
 
 
-@pytest.mark.parametrize("pad", [False, True])
-def test_single_forward_mask_is_mask_py(pad):
+def _round_over_nine_tokens(pad):
+    """A tiny qwen3 with 9 tokens of history, a 7-node tree, and a round over that cache."""
     model = tiny.build(tiny.CONFIGS["qwen3"])
     cache = make_prompt_cache(model)
     model(mx.array([list(range(9))]), cache=cache)
-    parents = np.array([-1, 0, 1, 1, 0, 4, 2])
-    tree = DraftTree(np.arange(7) + 3, parents)
-    rnd = TreeRound(model, cache, pad_keys=pad)
+    tree = DraftTree(np.arange(7) + 3, np.array([-1, 0, 1, 1, 0, 4, 2]))
+    return model, cache, tree, TreeRound(model, cache, pad_keys=pad)
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_single_forward_mask_is_mask_py(pad):
+    model, cache, tree, rnd = _round_over_nine_tokens(pad)
+    parents = tree.parents
     seen = {}
     real = rnd._append_mask
 
@@ -44,12 +49,8 @@ def test_single_forward_mask_is_mask_py(pad):
 def test_windowed_append_mask_is_mask_py(pad, device_topology):
     # a sliding-window layer over an append cache: the windowed mask of mask.py, whether the
     # tree came with host parents or (forward_rows) device depths and rows only
-    model = tiny.build(tiny.CONFIGS["qwen3"])
-    cache = make_prompt_cache(model)
-    model(mx.array([list(range(9))]), cache=cache)
-    parents = np.array([-1, 0, 1, 1, 0, 4, 2])
-    tree = DraftTree(np.arange(7) + 3, parents)
-    rnd = TreeRound(model, cache, pad_keys=pad)
+    model, cache, tree, rnd = _round_over_nine_tokens(pad)
+    parents = tree.parents
     tokens = mx.array(tree.tokens.astype(np.uint32))
     if device_topology:
         rnd.forward_rows(tokens, mx.array(tree.depths.astype(np.int32)), mx.array(tree.ancestor_mask()))

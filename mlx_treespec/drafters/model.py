@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache import cache_kind
+from ..tree import DraftTree
 from ..verify import TreeRound, cached_array
 from . import Draft, root_only
 
@@ -153,13 +154,8 @@ class ModelDrafter:
             spine = np.arange(S + 1, dtype=np.int64) - 1  # node i (1..S) at depth i
             leaves = np.repeat(np.arange(S, dtype=np.int64), K - 1)  # children of nodes 0..S-1
             parents = np.concatenate([spine, leaves])
-            depths = np.concatenate([np.arange(S + 1), leaves + 1]).astype(np.int32)
-            anc = np.zeros((len(parents), len(parents)), bool)
-            for j, p in enumerate(parents):
-                if p >= 0:
-                    anc[j] = anc[p]
-                anc[j, j] = True
-            hit = (parents, mx.array(depths), mx.array(anc))
+            shape = DraftTree(np.zeros(len(parents), np.int64), parents)  # tokens do not matter
+            hit = (parents, mx.array(shape.depths.astype(np.int32)), mx.array(shape.ancestor_mask()))
             self._layouts[S] = hit
         return hit
 
