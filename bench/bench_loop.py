@@ -113,6 +113,22 @@ def forward_ms(model, n_nodes, parents=None, history=128, reps=10):
     return 1e3 * statistics.median(times[2:])
 
 
+def batch_forward_ms(model, rows, history=128, reps=10):
+    """Time one plain one-token forward over `rows` batch rows of a `history`-token cache."""
+    cache = make_prompt_cache(model)
+    model(mx.broadcast_to(mx.array(np.arange(history) % 100)[None], (rows, history)), cache=cache)
+    mx.eval([c.state for c in cache])
+    toks = mx.array(np.arange(rows, dtype=np.uint32) % 100)[:, None]
+    times = []
+    for r in range(reps + 2):
+        t = time.perf_counter()
+        mx.eval(model(toks, cache=cache))
+        times.append(time.perf_counter() - t)
+        for c in cache:
+            c.trim(1)
+    return 1e3 * statistics.median(times[2:])
+
+
 def first_divergence(a, b):
     for i, (x, y) in enumerate(zip(a, b)):
         if x != y:
@@ -129,6 +145,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--blocks", default="1,2,3,4,5,6,8")
     ap.add_argument("--trees", default="2:3:6,2:4:8,3:4:12,4:4:16,2:6:12,3:5:15,4:5:24,4:6:32")
+    ap.add_argument("--branch-trees", default="",
+                    help="trees drafted with batch rows, K:S:R:P (topk, depth, rows, fork below)")
     ap.add_argument("--out", default="bench/out/loop.json")
     ap.add_argument("--quick", action="store_true", help="tiny run for a CPU smoke test")
     ap.add_argument("--queue-draft", type=int, choices=(0, 1), default=None,
@@ -137,6 +155,7 @@ def main():
     if args.quick:
         args.prompts, args.select_prompts, args.max_tokens = 2, 1, 24
         args.blocks, args.trees = "1,3", "2:3:6"
+        args.branch_trees = "2:3:2:0.6"
     log = lambda m: print(m, file=sys.stderr, flush=True)
     if args.queue_draft is not None:
         import mlx_treespec.generate as gen
@@ -157,6 +176,11 @@ def main():
     tree_arms = [dict(name=f"ours tree K={K} L={L} S={S} B={B}", kind="tree",
                       opts=dict(tree_topk=K, tree_depth=S, tree_budget=B, tree_lanes=L))
                  for K, S, B, L in trees]
+    for spec in filter(None, args.branch_trees.split(",")):
+        K, S, R, P = spec.split(":")
+        tree_arms.append(dict(name=f"ours tree K={K} S={S} R={R} P={P} (rows)", kind="tree",
+                              opts=dict(tree_topk=int(K), tree_depth=int(S), tree_branches=int(R),
+                                        tree_fork_below=float(P))))
     sel = interleaved(chains, prompts[: args.select_prompts], target, draft, args.max_tokens, log)
     sel_tps = {k: median_spread([r["tps"] for r in v])[0] for k, v in sel.items()}
     k = max(chains, key=lambda a: sel_tps[a["name"]])["opts"]["draft_block_size"]
@@ -193,8 +217,11 @@ def main():
         rs = res[a["name"]]
         nodes = statistics.median([r["nodes"] for r in rs])
         steps = opts.get("draft_block_size") or opts.get("tree_depth")
-        lanes = opts.get("tree_lanes") or opts.get("tree_topk", 1)
-        gpu = forward_ms(target, int(round(nodes))) + steps * forward_ms(draft, lanes)
+        if "tree_branches" in opts:  # one-token steps over that many batch rows
+            drafting = steps * batch_forward_ms(draft, opts["tree_branches"])
+        else:
+            drafting = steps * forward_ms(draft, opts.get("tree_lanes") or opts.get("tree_topk", 1))
+        gpu = forward_ms(target, int(round(nodes))) + drafting
         overhead[a["name"]] = dict(round_ms=median_spread([r["round_ms"] for r in rs])[0],
                                    forwards_ms=gpu,
                                    sync_ms=median_spread([r["sync_ms"] for r in rs])[0],

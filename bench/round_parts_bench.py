@@ -5,7 +5,8 @@
 
 For each part of a round (drafter steps, whole drafts of each kind, lane selection, EAGLE-2
 re-rank, sibling pick, target verifies through host parents or device rows, with a held token,
-host-to-device arrays, cache commits) it reports the median over repeats of (a) the host time to
+host-to-device arrays, cache commits, one-token steps over batch rows and whole drafts of
+branches in batch rows) it reports the median over repeats of (a) the host time to
 build the part's graph (no evaluation), and (b) the wall time of building and evaluating it
 alone. On a launch-bound pair the host column is the part's cost to the round whenever the
 device has no queued work to hide it behind. Last, whole loops on held-out prompts with the
@@ -25,6 +26,7 @@ from mlx_lm.utils import load
 
 from mlx_treespec.cache import commit_appended
 from mlx_treespec.drafters import Draft
+from mlx_treespec.drafters.branch import BranchDrafter
 from mlx_treespec.drafters.model import ModelDrafter, _logprobs, _top_k, keep_best
 from mlx_treespec.generate import _verify, resolve_model_path
 from mlx_treespec.verify import TreeRound
@@ -158,6 +160,18 @@ def main():
 
     part("sync round trip (one tiny op)", lambda: mx.array(1) + 1)
     part("drafter step, 1 token (plain call)", chain_forward(draft, dc, 1))
+    for R in (2, 3, 4):  # what --tree-branches R pays per draft step
+        rc = make_prompt_cache(draft)
+        draft(mx.broadcast_to(hist, (R, hist.shape[1])), cache=rc)
+        mx.eval([c.state for c in rc])
+
+        def batch_step(R=R, rc=rc):
+            out = draft(mx.arange(R).astype(mx.uint32)[:, None], cache=rc)
+            for c in rc:
+                c.trim(1)
+            return out
+
+        part(f"drafter step, 1 token x {R} batch rows (plain call)", batch_step)
     part("drafter step, 2 tokens (padded on GPU)", chain_forward(draft, dc, 2))
     part(f"drafter lane step, {K} tokens (forward_rows)", drafter_lanes)
     part(f"lane selection (top-{K}, argsort)", lane_select)
@@ -246,6 +260,19 @@ def main():
     whole_draft("drafter draft(): spine 10, ranked (K=4, B=24)", topk=4, depth=10, budget=24, lanes=1)
     whole_draft("drafter draft(): EAGLE-2 K=4 S=6 B=24, each step queued", queue=True, topk=4, depth=6, budget=24)
     whole_draft("drafter draft(): EAGLE-2 K=4 S=6 B=24, evaluated once", queue=False, topk=4, depth=6, budget=24)
+    for R, P, words in [(2, 1.0, "forked at step 0"), (3, 1.0, "forked at steps 0-1"),
+                        (3, 0.0, "never forked: a sync per step")]:
+        d = BranchDrafter(draft, topk=3, depth=8, rows=R, fork_below=P)
+        d.prefill(np.arange(args.history + 1) % 97)
+        drafts = []
+
+        def build(d=d):
+            d.pending = [5]
+            drafts.append(d.draft(5, 63))
+            return drafts[-1].arrays()
+
+        part(f"drafter draft(): branches K=3 S=8 R={R}, {words}", build,
+             lambda _, d=d: d.commit(drafts.pop(), np.array([0]), [5]))
     loop_variants(target, tokenizer, draft, rows, args.loop_prompts, args.loop_tokens)
     part("commit, accepted path contiguous", commit(np.arange(5)))
     part("commit, accepted path gathered", commit(np.array([0, 2, 7, 11, 20])))

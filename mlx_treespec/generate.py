@@ -29,6 +29,9 @@ QUEUE_DRAFT = True
 # The draft shape when none is given (topk, lanes, depth): a spine of 8 with each step's two
 # runners-up, the fastest tree on the H200 with the demo pair (bench/RESULTS.md, section 1)
 DEFAULT_TREE = (3, 1, 8)
+# --tree-branches without --tree-fork-below: fork where the spine's top draft probability is
+# below this (emitted per verify on the demo pair, CPU: bench/RESULTS.md, section 1)
+DEFAULT_FORK_BELOW = 0.6
 
 __all__ = ["tree_generate_step", "stream_generate", "generate", "RoundStats", "main"]
 
@@ -332,17 +335,23 @@ def _plain_decode(model, caches, root, max_tokens, choose, quantize, stop_tokens
 
 
 def make_drafter(draft_model=None, *, drafter=None, draft_block_size=None, tree_topk=None,
-                 tree_depth=None, tree_budget=None, tree_lanes=None):
+                 tree_depth=None, tree_budget=None, tree_lanes=None, tree_branches=None,
+                 tree_fork_below=None):
     """The drafter for a set of mlx-lm-style options: a chain of `draft_block_size`, or an
     EAGLE-2 tree of `tree_topk` children per node (default 1: a chain), `tree_lanes` nodes
-    expanded per step (default `tree_topk`), `tree_depth` steps and `tree_budget` nodes. With no
-    shape option at all: `DEFAULT_TREE`."""
+    expanded per step (default `tree_topk`), `tree_depth` steps and `tree_budget` nodes; or, with
+    `tree_branches`, the spine and its `tree_topk` - 1 runners-up plus branches drafted as batch
+    rows of the draft model, forked where the spine's top probability is below
+    `tree_fork_below`. With no shape option at all: `DEFAULT_TREE`."""
     if drafter is not None:
         return drafter
     if draft_model is None:
         return None
     from .drafters.model import ModelDrafter
 
+    if tree_branches is not None or tree_fork_below is not None:
+        return _branch_drafter(draft_model, draft_block_size, tree_topk, tree_depth, tree_budget,
+                               tree_lanes, tree_branches, tree_fork_below)
     if all(o is None for o in (draft_block_size, tree_topk, tree_depth, tree_budget, tree_lanes)):
         tree_topk, tree_lanes, tree_depth = DEFAULT_TREE
     tree_topk = 1 if tree_topk is None else tree_topk
@@ -360,6 +369,23 @@ def make_drafter(draft_model=None, *, drafter=None, draft_block_size=None, tree_
     if tree_topk > 1 and not 1 <= budget <= MAX_NODES - 1:
         raise ValueError(f"--tree-budget counts draft nodes without the root: 1..{MAX_NODES - 1}, got {budget}")
     return ModelDrafter(draft_model, topk=tree_topk, depth=depth, budget=budget, lanes=lanes)
+
+
+def _branch_drafter(draft_model, block, topk, depth, budget, lanes, branches, fork_below):
+    from .drafters.branch import BranchDrafter
+
+    if block is not None or budget is not None or lanes is not None:
+        raise ValueError("--tree-branches drafts the spine, its runners-up and its branches as "
+                         "batch rows: give --tree-topk and --tree-depth with it, not "
+                         "--draft-block-size, --tree-budget or --tree-lanes")
+    topk = 1 if topk is None else topk
+    if not 1 <= topk <= 16:
+        raise ValueError(f"--tree-topk must be in 1..16, got {topk}")
+    depth = 8 if depth is None else depth
+    if not 0 <= depth <= MAX_NODES - 1:
+        raise ValueError(f"the draft depth must be in 0..{MAX_NODES - 1}, got {depth}")
+    return BranchDrafter(draft_model, topk=topk, depth=depth, rows=2 if branches is None else branches,
+                         fork_below=DEFAULT_FORK_BELOW if fork_below is None else fork_below)
 
 
 def _check_vocab(model, draft_model):
@@ -380,7 +406,8 @@ def _check_vocab(model, draft_model):
 
 def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=256, drafter=None,
                     draft_block_size=None, tree_topk=None, tree_depth=None, tree_budget=None,
-                    tree_lanes=None, stats=None, sampler=None, **kwargs):
+                    tree_lanes=None, tree_branches=None, tree_fork_below=None, stats=None,
+                    sampler=None, **kwargs):
     """mlx-lm's `stream_generate`, speculating with a draft tree. Yields `GenerationResponse`s.
 
     Sampling options are `temp`, `top_p`, `min_p`, `top_k`, `seed` (not a `sampler` function:
@@ -403,7 +430,8 @@ def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=25
         _check_vocab(model, draft_model)
     drafter = make_drafter(draft_model, drafter=drafter, draft_block_size=draft_block_size,
                            tree_topk=tree_topk, tree_depth=tree_depth, tree_budget=tree_budget,
-                           tree_lanes=tree_lanes)
+                           tree_lanes=tree_lanes, tree_branches=tree_branches,
+                           tree_fork_below=tree_fork_below)
     if drafter is not None:
         require_tree_support(model)
     stats = stats if stats is not None else RoundStats()
@@ -536,6 +564,13 @@ def setup_arg_parser():
     t.add_argument("--tree-depth", type=int, default=None, help="draft steps (tree depth)")
     t.add_argument("--tree-budget", type=int, default=None,
                    help="draft nodes verified per round, root excluded (at most 63)")
+    t.add_argument("--tree-branches", type=int, default=None,
+                   help="draft the spine (and its --tree-topk - 1 runners-up per step) with this "
+                        "many batch rows of the draft model: row r >= 1 forks a branch from the "
+                        "spine's runner-up at the r-th uncertain step (1..8)")
+    t.add_argument("--tree-fork-below", type=float, default=None,
+                   help=f"with --tree-branches: a spine step is uncertain when its top draft "
+                        f"probability is below this (default {DEFAULT_FORK_BELOW})")
     t.add_argument("--allow-inexact", action="store_true",
                    help="speculate even where the exactness probe finds verify differs from decoding")
     return p
@@ -551,7 +586,10 @@ def _build_drafter(args, model, draft_model):
         _check_vocab(model, draft_model)
         return make_drafter(draft_model, draft_block_size=args.draft_block_size,
                             tree_topk=args.tree_topk, tree_depth=args.tree_depth,
-                            tree_budget=args.tree_budget, tree_lanes=args.tree_lanes)
+                            tree_budget=args.tree_budget, tree_lanes=args.tree_lanes,
+                            tree_branches=args.tree_branches, tree_fork_below=args.tree_fork_below)
+    if args.tree_branches is not None or args.tree_fork_below is not None:
+        raise ValueError("--tree-branches and --tree-fork-below need a draft model (--drafter model)")
     budget = args.tree_budget if args.tree_budget is not None else 16
     depth = args.tree_depth if args.tree_depth is not None else (args.draft_block_size or 8)
     if not 1 <= budget <= MAX_NODES - 1 or not 1 <= depth <= MAX_NODES - 1:
