@@ -76,16 +76,23 @@ def run_arm(arm, prompt, target, draft, n):
                 held=s.get("held_per_round"))
 
 
-def interleaved(arms, prompts, target, draft, n, log):
+def interleaved(arms, prompts, target, draft, n, log, seconds=None):
+    """Every arm on every prompt (rotating order); with `seconds`, no prompt starts after that
+    many seconds (every arm keeps the same prompts)."""
     results = {a["name"]: [] for a in arms}
     run_arm(arms[0], prompts[0], target, draft, min(n, 32))  # warm-up: compile, allocate
     for a in arms:
         run_arm(a, prompts[0], target, draft, min(n, 32))
+    start = time.perf_counter()
     for i, p in enumerate(prompts):
+        if seconds is not None and time.perf_counter() - start > seconds:
+            log(f"time budget of {seconds} s spent: {i} of {len(prompts)} prompts")
+            break
         order = arms[i % len(arms):] + arms[: i % len(arms)]
         for a in order:
             results[a["name"]].append(run_arm(a, p, target, draft, n))
-        log(f"prompt {i + 1}/{len(prompts)}")
+        log(f"prompt {i + 1}/{len(prompts)} ({time.perf_counter() - start:.0f} s): " + ", ".join(
+            f"{a['name'].replace('ours ', '')} {results[a['name']][-1]['tps']:.0f}" for a in arms))
     return results
 
 
@@ -147,6 +154,8 @@ def main():
     ap.add_argument("--trees", default="2:3:6,2:4:8,3:4:12,4:4:16,2:6:12,3:5:15,4:5:24,4:6:32")
     ap.add_argument("--branch-trees", default="",
                     help="trees drafted with batch rows, K:S:R:P (topk, depth, rows, fork below)")
+    ap.add_argument("--seconds", type=float, default=None,
+                    help="phase 2 starts no prompt after this many seconds (the report says how many ran)")
     ap.add_argument("--out", default="bench/out/loop.json")
     ap.add_argument("--quick", action="store_true", help="tiny run for a CPU smoke test")
     ap.add_argument("--queue-draft", type=int, choices=(0, 1), default=None,
@@ -189,7 +198,8 @@ def main():
     # Phase 2 (every prompt): every arm, interleaved; best chain and trees chosen on these runs
     arms = [dict(name="mlx-lm plain", kind="mlx_plain"), dict(name="ours plain", kind="plain"),
             dict(name=f"mlx-lm chain k={k}", kind="mlx_chain", k=k)] + chains + tree_arms
-    res = interleaved(arms, prompts, target, draft, args.max_tokens, log)
+    res = interleaved(arms, prompts, target, draft, args.max_tokens, log, args.seconds)
+    done = len(res[arms[0]["name"]])
     med = lambda n, key: median_spread([r[key] for r in res[n]])[0]
     best_chain = max(chains, key=lambda a: med(a["name"], "tps"))
     fastest = max(tree_arms, key=lambda a: med(a["name"], "tps"))
@@ -229,7 +239,7 @@ def main():
                                    held=median_spread([r["held"] for r in rs])[0])
         overhead[a["name"]]["python_ms"] = overhead[a["name"]]["round_ms"] - gpu
 
-    print(f"\n## Verify loop on {device} ({len(prompts)} prompts x {args.max_tokens} tokens, temp 0)\n")
+    print(f"\n## Verify loop on {device} ({done} of {len(prompts)} prompts x {args.max_tokens} tokens, temp 0)\n")
     print("| arm | tok/s (median, min-max) | x plain | emitted/verify | round ms | prompts identical to plain | first divergence (median) |")
     print("|---|---|---|---|---|---|---|")
     for name, tps, epv, rms, div in rows:

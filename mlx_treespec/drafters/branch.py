@@ -28,12 +28,14 @@ class BranchDrafter:
     """`rows` batch rows of the draft model (1: a chain with siblings), `topk` - 1 runners-up per
     spine step as leaves, `depth` steps, forks where the spine's top probability < `fork_below`."""
 
+    copy_rows = True  # at commit, copy the accepted row over rows that differ (else re-run)
+
     def __init__(self, model, topk=1, depth=4, rows=2, fork_below=0.5, prefill_step_size=2048):
         if topk < 1:
             raise ValueError(f"topk must be >= 1, got {topk}")
         if not 1 <= rows <= 8:
             raise ValueError(f"rows (--tree-branches) must be in 1..8, got {rows}")
-        if not 0.0 <= fork_below <= 1.0:
+        if fork_below is not None and not 0.0 <= fork_below <= 1.0:
             raise ValueError(f"fork_below (--tree-fork-below) is a probability in 0..1, got {fork_below}")
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
@@ -91,8 +93,12 @@ class BranchDrafter:
                 top = top[mx.argsort(-row0[top])].astype(mx.uint32)
                 runners.append(top[: K - 1])
             if free:
-                lse = mx.logsumexp(logits[0].astype(mx.float32))
-                if mx.exp(logits[0].astype(mx.float32).max() - lse).item() < self.fork_below:
+                if self.fork_below is None:  # fixed forks at steps 0, 1, ...: no host read
+                    fork = True
+                else:
+                    lse = mx.logsumexp(logits[0].astype(mx.float32))
+                    fork = mx.exp(logits[0].astype(mx.float32).max() - lse).item() < self.fork_below
+                if fork:
                     forks.append(s)
                     heads.append(top[:1])
             # row r's token: row 0's until its fork, the runner-up at it, its own greedy after
@@ -149,6 +155,10 @@ class BranchDrafter:
         # rows that forked before `kept` differ from `row` there; the row's own fork too
         differ = [f for r, f in enumerate(forks, start=1) if r != row] + ([forks[row - 1]] if row else [])
         lo = min(differ, default=kept)
+        if lo < kept and not self.copy_rows:  # keep what all rows share, re-run the rest
+            for c in self.cache:
+                c.trim(kept - lo)
+            kept = lo
         if lo < kept:
             a, b = base + lo, base + kept
             for c in self.cache:
