@@ -1,6 +1,10 @@
 """Device diagnosis of --tree-branches rounds: round time by variant over several prompts
-(commit copies rows or re-runs; forks read from the probability or fixed), and batch-row steps
-at growing history."""
+(forks read from the probability or fixed), and batch-row steps at growing history.
+
+    python bench/branch_diag.py
+
+(The figures in bench/RESULTS.md, section 1b, came from this script at commit 54fc6dc, whose
+variants also compared a re-run commit, since removed.)"""
 import statistics
 import sys
 import time
@@ -32,13 +36,10 @@ for R in (1, 2):
 prompts = load_prompts(tok, 5)
 variants = {"chain 8": lambda: make_drafter(draft, draft_block_size=8),
             "K3L1S8": lambda: make_drafter(draft, tree_topk=3, tree_depth=8, tree_lanes=1)}
-for copy in (True, False):
-    for P in (0.6, None):
-        def mk(copy=copy, P=P):
-            d = BranchDrafter(draft, topk=3, depth=8, rows=2, fork_below=P)
-            d.copy_rows = copy
-            return d
-        variants[f"R2 {'copy' if copy else 'rerun'} P={P}"] = mk
+for R, P in [(2, 0.6), (2, 1.0), (3, 0.7), (3, 1.0)]:
+    def mk(R=R, P=P):
+        return BranchDrafter(draft, topk=3, depth=8, rows=R, fork_below=P)
+    variants[f"R{R} P={P}"] = mk
 res = {k: [] for k in variants}
 for i, p in enumerate([prompts[0]] + prompts):
     for k, mk in variants.items():

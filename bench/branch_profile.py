@@ -75,7 +75,7 @@ def loop_split():
     prompt = tok.encode("def parse(text):\n    ")
     for opts in [dict(draft_block_size=8), dict(tree_topk=3, tree_depth=8, tree_branches=1),
                  dict(tree_topk=3, tree_depth=8, tree_branches=2, tree_fork_below=0.6),
-                 dict(tree_topk=3, tree_depth=8, tree_branches=2, tree_fork_below=0.0)]:
+                 dict(tree_topk=3, tree_depth=8, tree_branches=2, tree_fork_below=1.0)]:
         for _ in range(2):  # the first run warms up
             st = RoundStats()
             list(tree_generate_step(prompt, target, make_drafter(draft, **opts), max_tokens=128, stats=st))

@@ -29,9 +29,9 @@ QUEUE_DRAFT = True
 # The draft shape when none is given (topk, lanes, depth): a spine of 8 with each step's two
 # runners-up, the fastest tree on the H200 with the demo pair (bench/RESULTS.md, section 1)
 DEFAULT_TREE = (3, 1, 8)
-# --tree-branches without --tree-fork-below: fork where the spine's top draft probability is
-# below this (emitted per verify on the demo pair, CPU: bench/RESULTS.md, section 1)
-DEFAULT_FORK_BELOW = 0.6
+# --tree-branches without --tree-fork-below: 1 forks the branches at the first steps with no
+# probability read back (each read cost ~1.6 ms a round on the H200: bench/RESULTS.md, 1b)
+DEFAULT_FORK_BELOW = 1.0
 
 __all__ = ["tree_generate_step", "stream_generate", "generate", "RoundStats", "main"]
 
@@ -570,7 +570,8 @@ def setup_arg_parser():
                         "spine's runner-up at the r-th uncertain step (1..8)")
     t.add_argument("--tree-fork-below", type=float, default=None,
                    help=f"with --tree-branches: a spine step is uncertain when its top draft "
-                        f"probability is below this (default {DEFAULT_FORK_BELOW})")
+                        f"probability is below this; 1 (the default) forks at the first steps "
+                        f"without reading probabilities back")
     t.add_argument("--allow-inexact", action="store_true",
                    help="speculate even where the exactness probe finds verify differs from decoding")
     return p

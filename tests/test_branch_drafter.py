@@ -52,6 +52,7 @@ class Recorder(BranchDrafter):
         super().__init__(*a, **kw)
         self.into_branch = 0
         self.forks = 0
+        self.fork_steps = set()
         self.check_cache = check_cache
         self.text = []
 
@@ -63,6 +64,7 @@ class Recorder(BranchDrafter):
         if draft.extra is not None:
             S, forks, order, _ = draft.extra
             self.forks += len(forks)
+            self.fork_steps.add(forks)
             self.into_branch += any(order[n][0] > 0 and order[n][1] > forks[order[n][0] - 1] for n in path[1:])
         super().commit(draft, path, emitted)
         self.text += list(emitted)
@@ -127,6 +129,8 @@ def test_greedy_identical_to_mlx_lm(pairs, family, shape):
     assert len(set(ref)) >= 5 and sum(stats.accepted) > 0
     if SHAPES[shape].get("tree_fork_below") == 0.0:
         assert drafter.forks == 0
+    if SHAPES[shape].get("tree_fork_below") == 1.0:  # the first steps, whatever the probabilities
+        assert drafter.fork_steps <= {(0, 1), (0,), ()} and (0, 1) in drafter.fork_steps
     if shape == "k1s5r3-always" and family != "gemma3":  # gemma3's drafter is an unrelated model
         assert drafter.into_branch > 0, "no round accepted into a branch: the commit's row copy is untested"
 

@@ -6,11 +6,16 @@ holds the context `rows` times (batch rows), so every path is a plain causal dec
 row: a step runs all rows through the same kernels as a chain's step, and no mask is built.
 
 Row 0 drafts the spine (greedy steps, a chain). Row r >= 1 mirrors it until the r-th spine step
-whose top draft probability is below `fork_below`; there it takes the runner-up token and then
-follows its own greedy steps: a branch. Each spine step's K - 1 runners-up are leaves, as in the
+whose top draft probability is below `fork_below` (1: the first R - 1 steps, with nothing read
+back); there it takes the runner-up token and then follows its own greedy steps: a branch. Each spine step's K - 1 runners-up are leaves, as in the
 one-lane tree (the runner-up a branch starts from is that leaf, with the branch below it). The
-host reads one probability per spine step until every row has forked, so the tree's topology is
-known on the host, and the verify gets cached device depths and ancestor rows per layout.
+host reads one probability per spine step until every row has forked (none with
+`fork_below` = 1), so the tree's topology is known on the host, and the verify gets cached device
+depths and ancestor rows per layout.
+
+Measured on the H200 (bench/RESULTS.md, section 1b): each host read costs the round ~1.6 ms
+and a multi-token forward over batch rows is far slower than one-token steps, so the default
+forks without reading and the pending tokens go in one at a time.
 
 Commit trims every row to the accepted nodes already forwarded and copies the accepted row's
 K/V over the other rows where they differ, so all rows hold the same context again.
@@ -28,14 +33,12 @@ class BranchDrafter:
     """`rows` batch rows of the draft model (1: a chain with siblings), `topk` - 1 runners-up per
     spine step as leaves, `depth` steps, forks where the spine's top probability < `fork_below`."""
 
-    copy_rows = True  # at commit, copy the accepted row over rows that differ (else re-run)
-
     def __init__(self, model, topk=1, depth=4, rows=2, fork_below=0.5, prefill_step_size=2048):
         if topk < 1:
             raise ValueError(f"topk must be >= 1, got {topk}")
         if not 1 <= rows <= 8:
             raise ValueError(f"rows (--tree-branches) must be in 1..8, got {rows}")
-        if fork_below is not None and not 0.0 <= fork_below <= 1.0:
+        if not 0.0 <= fork_below <= 1.0:
             raise ValueError(f"fork_below (--tree-fork-below) is a probability in 0..1, got {fork_below}")
         if depth < 0:
             raise ValueError(f"depth must be >= 0, got {depth}")
@@ -78,7 +81,10 @@ class BranchDrafter:
         if S == 0:
             return root_only(root)
         pending = mx.array(self.pending, mx.uint32)
-        logits = self._step(mx.broadcast_to(pending[None], (R, pending.shape[0])))
+        # one token at a time: a multi-token forward over batch rows takes a much slower path
+        # on MLX CUDA (a round's draft 10x a chain's, bench/RESULTS.md section 1)
+        for i in range(pending.shape[0]):
+            logits = self._step(mx.broadcast_to(pending[i : i + 1][None], (R, 1)))
         forks = []  # spine step of each forked row, rows 1.. in order
         spine, runners, steps = [], [], []  # per step: row 0's token, its runners-up, all rows' tokens
         heads = []  # the runner-up each branch starts from
@@ -93,7 +99,7 @@ class BranchDrafter:
                 top = top[mx.argsort(-row0[top])].astype(mx.uint32)
                 runners.append(top[: K - 1])
             if free:
-                if self.fork_below is None:  # fixed forks at steps 0, 1, ...: no host read
+                if self.fork_below >= 1:  # every step is uncertain: no probability to read
                     fork = True
                 else:
                     lse = mx.logsumexp(logits[0].astype(mx.float32))
@@ -155,10 +161,6 @@ class BranchDrafter:
         # rows that forked before `kept` differ from `row` there; the row's own fork too
         differ = [f for r, f in enumerate(forks, start=1) if r != row] + ([forks[row - 1]] if row else [])
         lo = min(differ, default=kept)
-        if lo < kept and not self.copy_rows:  # keep what all rows share, re-run the rest
-            for c in self.cache:
-                c.trim(kept - lo)
-            kept = lo
         if lo < kept:
             a, b = base + lo, base + kept
             for c in self.cache:
