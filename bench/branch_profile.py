@@ -1,7 +1,7 @@
 """Where a --tree-branches round's time goes on the device (demo pair): draft() with a sync per
 spine step or none, batch-row steps with and without reading a probability, and the commit.
 
-    python bench/branch_profile.py
+    python bench/branch_profile.py [--tokens 128] [--reps 20]
 """
 import statistics
 import time
@@ -14,7 +14,11 @@ from mlx_treespec.drafters.branch import BranchDrafter
 from mlx_treespec.generate import resolve_model_path
 
 
-def timeit(fn, reps=20, warm=3):
+REPS = 20
+
+
+def timeit(fn, reps=None, warm=3):
+    reps = REPS if reps is None else reps
     ts = []
     for _ in range(reps + warm):
         t = time.perf_counter()
@@ -45,7 +49,7 @@ def main():
                 c.trim(4)
 
         ds, cs = [], []
-        for _ in range(23):
+        for _ in range(REPS + 3):
             ds.append(timeit(run_draft, 1, 0))
             cs.append(timeit(run_commit, 1, 0))
         print(f"R={R} P={P}: draft() {statistics.median(ds[3:]):.2f} ms, commit {statistics.median(cs[3:]):.2f} ms", flush=True)
@@ -67,7 +71,7 @@ def main():
               f"with a .item() each {timeit(lambda: steps(True)):.2f} ms", flush=True)
 
 
-def loop_split():
+def loop_split(tokens):
     from mlx_treespec.generate import RoundStats, make_drafter, tree_generate_step
 
     target, tok = load(resolve_model_path("demo"))
@@ -78,7 +82,7 @@ def loop_split():
                  dict(tree_topk=3, tree_depth=8, tree_branches=2, tree_fork_below=1.0)]:
         for _ in range(2):  # the first run warms up
             st = RoundStats()
-            list(tree_generate_step(prompt, target, make_drafter(draft, **opts), max_tokens=128, stats=st))
+            list(tree_generate_step(prompt, target, make_drafter(draft, **opts), max_tokens=tokens, stats=st))
         s = st.summary()
         print(f"{opts}: round {s['round_ms']:.2f} ms, draft {s['draft_ms_per_round']:.2f}, "
               f"sync {s['sync_ms_per_round']:.2f}, walk {s['walk_ms_per_round']:.2f}, "
@@ -86,5 +90,12 @@ def loop_split():
 
 
 if __name__ == "__main__":
-    loop_split()
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args()
+    REPS = args.reps
+    loop_split(args.tokens)
     main()

@@ -665,7 +665,9 @@ def _probe(args, model, drafter):
     topk = getattr(drafter, "topk", 1)
     budget = getattr(drafter, "budget", depth)
     topologies = [chain_parents(depth)]
-    if topk > 1 or budget != depth:
+    if hasattr(drafter, "probe_parents"):  # a drafter whose largest layout is known
+        topologies.append(drafter.probe_parents())
+    elif topk > 1 or budget != depth:
         topologies.append(representative_tree_parents(max(topk, 2), depth, budget))
     check_speculation(model, topologies, allow_inexact=args.allow_inexact)
 

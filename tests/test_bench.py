@@ -34,3 +34,10 @@ def test_round_parts_bench_tiny(tmp_path):
     loops = [v for k, v in data.items() if k.startswith("loop, ")]
     assert len(timed) >= 20 and all(v["synced_ms"] > 0 for v in timed)
     assert len(loops) == 6 and all(v["tok_s"] > 0 for v in loops)
+
+
+def test_branch_scripts_tiny(tmp_path):
+    text = run(["bench/branch_profile.py", "--tokens", "16", "--reps", "1"], tmp_path)
+    assert text.count("draft()") == 5 and "with a .item() each" in text
+    text = run(["bench/branch_diag.py", "--prompts", "1", "--tokens", "16"], tmp_path)
+    assert "batch step R=2 history 600" in text and "R3 P=1.0" in text

@@ -194,3 +194,15 @@ def test_cli_branch_flags(capsys):
           "--verbose", "T"])
     out = capsys.readouterr().out
     assert out.count("==========") == 2 and "emitted/verify" in out
+
+
+def test_probe_topology_is_the_largest_layout(pairs):
+    # the GPU exactness probe verifies the biggest tree a round of this shape can send
+    _, draft = pairs("qwen3")
+    for K, S, R in [(3, 8, 2), (1, 5, 3), (4, 6, 4), (2, 1, 3)]:
+        d = BranchDrafter(draft, topk=K, depth=S, rows=R, fork_below=1.0)
+        parents = d.probe_parents()
+        DraftTree(np.zeros(len(parents), np.int64), parents)
+        forks = min(R - 1, S - 1)
+        assert len(parents) == 1 + S * K + sum(S - f for f in range(forks)) - (forks if K > 1 else 0)
+        assert len(parents) <= max_nodes(K, S, R)

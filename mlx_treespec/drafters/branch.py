@@ -143,6 +143,12 @@ class BranchDrafter:
             self._layouts[(S, forks)] = hit
         return hit
 
+    def probe_parents(self):
+        """The largest layout a round can verify (forks at the first steps): the exactness
+        probe's topology for this drafter."""
+        S = self.depth
+        return branch_layout(S, self.topk, tuple(range(min(self.rows - 1, max(S - 1, 0)))))[0]
+
     def commit(self, draft, path, emitted):
         if draft.extra is None:  # nothing was forwarded: the root is still pending
             self.pending = self.pending + list(emitted)
