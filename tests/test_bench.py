@@ -41,3 +41,5 @@ def test_branch_scripts_tiny(tmp_path):
     assert text.count("draft()") == 5 and "with a .item() each" in text
     text = run(["bench/branch_diag.py", "--prompts", "1", "--tokens", "16"], tmp_path)
     assert "batch step R=2 history 600" in text and "R3 P=1.0" in text
+    text = run(["bench/branch_acceptance.py", "--prompts", "1", "--tokens", "8"], tmp_path)
+    assert text.count("= plain 1/1") == 15
