@@ -185,7 +185,11 @@ def test_committed_cache_equals_plain_decoding(pairs, family, max_kv, shape):
         assert any(ended_held), ended_held
 
 
-@pytest.mark.parametrize("shape", ["chain4", "k2s3b6", "k4s5b20"])
+# branches as batch rows of the draft model, forked at the first two steps
+BRANCHES = dict(tree_topk=1, tree_depth=5, tree_branches=3, tree_fork_below=1.0)
+
+
+@pytest.mark.parametrize("shape", ["chain4", "k2s3b6", "k4s5b20", "branches-k1s5r3"])
 def test_sampled_tree_equals_plain_sampled(pairs, shape):
     target, draft = pairs("qwen3")
     prompt = prompt_tokens(5)
@@ -193,7 +197,7 @@ def test_sampled_tree_equals_plain_sampled(pairs, shape):
     for seed in (0, 1, 2):
         kw = dict(temp=0.8, top_p=0.95, top_k=40, seed=seed)
         ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=120, **kw)]
-        out, stats = speculative(target, draft, prompt, SHAPES[shape], n=120, **kw)
+        out, stats = speculative(target, draft, prompt, {**SHAPES, "branches-k1s5r3": BRANCHES}[shape], n=120, **kw)
         assert out == ref
         assert sum(stats.accepted) > 0
         seen.add(tuple(ref))

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import numpy as np
 import mlx.core as mx
 
-from ..tree import MAX_NODES
+from ..tree import MAX_NODES, DraftTree
 
 
 @dataclass
@@ -60,3 +60,11 @@ def check_budget_depth(budget, max_depth):
 
 def root_only(root):
     return Draft(np.array([-1], np.int32), mx.array([root], mx.uint32))
+
+
+def fixed_topology(parents):
+    """A layout the host knows before drafting: host parents, and the device depths and
+    ancestor-or-self rows the verify reads (built once per layout, so a round spends no op on
+    them)."""
+    shape = DraftTree(np.zeros(len(parents), np.int64), parents)  # tokens do not matter
+    return parents, mx.array(shape.depths.astype(np.int32)), mx.array(shape.ancestor_mask())

@@ -7,9 +7,9 @@ row: a step runs all rows through the same kernels as a chain's step, and no mas
 
 Row 0 drafts the spine (greedy steps, a chain). Row r >= 1 mirrors it until the r-th spine step
 whose top draft probability is below `fork_below` (1: the first R - 1 steps, with nothing read
-back); there it takes the runner-up token and then follows its own greedy steps: a branch. Each spine step's K - 1 runners-up are leaves, as in the
-one-lane tree (the runner-up a branch starts from is that leaf, with the branch below it). The
-host reads one probability per spine step until every row has forked (none with
+back); there it takes the runner-up token and then follows its own greedy steps: a branch. Each
+spine step's K - 1 runners-up are leaves, as in the one-lane tree (the runner-up a branch starts
+from is that leaf, with the branch below it). The host reads one probability per spine step until every row has forked (none with
 `fork_below` = 1), so the tree's topology is known on the host, and the verify gets cached device
 depths and ancestor rows per layout.
 
@@ -24,9 +24,9 @@ import numpy as np
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from ..tree import MAX_NODES, DraftTree
+from ..tree import MAX_NODES
 from ..verify import cached_array
-from . import Draft, root_only
+from . import Draft, fixed_topology, root_only
 
 
 class BranchDrafter:
@@ -82,7 +82,7 @@ class BranchDrafter:
             return root_only(root)
         pending = mx.array(self.pending, mx.uint32)
         # one token at a time: a multi-token forward over batch rows takes a much slower path
-        # on MLX CUDA (a round's draft 10x a chain's, bench/RESULTS.md section 1)
+        # on MLX CUDA (a round's draft ~10x a chain's, bench/RESULTS.md section 1b)
         for i in range(pending.shape[0]):
             logits = self._step(mx.broadcast_to(pending[i : i + 1][None], (R, 1)))
         forks = []  # spine step of each forked row, rows 1.. in order
@@ -97,7 +97,8 @@ class BranchDrafter:
                                          mx.array(-mx.inf, logits.dtype), axis=-1)
                 top = mx.argpartition(-row0, kth=n - 1)[:n]
                 top = top[mx.argsort(-row0[top])].astype(mx.uint32)
-                runners.append(top[: K - 1])
+                if K > 1:
+                    runners.append(top[: K - 1])
             if free:
                 if self.fork_below >= 1:  # every step is uncertain: no probability to read
                     fork = True
@@ -136,11 +137,8 @@ class BranchDrafter:
         spine of S, its K - 1 leaves per step and branches forked at `forks` (cached)."""
         hit = self._layouts.get((S, forks))
         if hit is None:
-            hit = branch_layout(S, self.topk, forks)
-            parents, order = hit
-            shape = DraftTree(np.zeros(len(parents), np.int64), parents)
-            hit = (parents, mx.array(shape.depths.astype(np.int32)), mx.array(shape.ancestor_mask()), order)
-            self._layouts[(S, forks)] = hit
+            parents, order = branch_layout(S, self.topk, forks)
+            hit = self._layouts[(S, forks)] = fixed_topology(parents) + (order,)
         return hit
 
     def probe_parents(self):

@@ -12,9 +12,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache import cache_kind
-from ..tree import DraftTree
 from ..verify import TreeRound, cached_array
-from . import Draft, root_only
+from . import Draft, fixed_topology, root_only
 
 
 def _logprobs(logits):
@@ -153,10 +152,7 @@ class ModelDrafter:
             K = self.topk
             spine = np.arange(S + 1, dtype=np.int64) - 1  # node i (1..S) at depth i
             leaves = np.repeat(np.arange(S, dtype=np.int64), K - 1)  # children of nodes 0..S-1
-            parents = np.concatenate([spine, leaves])
-            shape = DraftTree(np.zeros(len(parents), np.int64), parents)  # tokens do not matter
-            hit = (parents, mx.array(shape.depths.astype(np.int32)), mx.array(shape.ancestor_mask()))
-            self._layouts[S] = hit
+            hit = self._layouts[S] = fixed_topology(np.concatenate([spine, leaves]))
         return hit
 
     def _spine_and_siblings(self, root, rows, toks, rnd, budget):
