@@ -192,3 +192,48 @@ def test_probe_topology_is_the_largest_layout(pairs):
         forks = min(R - 1, S - 1)
         assert len(parents) == 1 + S * K + sum(S - f for f in range(forks)) - (forks if K > 1 else 0)
         assert len(parents) <= max_nodes(K, S, R)
+
+
+@pytest.mark.parametrize("K,S,R,P", [(3, 6, 3, 1.0), (1, 5, 3, 1.0), (2, 6, 2, 1.0), (4, 5, 4, 0.9), (3, 4, 1, 1.0)])
+def test_every_node_s_children_are_its_best_draft_tokens(pairs, K, S, R, P):
+    # each node's children are the draft model's top tokens after its path (as many as it has:
+    # K at spine nodes, K + 1 where a branch forks with K = 1, one in a branch), and a branch
+    # starts from the best token after the spine's: checked over several rounds of a generation
+    target, draft = pairs("qwen3")
+    drafter = BranchDrafter(draft, topk=K, depth=S, rows=R, fork_below=P)
+    prompt = prompt_tokens(6)
+    checked = 0
+
+    def logits_after(path_tokens):
+        return draft(mx.array(path_tokens)[None])[0, -1].astype(mx.float32)
+
+    original = drafter.draft
+
+    def checking_draft(root, max_depth):
+        nonlocal checked
+        d = original(root, max_depth)
+        text = emitted[:-1]  # the context before the root (node 0 is the last emitted token)
+        assert emitted[-1] == root
+        tree = DraftTree(np.array(d.tokens).astype(np.int64), d.host_parents())
+        for node in range(tree.size):
+            kids = list(tree.children(node))
+            if not kids:
+                continue
+            lg = np.array(logits_after(text + tree.tokens[tree.path_to(node)].tolist()))
+            got = sorted(lg[tree.tokens[kids]].tolist(), reverse=True)
+            assert got == sorted(lg, reverse=True)[: len(kids)], f"node {node}"
+            assert len(set(tree.tokens[kids].tolist())) == len(kids)
+            checked += 1
+        _, forks, order, _ = d.extra if d.extra is not None else (0, (), [(-1, -1)], 0)
+        for node, (r, s) in enumerate(order):
+            if r > 0 and s == forks[r - 1]:  # a branch head: the best of its spine step's others
+                sib = [c for c in tree.children(tree.parents[node]) if order[c][0] != 0]
+                lg = np.array(logits_after(text + tree.tokens[tree.path_to(int(tree.parents[node]))].tolist()))
+                assert lg[tree.tokens[node]] == max(lg[tree.tokens[sib]])
+        return d
+
+    drafter.draft = checking_draft
+    emitted = list(prompt)  # the draft runs after the previous round's tokens were consumed
+    for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=40):
+        emitted.append(t)
+    assert checked > 0

@@ -86,51 +86,61 @@ class BranchDrafter:
         for i in range(pending.shape[0]):
             logits = self._step(mx.broadcast_to(pending[i : i + 1][None], (R, 1)))
         forks = []  # spine step of each forked row, rows 1.. in order
-        spine, runners, steps = [], [], []  # per step: row 0's token, its runners-up, all rows' tokens
-        heads = []  # the runner-up each branch starts from
+        spine, steps, heads = [], [], {}  # row 0's token, all rows' tokens, step -> branch head
+        spine_logits = []  # row 0's logits per step: its leaves are picked once, after the loop
         for s in range(S):
-            best = mx.argmax(logits, axis=-1).astype(mx.uint32)  # [R]: each row's greedy token
-            free = len(forks) < R - 1 and s < S - 1  # a fork at the last step would be a leaf only
-            if K > 1 or free:  # row 0's runners-up, best first ([0] heads a branch forked here)
-                n = max(K - 1, 1)
-                row0 = mx.put_along_axis(logits[0], best[:1].astype(mx.int32),
-                                         mx.array(-mx.inf, logits.dtype), axis=-1)
-                top = mx.argpartition(-row0, kth=n - 1)[:n]
-                top = top[mx.argsort(-row0[top])].astype(mx.uint32)
-                if K > 1:
-                    runners.append(top[: K - 1])
-            if free:
-                if self.fork_below >= 1:  # every step is uncertain: no probability to read
-                    fork = True
-                else:
-                    lse = mx.logsumexp(logits[0].astype(mx.float32))
-                    fork = mx.exp(logits[0].astype(mx.float32).max() - lse).item() < self.fork_below
-                if fork:
-                    forks.append(s)
-                    heads.append(top[:1])
+            best = mx.argmax(logits, axis=-1)  # [R]: each row's greedy token
+            spine.append(best[:1])
+            if K > 1:
+                spine_logits.append(logits[:1])
+            if len(forks) < R - 1 and s < S - 1 and self._uncertain(logits[0]):
+                # a fork at the last step would be a leaf only; the head is row 0's runner-up
+                forks.append(s)
+                heads[s] = mx.argmax(_without(logits[0], best[:1]), keepdims=True)
             # row r's token: row 0's until its fork, the runner-up at it, its own greedy after
             src = [0] + [(r if forks[r - 1] < s else R) if r <= len(forks) else 0 for r in range(1, R)]
             if any(src):
-                tok = mx.concatenate([best, top[:1]])[cached_array(np.array(src, np.int32))]
+                tok = mx.concatenate([best, heads.get(s, best[:1])])[cached_array(np.array(src, np.int32))]
             else:
                 tok = mx.broadcast_to(best[:1], (R,))
-            spine.append(best[:1])
             steps.append(tok)
             if s < S - 1:
                 logits = self._step(tok[:, None])
         parents, depths, visible, order = self._layout(S, tuple(forks))
-        table = mx.stack(steps)  # [S, R]: row r's token at each step
         parts = [pending[-1:], mx.concatenate(spine)]
         if K > 1:
-            parts.append(mx.concatenate(runners))
+            parts.append(self._leaves(mx.concatenate(spine_logits), spine, heads))
         elif heads:  # with no leaves, the runners-up branches start from are nodes of their own
-            parts.append(mx.concatenate(heads))
+            parts.append(mx.concatenate([heads[f] for f in forks]))
+        table = mx.stack(steps)  # [S, R]: row r's token at each step
         for r, f in enumerate(forks, start=1):
             if f + 1 < S:
                 parts.append(table[f + 1 :, r])
         tokens = mx.concatenate(parts)
         return Draft(parents, tokens, self.budget, S, (S, tuple(forks), order, len(self.pending)),
                      depths=depths, visible=visible)
+
+    def _uncertain(self, logits):
+        """Does row 0 fork here? Its top probability below `fork_below` (a host read); with
+        `fork_below` 1 every step is uncertain and nothing is read."""
+        if self.fork_below >= 1:
+            return True
+        x = logits.astype(mx.float32)
+        return mx.exp(x.max() - mx.logsumexp(x)).item() < self.fork_below
+
+    def _leaves(self, logits, spine, heads):
+        """The K - 1 runners-up of each spine step ([S * (K - 1)], step by step), from row 0's
+        logits [S, V], in one pass after the loop. At a fork step the first is the branch's head
+        (picked during the loop), the others are the best after it."""
+        S, n = logits.shape[0], self.topk - 1
+        first = mx.concatenate([heads.get(s, spine[s]) for s in range(S)])  # [S]
+        masked = _without(logits, mx.stack([mx.concatenate(spine), first], axis=1))
+        top = mx.argpartition(-masked, kth=n - 1, axis=-1)[:, :n]
+        if heads and n > 1:  # a fork step keeps its best n - 1 after the head: rank them
+            top = mx.take_along_axis(top, mx.argsort(-mx.take_along_axis(masked, top, axis=-1), axis=-1), axis=-1)
+        cols = np.array([list(range(n)) if s in heads else list(range(1, n + 1)) for s in range(S)], np.int32)
+        both = mx.concatenate([first[:, None], top.astype(first.dtype)], axis=1)  # [S, 1 + n]
+        return mx.take_along_axis(both, cached_array(cols), axis=-1).reshape(-1)
 
     def _layout(self, S, forks):
         """Host parents, device depths and ancestor rows, and each node's (row, step), for a
@@ -171,6 +181,13 @@ class BranchDrafter:
                 c.keys[:, :, a:b, :] = c.keys[row : row + 1, :, a:b, :]
                 c.values[:, :, a:b, :] = c.values[row : row + 1, :, a:b, :]
         self.pending = list(emitted[kept:])
+
+
+def _without(logits, tokens):
+    """`logits` [..., V] with the `tokens` ([...] or [..., m]) at -inf."""
+    idx = tokens.astype(mx.int32)
+    idx = idx if idx.ndim == logits.ndim else idx[..., None]
+    return mx.put_along_axis(logits, idx, mx.array(-mx.inf, logits.dtype), axis=-1)
 
 
 def max_nodes(topk, depth, rows):
