@@ -67,7 +67,12 @@ def run_arm(arm, prompt, target, draft, n):
         toks, tps = timed(t for t, _, _ in speculative_generate_step(
             mx.array(prompt), target, draft, num_draft_tokens=arm["k"], max_tokens=n))
     else:
-        drafter = None if kind == "plain" else make_drafter(draft, **arm["opts"])
+        if kind == "lookup":
+            from mlx_treespec.drafters.lookup import LookupDrafter
+
+            drafter = LookupDrafter(budget=arm["n"], max_depth=arm["n"], branches=1)
+        else:
+            drafter = None if kind == "plain" else make_drafter(draft, **arm["opts"])
         toks, tps = timed(t for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=n, stats=stats))
     s = stats.summary() if stats.rounds else {}
     return dict(tokens=toks, tps=tps, emitted_per_verify=s.get("emitted_per_verify", 1.0 if "plain" in kind else None),
@@ -154,6 +159,11 @@ def main():
     ap.add_argument("--trees", default="2:3:6,2:4:8,3:4:12,4:4:16,2:6:12,3:5:15,4:5:24,4:6:32")
     ap.add_argument("--branch-trees", default="",
                     help="trees drafted with batch rows, K:S:R:P (topk, depth, rows, fork below)")
+    ap.add_argument("--merged", default="",
+                    help="draft-model drafts with a prompt-lookup chain under the root, BASE+N: BASE a chain "
+                         "block size k or a tree K:S:B:L, N the lookup's nodes (--draft-lookup)")
+    ap.add_argument("--lookup-chain", type=int, default=0,
+                    help="also run prompt lookup alone (no draft model) as a chain of this many tokens")
     ap.add_argument("--seconds", type=float, default=None,
                     help="phase 2 starts no prompt after this many seconds (the report says how many ran)")
     ap.add_argument("--out", default="bench/out/loop.json")
@@ -165,6 +175,7 @@ def main():
         args.prompts, args.select_prompts, args.max_tokens = 2, 1, 24
         args.blocks, args.trees = "1,3", "2:3:6"
         args.branch_trees = "2:3:2:0.6"
+        args.merged, args.lookup_chain = "3+4,2:3:6:1+4", 4
     log = lambda m: print(m, file=sys.stderr, flush=True)
     if args.queue_draft is not None:
         import mlx_treespec.generate as gen
@@ -190,6 +201,18 @@ def main():
         tree_arms.append(dict(name=f"ours tree K={K} S={S} R={R} P={P} (rows)", kind="tree",
                               opts=dict(tree_topk=int(K), tree_depth=int(S), tree_branches=int(R),
                                         tree_fork_below=float(P))))
+    for spec in filter(None, args.merged.split(",")):
+        base, n = spec.split("+")
+        if ":" in base:
+            K, S, B, L = (int(x) for x in base.split(":"))
+            opts, name = dict(tree_topk=K, tree_depth=S, tree_budget=B, tree_lanes=L), f"tree K={K} L={L} S={S} B={B}"
+        else:
+            opts, name = dict(draft_block_size=int(base)), f"chain k={base}"
+        tree_arms.append(dict(name=f"ours {name} + lookup {n}", kind="tree", opts=dict(opts, draft_lookup=int(n))))
+    extra_arms = []
+    if args.lookup_chain:
+        n = args.lookup_chain
+        extra_arms.append(dict(name=f"lookup chain {n} (no draft model)", kind="lookup", n=n))
     sel = interleaved(chains, prompts[: args.select_prompts], target, draft, args.max_tokens, log)
     sel_tps = {k: median_spread([r["tps"] for r in v])[0] for k, v in sel.items()}
     k = max(chains, key=lambda a: sel_tps[a["name"]])["opts"]["draft_block_size"]
@@ -197,7 +220,7 @@ def main():
 
     # Phase 2 (every prompt): every arm, interleaved; best chain and trees chosen on these runs
     arms = [dict(name="mlx-lm plain", kind="mlx_plain"), dict(name="ours plain", kind="plain"),
-            dict(name=f"mlx-lm chain k={k}", kind="mlx_chain", k=k)] + chains + tree_arms
+            dict(name=f"mlx-lm chain k={k}", kind="mlx_chain", k=k)] + chains + tree_arms + extra_arms
     res = interleaved(arms, prompts, target, draft, args.max_tokens, log, args.seconds)
     done = len(res[arms[0]["name"]])
     med = lambda n, key: median_spread([r[key] for r in res[n]])[0]

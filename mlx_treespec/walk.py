@@ -12,14 +12,17 @@ from .tree import DraftTree, as_int_array
 
 
 def greedy_walk(tree: DraftTree, target_tokens, max_emit=None):
-    """Descend from the root while a child's token equals the target's choice.
+    """The deepest root path whose every token is the target's choice after its parent.
 
-    Returns ``(path, emitted)`` as int64 arrays: ``path`` starts at node 0 and
-    at each step moves to the lowest-index matching child; ``emitted`` is the
-    tokens of ``path[1:]`` plus the target's token at the last path node (the
-    bonus), so ``len(emitted) == len(path)``. ``max_emit`` truncates
-    ``emitted`` only: ``path`` still says what the target verified, which the
-    caller needs to keep the KV cache consistent.
+    Returns ``(path, emitted)`` as int64 arrays: ``path`` starts at node 0 and ends at the
+    deepest node ``n`` such that each node on it (root excluded) holds the token the target chose
+    after its parent (ties: the lowest ``n``); ``emitted`` is the tokens of ``path[1:]`` plus the
+    target's token at the last path node (the bonus), so ``len(emitted) == len(path)``. Where
+    siblings hold distinct tokens (every builder's trees) at most one child matches, and this is
+    the descent that follows the matching child; where a merged draft holds one text twice (a
+    draft model's branch and a lookup branch) the deeper agreement wins. ``max_emit`` truncates
+    ``emitted`` only: ``path`` still says what the target verified, which the caller needs to
+    keep the KV cache consistent.
     """
     target = np.asarray(target_tokens)
     if target.ndim != 1 or target.shape[0] != tree.size:
@@ -34,17 +37,14 @@ def greedy_walk(tree: DraftTree, target_tokens, max_emit=None):
         if max_emit < 0:
             raise ValueError(f"max_emit must be >= 0, got {max_emit}")
 
-    tokens = tree.tokens
-    parents = tree.parents
-    path = [0]
-    while True:
-        node = path[-1]
-        # flatnonzero is ascending, so [0] is the lowest-index matching child.
-        matches = np.flatnonzero((parents == node) & (tokens == target[node]))
-        if matches.size == 0:
-            break
-        path.append(int(matches[0]))
-    path = np.array(path, dtype=np.int64)
+    tokens, parents = tree.tokens, tree.parents
+    agrees = np.zeros(tree.size, bool)  # the whole path to the node is the target's choices
+    agrees[0] = True
+    edge = tokens[1:] == target[np.maximum(parents[1:], 0)]
+    for i in range(1, tree.size):  # parents come first
+        agrees[i] = edge[i - 1] and agrees[parents[i]]
+    depth = np.where(agrees, tree.depths, -1)
+    path = tree.path_to(int(np.argmax(depth))).astype(np.int64)  # argmax: the lowest of the deepest
     emitted = np.concatenate([tokens[path[1:]], target[path[-1:]]]).astype(np.int64)
     if max_emit is not None:
         emitted = emitted[:max_emit]

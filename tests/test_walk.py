@@ -66,13 +66,19 @@ def test_tree_walk_by_hand():
     #   4(7)  5(8)
     tree = DraftTree([1, 5, 6, 6, 7, 8], [-1, 0, 0, 0, 1, 2])
     path, emitted = greedy_walk(tree, [6, 0, 8, 0, 0, 42])
-    assert path.tolist() == [0, 2, 5]  # lowest-index matching sibling (2, not 3)
+    assert path.tolist() == [0, 2, 5]  # 2 and 3 both match; only 2 goes on
     assert emitted.tolist() == [6, 8, 42]
     path, emitted = greedy_walk(tree, [9, 0, 0, 0, 0, 0])
     assert path.tolist() == [0] and emitted.tolist() == [9]
     path, emitted = greedy_walk(tree, np.array([5, 7, 0, 0, 11, 0]), max_emit=2)
     assert path.tolist() == [0, 1, 4] and emitted.tolist() == [5, 7]
     assert path.dtype == np.int64 and emitted.dtype == np.int64
+    # the same text twice (a merged draft): the deeper agreement wins, not the lower index
+    path, emitted = greedy_walk(tree, [6, 0, 0, 0, 0, 0])
+    assert path.tolist() == [0, 2] and emitted.tolist() == [6, 0]  # equal depth: the lower id
+    tree = DraftTree([1, 6, 6, 7, 8], [-1, 0, 0, 2, 3])
+    path, emitted = greedy_walk(tree, [6, 7, 7, 8, 9])
+    assert path.tolist() == [0, 2, 3, 4] and emitted.tolist() == [6, 7, 8, 9]
 
 
 def test_walk_accepts_mx_array_targets():
@@ -106,10 +112,14 @@ def test_random_walk_is_one_root_path_following_the_rule(tree_and_target, max_em
     path = path.tolist()
     assert path[0] == 0
     assert path == tree.path_to(path[-1]).tolist()  # one root path
-    for prev, node in zip(path, path[1:]):
-        matching = [c for c in tree.children(prev) if tree.tokens[c] == target[prev]]
-        assert node == matching[0]
-    assert not any(tree.tokens[c] == target[path[-1]] for c in tree.children(path[-1]))
+    def agrees(n):
+        p = tree.path_to(n).tolist()
+        return all(tree.tokens[b] == target[a] for a, b in zip(p, p[1:]))
+
+    assert agrees(path[-1])
+    # no agreeing node is deeper, nor as deep with a lower id
+    best = min((n for n in range(tree.size) if agrees(n)), key=lambda n: (-tree.depths[n], n))
+    assert path[-1] == best
     full = [int(tree.tokens[i]) for i in path[1:]] + [target[path[-1]]]
     assert len(full) == len(path)
     assert emitted.tolist() == (full if max_emit is None else full[:max_emit])

@@ -155,6 +155,19 @@ class ModelDrafter:
             hit = self._layouts[S] = fixed_topology(np.concatenate([spine, leaves]))
         return hit
 
+    def probe_parents(self):
+        """The topology the GPU exactness probe verifies for this drafter: its fixed layout
+        where the budget keeps every candidate (a chain; one lane with all its siblings), else
+        the EAGLE-2 tree a fairly confident drafter of this shape builds."""
+        S = self.depth
+        if self.topk == 1:
+            return np.arange(S + 1, dtype=np.int64) - 1
+        if self.lanes == 1 and self.budget >= S * self.topk:
+            return self._layout(S)[0]
+        from ..probe import representative_tree_parents
+
+        return representative_tree_parents(self.topk, S, self.budget)
+
     def _spine_and_siblings(self, root, rows, toks, rnd, budget):
         """The chain (K = 1), or the chain with each step's K - 1 runners-up as leaves: a fixed
         topology, so nothing is ranked and the host knows the parents without a sync."""
