@@ -160,8 +160,9 @@ def main():
     ap.add_argument("--branch-trees", default="",
                     help="trees drafted with batch rows, K:S:R:P (topk, depth, rows, fork below)")
     ap.add_argument("--merged", default="",
-                    help="draft-model drafts with a prompt-lookup chain under the root, BASE+N: BASE a chain "
-                         "block size k or a tree K:S:B:L, N the lookup's nodes (--draft-lookup)")
+                    help="draft-model drafts with a prompt-lookup chain under the root, BASE+N[@T]: BASE a "
+                         "chain block size k or a tree K:S:B:L, N the lookup's nodes (--draft-lookup), T the "
+                         "match length from which the lookup drafts alone (--draft-lookup-trust)")
     ap.add_argument("--lookup-chain", type=int, default=0,
                     help="also run prompt lookup alone (no draft model) as a chain of this many tokens")
     ap.add_argument("--seconds", type=float, default=None,
@@ -175,7 +176,7 @@ def main():
         args.prompts, args.select_prompts, args.max_tokens = 2, 1, 24
         args.blocks, args.trees = "1,3", "2:3:6"
         args.branch_trees = "2:3:2:0.6"
-        args.merged, args.lookup_chain = "3+4,2:3:6:1+4", 4
+        args.merged, args.lookup_chain = "3+4,2:3:6:1+4,3+4@3", 4
     log = lambda m: print(m, file=sys.stderr, flush=True)
     if args.queue_draft is not None:
         import mlx_treespec.generate as gen
@@ -203,12 +204,14 @@ def main():
                                         tree_fork_below=float(P))))
     for spec in filter(None, args.merged.split(",")):
         base, n = spec.split("+")
+        n, trust = (n.split("@") + ["0"])[:2]
         if ":" in base:
             K, S, B, L = (int(x) for x in base.split(":"))
             opts, name = dict(tree_topk=K, tree_depth=S, tree_budget=B, tree_lanes=L), f"tree K={K} L={L} S={S} B={B}"
         else:
             opts, name = dict(draft_block_size=int(base)), f"chain k={base}"
-        tree_arms.append(dict(name=f"ours {name} + lookup {n}", kind="tree", opts=dict(opts, draft_lookup=int(n))))
+        tree_arms.append(dict(name=f"ours {name} + lookup {n}" + (f" trust {trust}" if int(trust) else ""),
+                              kind="tree", opts=dict(opts, draft_lookup=int(n), draft_lookup_trust=int(trust))))
     extra_arms = []
     if args.lookup_chain:
         n = args.lookup_chain

@@ -20,7 +20,7 @@ for section in "$@"; do
     shapes) timeout 100 python3 bench/kv_shapes_bench.py --out "$OUT/shapes.json" 2>&1 | tee "$OUT/shapes.md" ;;
     parts) timeout 200 python3 bench/round_parts_bench.py --out "$OUT/parts.json" 2>&1 | tee "$OUT/parts.md" ;;
     loop) timeout 560 python3 bench/bench_loop.py --prompts 20 --select-prompts 3 --max-tokens 256 --seconds ${LOOP_SECONDS:-420} \
-            --blocks 6,7,8 --trees 3:8:24:1 --branch-trees 3:8:3:1 --merged 4+8,6+8,8+8,3:8:24:1+8 --lookup-chain 8 \
+            --blocks 6,7,8 --trees 3:8:24:1 --branch-trees 3:8:3:1 --merged 6+8,8+8,6+8@3,3:8:24:1+8,3:8:24:1+8@3 --lookup-chain 8 \
             --out "$OUT/loop.json" 2>"$OUT/loop.err" | tee "$OUT/loop.md" ;;
     free) timeout 150 python3 bench/model_free_bench.py --model mlx_treespec/demo/target --prompts 8 \
             --out "$OUT/free.json" 2>&1 | tee "$OUT/free.md" ;;

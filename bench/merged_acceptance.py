@@ -31,14 +31,16 @@ def main():
     prompts = [tok.encode(t) for t in texts]
 
     def run(mk):
-        em, rounds, nodes, outs = 0, 0, 0, []
+        em, rounds, nodes, alone, outs = 0, 0, 0, 0, []
         for p in prompts:
             st = RoundStats()
-            outs.append([t for t, _, _ in tree_generate_step(p, model, mk(), max_tokens=args.tokens, stats=st)])
+            d = mk()
+            outs.append([t for t, _, _ in tree_generate_step(p, model, d, max_tokens=args.tokens, stats=st)])
             em, rounds, nodes = em + sum(st.emitted), rounds + st.rounds, nodes + sum(st.nodes)
-        return outs, em / rounds, nodes / rounds
+            alone += getattr(d, "rounds_alone", 0)
+        return outs, em / rounds, nodes / rounds, alone / rounds
 
-    plain, _, _ = run(lambda: None)
+    plain = run(lambda: None)[0]
     sizes = [int(n) for n in args.lookup.split(",")]
     arms = {"chain k=6": lambda: make_drafter(dm, draft_block_size=6),
             "chain k=8": lambda: make_drafter(dm, draft_block_size=8),
@@ -49,12 +51,15 @@ def main():
         arms[f"chain k=8 + lookup {n}"] = lambda n=n: make_drafter(dm, draft_block_size=8, draft_lookup=n)
         arms[f"one-lane K3 S8 + lookup {n}"] = lambda n=n: make_drafter(
             dm, tree_topk=3, tree_lanes=1, tree_depth=8, tree_budget=24, draft_lookup=n)
+    for trust in (2, 3, 4):
+        arms[f"chain k=6 + lookup 8, trust {trust}"] = lambda t=trust: make_drafter(
+            dm, draft_block_size=6, draft_lookup=8, draft_lookup_trust=t)
     for name, mk in arms.items():
         t = time.time()
-        outs, ev, nodes = run(mk)
+        outs, ev, nodes, alone = run(mk)
         same = sum(o == q for o, q in zip(outs, plain))
         print(f"{name:30s} emitted/verify {ev:.3f}  nodes/round {nodes:.1f}  = plain {same}/{len(plain)}  "
-              f"({time.time() - t:.0f} s)", flush=True)
+              f"lookup alone {alone:.0%} of rounds  ({time.time() - t:.0f} s)", flush=True)
 
 
 if __name__ == "__main__":

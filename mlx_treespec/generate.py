@@ -336,16 +336,22 @@ def _plain_decode(model, caches, root, max_tokens, choose, quantize, stop_tokens
 
 def make_drafter(draft_model=None, *, drafter=None, draft_block_size=None, tree_topk=None,
                  tree_depth=None, tree_budget=None, tree_lanes=None, tree_branches=None,
-                 tree_fork_below=None, draft_lookup=None):
+                 tree_fork_below=None, draft_lookup=None, draft_lookup_trust=0):
     """The drafter for a set of mlx-lm-style options: a chain of `draft_block_size`, or an
     EAGLE-2 tree of `tree_topk` children per node (default 1: a chain), `tree_lanes` nodes
     expanded per step (default `tree_topk`), `tree_depth` steps and `tree_budget` nodes; or, with
     `tree_branches`, the spine and its `tree_topk` - 1 runners-up plus branches drafted as batch
     rows of the draft model, forked where the spine's top probability is below
     `tree_fork_below`. With no shape option at all: `DEFAULT_TREE`. `draft_lookup` N > 0 hangs
-    a prompt-lookup chain of up to N tokens from the same root (drafters/merged.py)."""
+    a prompt-lookup chain of up to N tokens from the same root (drafters/merged.py); with
+    `draft_lookup_trust` n, rounds whose lookup matched n tokens or more skip the draft model."""
     if draft_lookup is not None and not 0 <= draft_lookup <= MAX_NODES - 2:
         raise ValueError(f"--draft-lookup counts lookup nodes: 0..{MAX_NODES - 2}, got {draft_lookup}")
+    if draft_lookup_trust and not draft_lookup:
+        raise ValueError("--draft-lookup-trust needs --draft-lookup N (the lookup it trusts)")
+    if draft_lookup_trust is not None and not 0 <= draft_lookup_trust <= 4:
+        raise ValueError(f"--draft-lookup-trust is a match length in 0..4 (the lookup's longest n-gram), "
+                         f"got {draft_lookup_trust}")
     if drafter is not None:
         if draft_lookup:
             raise ValueError("--draft-lookup adds lookup nodes to a draft model's tree: use it with "
@@ -362,7 +368,8 @@ def make_drafter(draft_model=None, *, drafter=None, draft_block_size=None, tree_
     from .drafters.lookup import LookupDrafter
     from .drafters.merged import MergedDrafter
 
-    return MergedDrafter(base, LookupDrafter(budget=draft_lookup, max_depth=draft_lookup, branches=1))
+    return MergedDrafter(base, LookupDrafter(budget=draft_lookup, max_depth=draft_lookup, branches=1),
+                         trust=draft_lookup_trust or 0)
 
 
 def _model_drafter(draft_model, draft_block_size, tree_topk, tree_depth, tree_budget, tree_lanes,
@@ -427,7 +434,7 @@ def _check_vocab(model, draft_model):
 def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=256, drafter=None,
                     draft_block_size=None, tree_topk=None, tree_depth=None, tree_budget=None,
                     tree_lanes=None, tree_branches=None, tree_fork_below=None, draft_lookup=None,
-                    stats=None, sampler=None, **kwargs):
+                    draft_lookup_trust=None, stats=None, sampler=None, **kwargs):
     """mlx-lm's `stream_generate`, speculating with a draft tree. Yields `GenerationResponse`s.
 
     Sampling options are `temp`, `top_p`, `min_p`, `top_k`, `seed` (not a `sampler` function:
@@ -451,7 +458,8 @@ def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=25
     drafter = make_drafter(draft_model, drafter=drafter, draft_block_size=draft_block_size,
                            tree_topk=tree_topk, tree_depth=tree_depth, tree_budget=tree_budget,
                            tree_lanes=tree_lanes, tree_branches=tree_branches,
-                           tree_fork_below=tree_fork_below, draft_lookup=draft_lookup)
+                           tree_fork_below=tree_fork_below, draft_lookup=draft_lookup,
+                           draft_lookup_trust=draft_lookup_trust)
     if drafter is not None:
         require_tree_support(model)
     stats = stats if stats is not None else RoundStats()
@@ -596,6 +604,9 @@ def setup_arg_parser():
                    help="also hang a prompt-lookup chain of up to this many tokens from the root "
                         "(continuations of the text's last n-gram seen earlier; nodes the draft "
                         "model does not spend a step on), 0..62")
+    t.add_argument("--draft-lookup-trust", type=int, default=None,
+                   help="with --draft-lookup: a round whose lookup matched this many tokens or "
+                        "more (1..4) drafts with the lookup alone, skipping the draft model")
     t.add_argument("--allow-inexact", action="store_true",
                    help="speculate even where the exactness probe finds verify differs from decoding")
     return p
@@ -603,7 +614,7 @@ def setup_arg_parser():
 
 def _build_drafter(args, model, draft_model):
     kind = args.drafter or ("model" if draft_model is not None else "none")
-    if args.draft_lookup and kind != "model":
+    if (args.draft_lookup or args.draft_lookup_trust) and kind != "model":
         raise ValueError("--draft-lookup adds lookup nodes to a draft model's tree; --drafter "
                          f"{kind} drafts without one: drop --draft-lookup or use --drafter model")
     if kind == "none":
@@ -616,7 +627,7 @@ def _build_drafter(args, model, draft_model):
                             tree_topk=args.tree_topk, tree_depth=args.tree_depth,
                             tree_budget=args.tree_budget, tree_lanes=args.tree_lanes,
                             tree_branches=args.tree_branches, tree_fork_below=args.tree_fork_below,
-                            draft_lookup=args.draft_lookup)
+                            draft_lookup=args.draft_lookup, draft_lookup_trust=args.draft_lookup_trust)
     if args.tree_branches is not None or args.tree_fork_below is not None:
         raise ValueError("--tree-branches and --tree-fork-below need a draft model (--drafter model)")
     budget = args.tree_budget if args.tree_budget is not None else 16

@@ -64,9 +64,9 @@ class Recorder(MergedDrafter):
         assert base.pending == self.text[cached:]
 
 
-def merged(draft, base, n=8):
-    m = make_drafter(draft, **BASES[base], draft_lookup=n)
-    return Recorder(m.base, m.extra)
+def merged(draft, base, n=8, trust=0):
+    m = make_drafter(draft, **BASES[base], draft_lookup=n, draft_lookup_trust=trust)
+    return Recorder(m.base, m.extra, trust=m.trust)
 
 
 # gemma3's drafter here is a perturbed gemma3 (sliding-window caches): branches refuse it
@@ -99,14 +99,31 @@ def test_rounds_accepted_into_lookup_nodes_stay_exact(pairs, base):
     assert drafter.into_lookup >= 3, "too few rounds ended in a lookup node: the merge is untested"
 
 
-@pytest.mark.parametrize("base", ["chain6", "k3l2s4b12"])
-def test_sampled_equals_plain_sampled(pairs, base):
+@pytest.mark.parametrize("base", ["chain6", "k3l1s6", "k3l2s4b12", "branches"])
+@pytest.mark.parametrize("trust", [1, 3])
+def test_lookup_alone_where_it_matched_long_enough(pairs, base, trust):
+    # rounds whose lookup matched `trust` tokens or more skip the draft model: its pending
+    # tokens pile up and go in with its next draft; the output stays the target's own
+    target, draft = pairs("qwen3")
+    prompt = repetitive_prompt(3)
+    ref = [t for t, _ in generate_step(mx.array(prompt), target, max_tokens=N)]
+    drafter = merged(draft, base, trust=trust)
+    stats = RoundStats()
+    out = [t for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=N, stats=stats)]
+    assert out == ref
+    assert 0 < drafter.rounds_alone < stats.rounds
+    assert drafter.into_lookup > 0
+
+
+@pytest.mark.parametrize("base,trust", [("chain6", 0), ("k3l2s4b12", 0), ("chain6", 2)])
+def test_sampled_equals_plain_sampled(pairs, base, trust):
     target, draft = pairs("qwen3")
     prompt = repetitive_prompt(1)
     for seed in (0, 1):
         kw = dict(temp=0.8, top_p=0.95, seed=seed)
         ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=120, **kw)]
-        out = [t for t, _, _ in tree_generate_step(prompt, target, merged(draft, base), max_tokens=120, **kw)]
+        out = [t for t, _, _ in tree_generate_step(prompt, target, merged(draft, base, trust=trust),
+                                                   max_tokens=120, **kw)]
         assert out == ref
 
 
@@ -130,14 +147,17 @@ def test_bad_options_are_refused(pairs):
     for kw, words in [(dict(draft_model=None, draft_lookup=4), "give --draft-model"),
                       (dict(draft_model=draft, drafter=LookupDrafter(), draft_lookup=4), "not --drafter"),
                       (dict(draft_model=draft, draft_lookup=63), "0..62"),
-                      (dict(draft_model=draft, draft_lookup=-1), "0..62")]:
+                      (dict(draft_model=draft, draft_lookup=-1), "0..62"),
+                      (dict(draft_model=draft, draft_lookup_trust=2), "needs --draft-lookup"),
+                      (dict(draft_model=draft, draft_lookup=8, draft_lookup_trust=5), "0..4")]:
         with pytest.raises(ValueError, match=words):
             make_drafter(**kw)
     assert not isinstance(make_drafter(draft, draft_lookup=0), MergedDrafter)
 
 
 def test_cli_draft_lookup(capsys):
-    main(["--draft-block-size", "4", "--draft-lookup", "6", "--max-tokens", "24", "--verbose", "T"])
+    main(["--draft-block-size", "4", "--draft-lookup", "6", "--draft-lookup-trust", "3", "--max-tokens", "24",
+          "--verbose", "T"])
     out = capsys.readouterr().out
     assert out.count("==========") == 2 and "emitted/verify" in out
     with pytest.raises(SystemExit) as e:

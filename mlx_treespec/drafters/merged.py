@@ -8,6 +8,10 @@ beside the model's. Where both propose the same text the tree holds it twice: th
 the deepest path the target agrees with (walk.py), so a duplicate costs a verify row, never a
 token, and whichever drafter agreed longer decides the round.
 
+With `trust` n > 0, a round whose lookup matched the text's last n tokens or more drafts with
+the lookup alone: the draft model spends nothing that round (its pending tokens wait for the
+next model draft, which forwards them in one pass).
+
 Commit: the model drafter sees the accepted path up to its first lookup node (what it did not
 forward is pending for it, as after any leaf), the lookup drafter sees the emitted tokens.
 """
@@ -16,16 +20,21 @@ import mlx.core as mx
 
 from ..tree import MAX_NODES, DraftTree
 from ..verify import cached_array
-from . import Draft, fixed_topology
+from . import Draft, fixed_topology, root_only
 
 
 class MergedDrafter:
     """`base` (a draft-model drafter) with the nodes of `extra` (a host drafter, e.g. prompt
-    lookup) under the same root, cut to fit `MAX_NODES`."""
+    lookup) under the same root, cut to fit `MAX_NODES`; with `trust` n > 0, `extra` alone where
+    its match is at least n tokens long (`extra.last_match`)."""
 
-    def __init__(self, base, extra):
+    def __init__(self, base, extra, trust=0):
+        if trust < 0:
+            raise ValueError(f"trust (--draft-lookup-trust) is an n-gram length >= 0, got {trust}")
         self.base = base
         self.extra = extra
+        self.trust = trust
+        self.rounds_alone = 0  # rounds the lookup drafted alone
         self._layouts = {}
 
     @property
@@ -38,7 +47,9 @@ class MergedDrafter:
 
     def draft(self, root, max_depth):
         e = self.extra.draft(root, max_depth)  # first: its host array is made before anything is queued
-        b = self.base.draft(root, max_depth)
+        alone = self.trust > 0 and e.size > 1 and self.extra.last_match >= self.trust
+        self.rounds_alone += alone
+        b = root_only(root) if alone else self.base.draft(root, max_depth)
         nb = b.size
         m = min(e.size - 1, MAX_NODES - nb)
         if m <= 0:
