@@ -75,7 +75,7 @@ def main():
                 c.trim(1)
             return out
 
-        rows.setdefault("drafter step (B-row cache)", []).append(per_op(step, args.reps // 4))
+        rows.setdefault("drafter step (B-row cache)", []).append(per_op(step, max(args.reps // 4, 1)))
     for name, v in rows.items():
         print(f"| {name} | " + " | ".join(f"{t:.4f}" for t in v) + " |", flush=True)
 

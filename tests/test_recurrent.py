@@ -76,7 +76,8 @@ def test_hybrid_target_with_attention_drafter(pair):
     draft = tiny.build(tiny.CONFIGS["qwen3"], seed=5)
     prompt = prompt_tokens(2)
     ref = [t for t, _ in generate_step(mx.array(prompt), target, max_tokens=60)]
-    for shape in (dict(draft_block_size=3), dict(tree_topk=3, tree_depth=3, tree_budget=10)):
+    for shape in (dict(draft_block_size=3), dict(tree_topk=3, tree_depth=3, tree_budget=10),
+                  dict(draft_block_size=3, draft_lookup=6), dict(draft_block_size=3, draft_lookup=6, draft_lookup_trust=1)):
         drafter = make_drafter(draft, **shape)
         out = [t for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=60)]
         assert out == ref
