@@ -25,7 +25,7 @@ import math
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -66,6 +66,12 @@ class Arm:
     depth: int = 0
     budget: int = 0
     lanes: int = 0  # tree: nodes expanded per step; 0 means topk (EAGLE-2)
+    lookup: int = 0  # tree: a prompt-lookup chain of this many nodes under the root (--draft-lookup)
+    trust: int = 0  # tree with lookup: the lookup drafts alone from matches this long (--draft-lookup-trust)
+
+    @property
+    def _lookup_tag(self):
+        return (f"+lu{self.lookup}" + (f"@{self.trust}" if self.trust else "")) if self.lookup else ""
 
     @property
     def _lanes_tag(self):
@@ -78,7 +84,7 @@ class Arm:
         if self.kind == "chain":
             return f"chain{self.block}"
         if self.kind == "tree":
-            return f"tree-k{self.topk}{self._lanes_tag}-d{self.depth}-b{self.budget}"
+            return f"tree-k{self.topk}{self._lanes_tag}-d{self.depth}-b{self.budget}{self._lookup_tag}"
         return f"{self.kind}-b{self.budget}-d{self.depth}"
 
     @property
@@ -89,12 +95,13 @@ class Arm:
             return f"chain k={self.block}"
         if self.kind == "tree":
             lanes = "" if self.lanes in (0, self.topk) else f" L={self.lanes}"
-            return f"tree K={self.topk}{lanes} S={self.depth} B={self.budget}"
+            lookup = (f" + lookup {self.lookup}" + (f" trust {self.trust}" if self.trust else "")) if self.lookup else ""
+            return f"tree K={self.topk}{lanes} S={self.depth} B={self.budget}{lookup}"
         return f"{self.kind} B={self.budget} D={self.depth}"
 
     @property
     def requested_nodes(self):
-        return 1 + (self.block if self.kind == "chain" else self.budget)
+        return min(MAX_NODES, 1 + (self.block if self.kind == "chain" else self.budget) + self.lookup)
 
     @property
     def series(self):
@@ -102,7 +109,7 @@ class Arm:
 
     def params(self):
         return dict(block=self.block, topk=self.topk, depth=self.depth, budget=self.budget,
-                    lanes=self.lanes or self.topk)
+                    lanes=self.lanes or self.topk, lookup=self.lookup, trust=self.trust)
 
     def make(self, draft_model):
         """A fresh drafter for one run (None for plain decoding)."""
@@ -112,7 +119,8 @@ class Arm:
             return make_drafter(draft_model, draft_block_size=self.block)
         if self.kind == "tree":
             return make_drafter(draft_model, tree_topk=self.topk, tree_depth=self.depth,
-                                tree_budget=self.budget, tree_lanes=self.lanes or None)
+                                tree_budget=self.budget, tree_lanes=self.lanes or None,
+                                draft_lookup=self.lookup or None, draft_lookup_trust=self.trust or None)
         return model_free_class(self.kind)(self.budget, self.depth)
 
     def topology(self):
@@ -122,14 +130,24 @@ class Arm:
         if self.kind == "chain":
             return chain_parents(self.block)
         topk = self.topk if self.kind == "tree" else min(2, max(self.budget, 1))
-        return representative_tree_parents(topk, self.depth, self.budget)
+        if self.kind == "tree" and self.topk == 1:
+            base = chain_parents(self.depth)
+        else:
+            base = representative_tree_parents(topk, self.depth, self.budget)
+        m = min(self.lookup, MAX_NODES - len(base))
+        if m <= 0:
+            return base
+        chain = np.arange(m) + len(base) - 1  # the lookup chain under the root
+        chain[0] = 0
+        return np.concatenate([np.asarray(base), chain]).astype(np.asarray(base).dtype)
 
     @property
     def probe_shape(self):
         if self.kind in ("plain", "chain"):
             return f"chain of {self.requested_nodes}"
         topk = self.topk if self.kind == "tree" else min(2, max(self.budget, 1))
-        return f"representative EAGLE-2 tree K={topk} S={self.depth} B={self.budget}"
+        lookup = f" + a lookup chain of {self.lookup}" if self.lookup else ""
+        return f"representative EAGLE-2 tree K={topk} S={self.depth} B={self.budget}{lookup}"
 
 
 def model_free_class(kind):
@@ -151,8 +169,24 @@ def _int(text, what):
 
 
 def parse_arm(spec):
-    """'plain', 'chain:K' (or 'chainK'), 'tree:K:S:B[:L]', 'lookup:B:D', 'suffix:B:D'."""
+    """'plain', 'chain:K' (or 'chainK'), 'tree:K:S:B[:L]', 'lookup:B:D', 'suffix:B:D'; a chain
+    or tree spec may end in '+lookupN[@T]' (a lookup chain of N under the root, trusted alone
+    from T-token matches): then it is a tree arm (a chain k is the tree K=1 S=k B=k)."""
     spec = spec.strip()
+    if "+" in spec:
+        base, extra = spec.split("+", 1)
+        if not extra.startswith("lookup"):
+            raise SystemExit(f"cannot read arm {spec!r}: after '+' comes lookupN or lookupN@T")
+        n, _, t = extra[len("lookup"):].partition("@")
+        n, t = _int(n, f"arm {spec!r}"), (_int(t, f"arm {spec!r}") if t else 0)
+        if not (1 <= n <= MAX_NODES - 2 and 0 <= t <= 4):
+            raise SystemExit(f"arm {spec!r}: +lookupN@T needs N in 1..{MAX_NODES - 2}, T in 0..4")
+        a = parse_arm(base)
+        if a.kind == "chain":
+            a = Arm("tree", topk=1, depth=a.block, budget=a.block)
+        if a.kind != "tree":
+            raise SystemExit(f"arm {spec!r}: +lookup goes after a chain:K or tree:K:S:B[:L] arm")
+        return replace(a, lookup=n, trust=t)
     parts = spec.split(":")
     kind = parts[0].lower()
     if kind.startswith("chain") and kind != "chain" and len(parts) == 1:
@@ -176,7 +210,8 @@ def parse_arm(spec):
         if not (1 <= B <= MAX_NODES - 1 and 1 <= D <= MAX_NODES - 1):
             raise SystemExit(f"arm {spec!r}: {kind}:B:D needs B and D in 1..{MAX_NODES - 1}")
         return Arm(kind, depth=D, budget=B)
-    raise SystemExit(f"cannot read arm {spec!r}: use plain, chain:K, tree:K:S:B[:L], lookup:B:D or suffix:B:D")
+    raise SystemExit(f"cannot read arm {spec!r}: use plain, chain:K, tree:K:S:B[:L], lookup:B:D or suffix:B:D "
+                     f"(a chain or tree may end in +lookupN[@T])")
 
 
 def auto_depths(budget):
@@ -764,7 +799,8 @@ def build_parser():
     p.add_argument("--tree-topk", default="2,4", help="tree lanes K; 'none' for no trees")
     p.add_argument("--tree-depth", default="auto", help="tree depths S; 'auto': {2, B/2, B} per budget")
     p.add_argument("--budgets", default=None, help="tree budgets (draft nodes); default: the blocks")
-    p.add_argument("--arms", default="", help="extra arms: plain, chain:K, tree:K:S:B[:L] (L: lanes), lookup:B:D, suffix:B:D")
+    p.add_argument("--arms", default="", help="extra arms: plain, chain:K, tree:K:S:B[:L] (L: lanes), lookup:B:D, suffix:B:D; "
+                        "a chain or tree may end in +lookupN[@T] (--draft-lookup N, --draft-lookup-trust T)")
     p.add_argument("--out", default="bench/out/sweep", help="folder for sweep.md, sweep.json, sweep.png")
     p.add_argument("--plot-from", default=None,
                    help="only (re)draw sweep.png under --out from a sweep JSON (e.g. one written "

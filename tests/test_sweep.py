@@ -16,6 +16,7 @@ import tiny
 import mlx_treespec
 from mlx_treespec import costmodel, sweep
 from mlx_treespec.sweep import Arm, compute_bar, grid_arms, parse_arm
+from mlx_treespec.tree import MAX_NODES
 
 DEMO = Path(mlx_treespec.__file__).parent / "demo"
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -219,6 +220,16 @@ def test_arms_grid_and_specs():
     with pytest.raises(SystemExit, match="L in 1..K"):
         parse_arm("tree:2:4:8:3")
     assert parse_arm("lookup:8:4") == Arm("lookup", depth=4, budget=8)
+    # a chain or tree with a lookup chain under its root is a tree arm
+    merged = parse_arm("chain:6+lookup8@3")
+    assert merged == Arm("tree", topk=1, depth=6, budget=6, lookup=8, trust=3)
+    assert merged.series == "tree" and merged.requested_nodes == 15 and merged.name == "tree-k1-d6-b6+lu8@3"
+    assert len(merged.topology()) == 15 and merged.topology()[7] == 0  # the lookup's first node: a root child
+    wide = parse_arm("tree:4:8:32:1+lookup40")
+    assert wide.requested_nodes == MAX_NODES and len(wide.topology()) == MAX_NODES
+    for bad in ("chain:6+lookup0", "chain:6+lookup8@5", "lookup:8:4+lookup4", "chain:6+suffix4"):
+        with pytest.raises(SystemExit):
+            parse_arm(bad)
     with pytest.raises(SystemExit, match="cannot read arm"):
         parse_arm("bogus:1")
 
@@ -266,3 +277,18 @@ def test_without_matplotlib_table_and_json_still_written(pair, prompts_file, tmp
     doc = json.loads((out / "sweep.json").read_text())
     assert doc["outputs"]["plot"] is None and "matplotlib" in doc["outputs"]["plot_missing"]
     assert [a["name"] for a in doc["arms"]] == ["plain"]
+
+
+def test_merged_lookup_arms_run_exact_as_trees():
+    # chain:K+lookupN[@T] and tree:...+lookupN through run_sweep: tree series, exact, probed
+    target = tiny.build(tiny.CONFIGS["qwen3"])
+    draft = tiny.perturbed(target)
+    arms = [Arm("plain"), parse_arm("chain:3+lookup4@2"), parse_arm("tree:2:3:6:1+lookup4")]
+    motif = np.random.default_rng(1).integers(1, tiny.VOCAB, 6).tolist()
+    result = sweep.run_sweep(target, draft, [motif * 4], arms, max_tokens=16, warmup_tokens=4,
+                             probe_inputs=1, progress=False)
+    for a in result["arms"][1:]:
+        assert a["series"] == "tree" and a["kind"] == "tree" and a["params"]["lookup"] == 4
+        assert all(r["same_as_plain"] for r in a["runs"])
+        assert a["probe"]["flips"] == 0 and a["probe"]["nodes"] == a["requested_nodes"]
+    assert "lookup 4 trust 2" in result["arms"][1]["shape"]
