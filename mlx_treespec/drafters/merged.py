@@ -71,6 +71,8 @@ class MergedDrafter:
             parents = np.concatenate([np.asarray(b.parents, np.int64), shifted])
             key = parents.tobytes()
             if key not in self._layouts:
+                if len(self._layouts) >= 256:  # a lookup tree (not the CLI's chain) varies its shape
+                    self._layouts.clear()
                 self._layouts[key] = fixed_topology(parents)
             _, depths, visible = self._layouts[key]
         return Draft(parents, tokens, b.requested_budget + m, b.requested_depth, (b, e, nb),
