@@ -78,7 +78,9 @@ def run_arm(arm, prompt, target, draft, n):
     return dict(tokens=toks, tps=tps, emitted_per_verify=s.get("emitted_per_verify", 1.0 if "plain" in kind else None),
                 round_ms=s.get("round_ms"), nodes=s.get("nodes_per_round"), rounds=stats.rounds,
                 sync_ms=s.get("sync_ms_per_round"), walk_ms=s.get("walk_ms_per_round"),
-                held=s.get("held_per_round"))
+                held=s.get("held_per_round"),
+                # draft-model steps per round: 0 in rounds a trusted lookup drafted alone
+                steps=float(np.mean(stats.requested_depth)) if stats.rounds else None)
 
 
 def interleaved(arms, prompts, target, draft, n, log, seconds=None):
@@ -252,7 +254,7 @@ def main():
         opts = a["opts"]
         rs = res[a["name"]]
         nodes = statistics.median([r["nodes"] for r in rs])
-        steps = opts.get("draft_block_size") or opts.get("tree_depth")
+        steps = median_spread([r["steps"] for r in rs])[0]
         if "tree_branches" in opts:  # one-token steps over that many batch rows
             drafting = steps * batch_forward_ms(draft, opts["tree_branches"])
         else:
