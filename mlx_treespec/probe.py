@@ -144,6 +144,16 @@ def chain_parents(k):
     return np.arange(k + 1, dtype=np.int32) - 1
 
 
+def with_root_chain(parents, m):
+    """`parents` with a chain of up to `m` more nodes hung from the root (a prompt-lookup
+    chain beside a drafter's tree), cut to `MAX_NODES`."""
+    parents = np.asarray(parents)
+    m = max(min(m, MAX_NODES - len(parents)), 0)
+    chain = np.arange(m, dtype=parents.dtype) + len(parents) - 1
+    chain[:1] = 0
+    return np.concatenate([parents, chain])
+
+
 def representative_tree_parents(topk, depth, budget, decay=0.6):
     """The EAGLE-2 tree a drafter with geometric top-K probabilities would build.
 

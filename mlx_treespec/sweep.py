@@ -34,7 +34,8 @@ import mlx.core as mx
 
 from . import costmodel
 from .generate import RoundStats, _check_vocab, make_drafter, tree_generate_step
-from .probe import chain_parents, device_name, probe_exactness, representative_tree_parents, weights_dtype
+from .probe import (chain_parents, device_name, probe_exactness, representative_tree_parents,
+                    weights_dtype, with_root_chain)
 from .tree import MAX_NODES
 
 __all__ = ["Arm", "parse_arm", "grid_arms", "run_sweep", "summarize", "format_table", "compute_bar",
@@ -134,12 +135,7 @@ class Arm:
             base = chain_parents(self.depth)
         else:
             base = representative_tree_parents(topk, self.depth, self.budget)
-        m = min(self.lookup, MAX_NODES - len(base))
-        if m <= 0:
-            return base
-        chain = np.arange(m) + len(base) - 1  # the lookup chain under the root
-        chain[0] = 0
-        return np.concatenate([np.asarray(base), chain]).astype(np.asarray(base).dtype)
+        return with_root_chain(base, self.lookup)
 
     @property
     def probe_shape(self):

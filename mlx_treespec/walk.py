@@ -38,11 +38,12 @@ def greedy_walk(tree: DraftTree, target_tokens, max_emit=None):
             raise ValueError(f"max_emit must be >= 0, got {max_emit}")
 
     tokens, parents = tree.tokens, tree.parents
-    agrees = np.zeros(tree.size, bool)  # the whole path to the node is the target's choices
-    agrees[0] = True
-    edge = tokens[1:] == target[np.maximum(parents[1:], 0)]
-    for i in range(1, tree.size):  # parents come first
-        agrees[i] = edge[i - 1] and agrees[parents[i]]
+    # agrees[i]: the whole path to node i is the target's choices (parents come first; plain
+    # Python lists, as numpy scalar indexing costs more than the loop itself at 64 nodes)
+    edge = (tokens[1:] == target[np.maximum(parents[1:], 0)]).tolist()
+    agrees = [True]
+    for e, p in zip(edge, parents[1:].tolist()):
+        agrees.append(e and agrees[p])
     depth = np.where(agrees, tree.depths, -1)
     path = tree.path_to(int(np.argmax(depth))).astype(np.int64)  # argmax: the lowest of the deepest
     emitted = np.concatenate([tokens[path[1:]], target[path[-1:]]]).astype(np.int64)

@@ -87,8 +87,6 @@ class MergedDrafter:
 
     def probe_parents(self):
         """The base's largest layout with the lookup's whole budget as a chain under the root."""
-        base = np.asarray(self.base.probe_parents(), np.int64)
-        m = min(getattr(self.extra, "budget", 0), MAX_NODES - len(base))
-        chain = np.arange(m, dtype=np.int64) + len(base) - 1
-        chain[:1] = 0
-        return np.concatenate([base, chain])
+        from ..probe import with_root_chain
+
+        return with_root_chain(np.asarray(self.base.probe_parents(), np.int64), getattr(self.extra, "budget", 0))
