@@ -7,14 +7,31 @@ Prints, per arm, the pooled emitted per verify (all tokens / all rounds) and how
 gave plain decoding's tokens.
 """
 import argparse
-import json
 import os
+import sys
 import time
 
 from mlx_lm.utils import load
 
 from mlx_treespec.drafters.branch import BranchDrafter
 from mlx_treespec.generate import RoundStats, make_drafter, resolve_model_path, tree_generate_step
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_loop import load_prompts  # noqa: E402
+
+
+def pooled(model, prompts, make, tokens):
+    """Every prompt through a fresh drafter from `make` (None: plain decoding): the outputs, the
+    pooled emitted per verify, nodes per round, and the share of rounds a merged drafter's lookup
+    drafted alone."""
+    em = rounds = nodes = alone = 0
+    outs = []
+    for p in prompts:
+        st, d = RoundStats(), make()
+        outs.append([t for t, _, _ in tree_generate_step(p, model, d, max_tokens=tokens, stats=st)])
+        em, rounds, nodes = em + sum(st.emitted), rounds + st.rounds, nodes + sum(st.nodes)
+        alone += getattr(d, "rounds_alone", 0)
+    return outs, em / rounds, nodes / rounds, alone / rounds
 
 
 def main():
@@ -24,20 +41,10 @@ def main():
     args = ap.parse_args()
     model, tok = load(resolve_model_path("demo"))
     dm = load(resolve_model_path("demo-drafter"))[0]
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "heldout_prompts.json")) as f:
-        texts = json.load(f)
-    texts = texts["prompts"] if isinstance(texts, dict) else texts
-    texts = [t if isinstance(t, str) else t.get("prompt", t.get("text")) for t in texts][: args.prompts]
-    prompts = [tok.encode(t) for t in texts]
+    prompts = load_prompts(tok, args.prompts)
 
     def run(mk):
-        em, rounds, outs = 0, 0, []
-        for p in prompts:
-            st = RoundStats()
-            outs.append([t for t, _, _ in tree_generate_step(p, model, mk(), max_tokens=args.tokens, stats=st)])
-            em += sum(st.emitted)
-            rounds += st.rounds
-        return outs, em / rounds
+        return pooled(model, prompts, mk, args.tokens)[:2]
 
     plain, _ = run(lambda: None)
     arms = {"chain k=8": lambda: make_drafter(dm, draft_block_size=8),

@@ -9,7 +9,6 @@ import sys
 import time
 from collections import defaultdict
 
-import mlx.core as mx
 from mlx_lm.utils import load
 
 import mlx_treespec.drafters.branch as branch
@@ -38,7 +37,7 @@ def main():
     target, tok = load(resolve_model_path("demo"))
     draft, _ = load(resolve_model_path("demo-drafter"))
     prompts = load_prompts(tok, args.prompts + 1)
-    real_array, real_without = mx.array, branch._without
+    real_without = branch._without
     for name, kw in [("R1 K3", dict(tree_topk=3, tree_depth=8, tree_branches=1)),
                      ("R3 K3", dict(tree_topk=3, tree_depth=8, tree_branches=3, tree_fork_below=1.0)),
                      ("R3 K1", dict(tree_topk=1, tree_depth=8, tree_branches=3, tree_fork_below=1.0))]:

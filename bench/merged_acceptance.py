@@ -6,14 +6,18 @@ decoding.
     python bench/merged_acceptance.py [--prompts 6] [--tokens 128]
 """
 import argparse
-import json
 import os
+import sys
 import time
 
 from mlx_lm.utils import load
 
 from mlx_treespec.drafters.lookup import LookupDrafter
-from mlx_treespec.generate import RoundStats, make_drafter, resolve_model_path, tree_generate_step
+from mlx_treespec.generate import make_drafter, resolve_model_path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_loop import load_prompts  # noqa: E402
+from branch_acceptance import pooled  # noqa: E402
 
 
 def main():
@@ -24,21 +28,10 @@ def main():
     args = ap.parse_args()
     model, tok = load(resolve_model_path("demo"))
     dm = load(resolve_model_path("demo-drafter"))[0]
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "heldout_prompts.json")) as f:
-        texts = json.load(f)
-    texts = texts["prompts"] if isinstance(texts, dict) else texts
-    texts = [t if isinstance(t, str) else t.get("prompt", t.get("text")) for t in texts][: args.prompts]
-    prompts = [tok.encode(t) for t in texts]
+    prompts = load_prompts(tok, args.prompts)
 
     def run(mk):
-        em, rounds, nodes, alone, outs = 0, 0, 0, 0, []
-        for p in prompts:
-            st = RoundStats()
-            d = mk()
-            outs.append([t for t, _, _ in tree_generate_step(p, model, d, max_tokens=args.tokens, stats=st)])
-            em, rounds, nodes = em + sum(st.emitted), rounds + st.rounds, nodes + sum(st.nodes)
-            alone += getattr(d, "rounds_alone", 0)
-        return outs, em / rounds, nodes / rounds, alone / rounds
+        return pooled(model, prompts, mk, args.tokens)
 
     plain = run(lambda: None)[0]
     sizes = [int(n) for n in args.lookup.split(",")]

@@ -5,18 +5,18 @@ commits; then the same arms with the draft evaluated alone (its device time apar
     python bench/round_split.py [--prompts 5] [--tokens 256] [--arms NAME=OPTS;...]
 """
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import numpy as np
 import mlx.core as mx
 from mlx_lm.utils import load
 
-import mlx_treespec.generate as gen
 from mlx_treespec.generate import RoundStats, make_drafter, resolve_model_path, tree_generate_step
 
-sys_path_bench = __import__("os").path.dirname(__file__)
-__import__("sys").path.insert(0, sys_path_bench)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_loop import load_prompts  # noqa: E402
 
 ARMS = {
@@ -35,12 +35,11 @@ def one(target, draft, prompt, opts, tokens, sync_timing):
     n = sum(1 for _ in tree_generate_step(prompt, target, make_drafter(draft, **opts), max_tokens=tokens,
                                           stats=stats, sync_timing=sync_timing))
     wall = time.perf_counter() - t
-    r = np.arange(stats.rounds)
     mean = lambda xs: float(np.mean(xs)) if len(xs) else float("nan")
     verify_host = [v - s - w for v, s, w in zip(stats.verify_ms, stats.sync_ms, stats.walk_ms)]
     return dict(tps=n / wall, epv=stats.summary()["emitted_per_verify"], round=mean(stats.round_ms),
                 draft=mean(stats.draft_ms), verify_host=mean(verify_host), sync=mean(stats.sync_ms),
-                walk=mean(stats.walk_ms), rounds=len(r))
+                walk=mean(stats.walk_ms), rounds=stats.rounds)
 
 
 def main():
