@@ -21,6 +21,8 @@ __all__ = [
     "rotating_plan",
     "rotating_layout",
     "cache_kind",
+    "snapshot",
+    "restore",
 ]
 
 
@@ -41,6 +43,32 @@ def cache_kind(cache):
     if type(cache).__name__ == "ArraysCache":
         return "arrays"
     return None
+
+
+def snapshot(caches):
+    """What `restore` needs to put `caches` back: each cache's attributes by reference.
+
+    mx arrays are values, so a reference is a snapshot, with two exceptions that need none: a
+    write in place past a cache's offset (append caches: dead rows), and a one-token write in
+    place into a rotating buffer's next slot, the slot plain decoding overwrites next (no query
+    at a later position sees what it held). Writes inside the live part of a buffer go to a
+    fresh buffer first (`commit_rotating`)."""
+    out = []
+    for c in caches:
+        attrs = dict(vars(c))
+        if isinstance(attrs.get("cache"), list):  # ArraysCache: entries are replaced, not the list
+            attrs["cache"] = list(attrs["cache"])
+        out.append(attrs)
+    return out
+
+
+def restore(caches, saved):
+    """Put caches back as `snapshot` found them (every layer at one offset again)."""
+    for c, attrs in zip(caches, saved):
+        vars(c).clear()
+        vars(c).update(attrs)
+        if isinstance(attrs.get("cache"), list):
+            c.cache = list(attrs["cache"])
 
 
 def leading_run(keep):
@@ -75,8 +103,11 @@ def commit_rotating(cache, keys, values, keep):
     """Write round nodes `keep` (rows of keys/values [B, H, m, D]) one token at a time.
 
     One-token updates take RotatingKVCache's in-place path, the one plain decoding takes, so the
-    buffer, its rotation index and its offset come out identical to plain decoding's.
+    buffer, its rotation index and its offset come out identical to plain decoding's. The
+    writes go to fresh buffers, so a snapshot taken before still holds the committed ones.
     """
+    if cache.keys is not None:
+        cache.keys, cache.values = mx.array(cache.keys), mx.array(cache.values)
     for j in np.asarray(keep, dtype=np.int64).tolist():
         cache.update_and_fetch(keys[:, :, j : j + 1, :], values[:, :, j : j + 1, :])
 

@@ -31,6 +31,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .tree import chain_parents, depths_of, root_path
+from .tree import check_parents as _check_parents
+
 
 def _load_mlx_lm_gated_delta():
     """mlx-lm's models/gated_delta.py. Importing ``mlx_lm`` pulls in transformers & co.; where
@@ -98,35 +101,17 @@ FALLBACK_COST = "about 0.1 ms per token per layer on an H200"
 
 
 def check_parents(parents, n: Optional[int] = None) -> np.ndarray:
-    """Validate a parent list (or take a :class:`TreePlan`'s) as an int64 numpy array."""
+    """Validate round parents (tree.check_parents), or take a :class:`TreePlan`'s."""
     if isinstance(parents, TreePlan):
         if n is not None and parents.size != n:
             raise ValueError(f"tree plan has {parents.size} nodes, expected {n}")
         return parents.parents
-    p = np.asarray(parents, dtype=np.int64).reshape(-1)
-    if n is not None and p.size != n:
-        raise ValueError(f"parents has {p.size} entries, expected {n}")
-    idx = np.arange(p.size)
-    if np.any(p < -1) or np.any(p >= idx):
-        raise ValueError(
-            "parents must be topological: -1 <= parents[i] < i (got "
-            f"{p.tolist()})"
-        )
-    return p
-
-
-def chain_parents(n: int) -> np.ndarray:
-    """The parent list of a chain of n nodes: [-1, 0, 1, ..., n-2]."""
-    return np.arange(-1, n - 1, dtype=np.int64)
+    return _check_parents(parents, n)
 
 
 def tree_depths(parents) -> np.ndarray:
     """Depth of every node; a node with parent -1 has depth 0."""
-    p = check_parents(parents)
-    d = np.zeros(p.size, dtype=np.int64)
-    for i in range(p.size):
-        d[i] = 0 if p[i] < 0 else d[p[i]] + 1
-    return d
+    return depths_of(check_parents(parents))
 
 
 def tree_levels(parents) -> List[np.ndarray]:
@@ -135,16 +120,6 @@ def tree_levels(parents) -> List[np.ndarray]:
     if d.size == 0:
         return []
     return [np.nonzero(d == k)[0] for k in range(int(d.max()) + 1)]
-
-
-def root_path(parents, i: int) -> np.ndarray:
-    """Nodes from the root (a node with parent -1) down to node i, root first."""
-    p = check_parents(parents)
-    out = []
-    while i >= 0:
-        out.append(int(i))
-        i = int(p[i])
-    return np.array(out[::-1], dtype=np.int64)
 
 
 def dfs_order(parents) -> np.ndarray:
@@ -868,8 +843,11 @@ def gdn_layer_tree_forward(layer, x: mx.array, cache, parents) -> Tuple[mx.array
     return out, payload
 
 
-def gdn_layer_commit(layer, cache, payload: Dict[str, Any], path) -> None:
+def gdn_layer_commit(layer, cache, payload: Dict[str, Any], path, apply: bool = True):
     """Advance ``cache`` over the accepted root path ``path`` (node indices, root first).
+
+    With ``apply=False`` the new states are computed and a function that writes them is
+    returned (a round's commit prepares every layer before it writes any).
 
     Leaves the cache exactly as plain one-token-at-a-time decoding of the path's tokens through
     the layer would: conv state = the last K-1 conv inputs along the path (committed rows in
@@ -881,7 +859,7 @@ def gdn_layer_commit(layer, cache, payload: Dict[str, Any], path) -> None:
     path = np.asarray(path, dtype=np.int64).reshape(-1)
     L = int(path.size)
     if L == 0:
-        return
+        return None if apply else (lambda: None)
     if np.any(path < 0) or np.any(path >= parents.size):
         raise ValueError(f"path {path.tolist()} has nodes outside the tree")
     if parents[path[0]] != -1 or np.any(parents[path[1:]] != path[:-1]):
@@ -899,6 +877,12 @@ def gdn_layer_commit(layer, cache, payload: Dict[str, Any], path) -> None:
         sel(payload["beta"]), payload["state"], chain_plan(L), payload["use_kernel"],
         return_final_state=True,
     )
-    cache[0] = new_conv
-    cache[1] = new_state
-    cache.advance(L)
+
+    def write():
+        cache[0] = new_conv
+        cache[1] = new_state
+        cache.advance(L)
+
+    if not apply:
+        return write
+    write()

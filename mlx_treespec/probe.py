@@ -31,7 +31,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from .builders import Eagle2Builder
-from .tree import MAX_NODES
+from .tree import MAX_NODES, chain_parents, check_draft_parents
 from .verify import TreeRound
 
 __all__ = [
@@ -40,7 +40,6 @@ __all__ = [
     "InexactError",
     "probe_exactness",
     "check_speculation",
-    "chain_parents",
     "representative_tree_parents",
     "clear_memo",
     "device_name",
@@ -137,13 +136,6 @@ class ProbeReport:
 # ---------------------------------------------------------------------------- topologies
 
 
-def chain_parents(k):
-    """Parents of a chain of `k` draft nodes after the root (k + 1 nodes)."""
-    if not 0 <= k <= MAX_NODES - 1:
-        raise ValueError(f"a chain holds 0..{MAX_NODES - 1} draft nodes, got {k}")
-    return np.arange(k + 1, dtype=np.int32) - 1
-
-
 def with_root_chain(parents, m):
     """`parents` with a chain of up to `m` more nodes hung from the root (a prompt-lookup
     chain beside a drafter's tree), cut to `MAX_NODES`."""
@@ -162,7 +154,7 @@ def representative_tree_parents(topk, depth, budget, decay=0.6):
     tree arm's shape when no drafted tree is at hand.
     """
     if depth < 1 or budget < 1:
-        return chain_parents(0)
+        return chain_parents(1)
     lps = np.log((1 - decay) * decay ** np.arange(topk))
     builder = Eagle2Builder(0, topk, min(budget, MAX_NODES - 1))
     lanes = builder.add_step(np.arange(topk)[None], lps[None])
@@ -173,15 +165,7 @@ def representative_tree_parents(topk, depth, budget, decay=0.6):
 
 
 def _as_parents(topology):
-    if hasattr(topology, "parents"):
-        topology = topology.parents
-    parents = np.asarray(topology, dtype=np.int64)
-    if parents.ndim != 1 or not 1 <= len(parents) <= MAX_NODES or parents[0] != -1:
-        raise ValueError(f"a topology is a parents array with parents[0] == -1 and 1..{MAX_NODES} "
-                         f"nodes, got {topology!r}")
-    if (parents[1:] < 0).any() or (parents[1:] >= np.arange(1, len(parents))).any():
-        raise ValueError(f"parents must satisfy 0 <= parents[i] < i for i >= 1, got {parents.tolist()}")
-    return parents
+    return check_draft_parents(topology.parents if hasattr(topology, "parents") else topology)
 
 
 # ---------------------------------------------------------------------------- keys

@@ -11,7 +11,7 @@ depth S x budget B; budgets default to the blocks, so every chain has a tree of 
 plus model-free drafters (lookup, suffix) when installed. Every prompt runs every arm in turn, in
 an order that rotates with the prompt, after a warm-up of every arm, so drift (thermals, other
 load) falls on all arms alike; each figure is the median over prompts with its spread. Timing
-uses `sync_timing=True`, so draft and verify times are real.
+starts at the first token (prefill excluded).
 
 Writes under --out: sweep.md (the table), sweep.json (every figure, per arm and per prompt) and
 sweep.png (tok/s and emitted per verify against nodes verified per round; chain vs tree).
@@ -19,13 +19,10 @@ sweep.png (tok/s and emitted per verify against nodes verified per round; chain 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
-import math
-import platform
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -33,9 +30,11 @@ import numpy as np
 import mlx.core as mx
 
 from . import costmodel
-from .generate import RoundStats, _check_vocab, make_drafter, tree_generate_step
-from .probe import (chain_parents, device_name, probe_exactness, representative_tree_parents,
-                    weights_dtype, with_root_chain)
+from .generate import check_vocab
+from .harness import (encode_prompts, generate_once, interleave, load_prompts, record, run_meta,
+                      spread)
+from .probe import device_name, probe_exactness, weights_dtype
+from .spec import DraftSpec
 from .tree import MAX_NODES
 
 __all__ = ["Arm", "parse_arm", "grid_arms", "run_sweep", "summarize", "format_table", "compute_bar",
@@ -52,162 +51,80 @@ BUILTIN_PROMPTS = [
     "    def __repr__(self):\n        return f\"{type(self).__name__}({self.name!r})\"\n\n    def __eq__(self, other):\n",
 ]
 
-_MODEL_FREE = {"lookup": ("mlx_treespec.drafters.lookup", "LookupDrafter"),
-               "suffix": ("mlx_treespec.drafters.suffix", "SuffixDrafter")}
-
-
 # ---------------------------------------------------------------------------- arms
 
 
 @dataclass(frozen=True)
 class Arm:
-    kind: str  # plain | chain | tree | lookup | suffix
-    block: int = 0  # chain: draft tokens per round
-    topk: int = 1
-    depth: int = 0
-    budget: int = 0
-    lanes: int = 0  # tree: nodes expanded per step; 0 means topk (EAGLE-2)
-    lookup: int = 0  # tree: a prompt-lookup chain of this many nodes under the root (--draft-lookup)
-    trust: int = 0  # tree with lookup: the lookup drafts alone from matches this long (--draft-lookup-trust)
+    """One sweep arm: a DraftSpec, named and labelled for the table and the plot."""
+
+    spec: DraftSpec
+
+    def __getattr__(self, name):  # topk, depth, budget, lanes, lookup, trust: the spec's
+        return getattr(self.spec, name)
 
     @property
-    def _lookup_tag(self):
-        return (f"+lu{self.lookup}" + (f"@{self.trust}" if self.trust else "")) if self.lookup else ""
+    def kind(self):  # plain | chain | tree | lookup | suffix | dflash (a lookup chain makes a tree)
+        s = self.spec
+        if s.drafter == "none":
+            return "plain"
+        if s.drafter == "model":
+            return "chain" if s.is_chain and not s.lookup else "tree"
+        return s.drafter
 
     @property
-    def _lanes_tag(self):
-        return "" if self.lanes in (0, self.topk) else f"-l{self.lanes}"
+    def block(self):
+        return self.spec.depth if self.kind == "chain" else 0
 
     @property
     def name(self):
+        s = self.spec
         if self.kind == "plain":
             return "plain"
         if self.kind == "chain":
-            return f"chain{self.block}"
+            return f"chain{s.depth}"
         if self.kind == "tree":
-            return f"tree-k{self.topk}{self._lanes_tag}-d{self.depth}-b{self.budget}{self._lookup_tag}"
-        return f"{self.kind}-b{self.budget}-d{self.depth}"
+            lanes = "" if s.lanes == s.topk else f"-l{s.lanes}"
+            lookup = (f"+lu{s.lookup}" + (f"@{s.trust}" if s.trust else "")) if s.lookup else ""
+            return f"tree-k{s.topk}{lanes}-d{s.depth}-b{s.budget}{lookup}"
+        return s.arm.replace(":", "-")
 
     @property
     def shape(self):
-        if self.kind == "plain":
-            return "plain decode"
-        if self.kind == "chain":
-            return f"chain k={self.block}"
-        if self.kind == "tree":
-            lanes = "" if self.lanes in (0, self.topk) else f" L={self.lanes}"
-            lookup = (f" + lookup {self.lookup}" + (f" trust {self.trust}" if self.trust else "")) if self.lookup else ""
-            return f"tree K={self.topk}{lanes} S={self.depth} B={self.budget}{lookup}"
-        return f"{self.kind} B={self.budget} D={self.depth}"
+        return "plain decode" if self.kind == "plain" else self.spec.label
 
     @property
     def requested_nodes(self):
-        return min(MAX_NODES, 1 + (self.block if self.kind == "chain" else self.budget) + self.lookup)
+        return self.spec.requested_nodes
 
     @property
     def series(self):
         return {"plain": "plain", "chain": "chain", "tree": "tree"}.get(self.kind, "model-free")
 
     def params(self):
-        return dict(block=self.block, topk=self.topk, depth=self.depth, budget=self.budget,
-                    lanes=self.lanes or self.topk, lookup=self.lookup, trust=self.trust)
+        s = self.spec
+        return dict(block=self.block, topk=s.topk, depth=s.depth, budget=s.budget, lanes=s.lanes,
+                    lookup=s.lookup, trust=s.trust)
 
     def make(self, draft_model):
         """A fresh drafter for one run (None for plain decoding)."""
-        if self.kind == "plain":
-            return None
-        if self.kind == "chain":
-            return make_drafter(draft_model, draft_block_size=self.block)
-        if self.kind == "tree":
-            return make_drafter(draft_model, tree_topk=self.topk, tree_depth=self.depth,
-                                tree_budget=self.budget, tree_lanes=self.lanes or None,
-                                draft_lookup=self.lookup or None, draft_lookup_trust=self.trust or None)
-        return model_free_class(self.kind)(self.budget, self.depth)
+        return self.spec.build(draft_model)
 
     def topology(self):
-        """Parents probed for this arm: its chain, or a representative tree of its budget."""
-        if self.kind == "plain":
-            return chain_parents(0)
-        if self.kind == "chain":
-            return chain_parents(self.block)
-        topk = self.topk if self.kind == "tree" else min(2, max(self.budget, 1))
-        if self.kind == "tree" and self.topk == 1:
-            base = chain_parents(self.depth)
-        else:
-            base = representative_tree_parents(topk, self.depth, self.budget)
-        return with_root_chain(base, self.lookup)
+        """Parents probed for this arm: the largest layout a round of it sends."""
+        return self.spec.probe_parents()
 
     @property
     def probe_shape(self):
-        if self.kind in ("plain", "chain"):
-            return f"chain of {self.requested_nodes}"
-        topk = self.topk if self.kind == "tree" else min(2, max(self.budget, 1))
-        lookup = f" + a lookup chain of {self.lookup}" if self.lookup else ""
-        return f"representative EAGLE-2 tree K={topk} S={self.depth} B={self.budget}{lookup}"
+        return f"largest layout of {self.shape} ({len(self.topology())} nodes)"
 
 
-def model_free_class(kind):
-    module, cls = _MODEL_FREE[kind]
+def parse_arm(text):
+    """An arm string (mlx_treespec.spec's grammar) as an Arm; SystemExit naming the grammar."""
     try:
-        return getattr(importlib.import_module(module), cls)
-    except (ImportError, AttributeError) as e:
-        raise SystemExit(
-            f"--arms {kind}:B:D needs {module}.{cls}, which this checkout does not have ({e}); "
-            f"drop the {kind} arm or install a version with model-free drafters"
-        ) from None
-
-
-def _int(text, what):
-    try:
-        return int(text)
-    except ValueError:
-        raise SystemExit(f"{what}: expected an integer, got {text!r}") from None
-
-
-def parse_arm(spec):
-    """'plain', 'chain:K' (or 'chainK'), 'tree:K:S:B[:L]', 'lookup:B:D', 'suffix:B:D'; a chain
-    or tree spec may end in '+lookupN[@T]' (a lookup chain of N under the root, trusted alone
-    from T-token matches): then it is a tree arm (a chain k is the tree K=1 S=k B=k)."""
-    spec = spec.strip()
-    if "+" in spec:
-        base, extra = spec.split("+", 1)
-        if not extra.startswith("lookup"):
-            raise SystemExit(f"cannot read arm {spec!r}: after '+' comes lookupN or lookupN@T")
-        n, _, t = extra[len("lookup"):].partition("@")
-        n, t = _int(n, f"arm {spec!r}"), (_int(t, f"arm {spec!r}") if t else 0)
-        if not (1 <= n <= MAX_NODES - 2 and 0 <= t <= 4):
-            raise SystemExit(f"arm {spec!r}: +lookupN@T needs N in 1..{MAX_NODES - 2}, T in 0..4")
-        a = parse_arm(base)
-        if a.kind == "chain":
-            a = Arm("tree", topk=1, depth=a.block, budget=a.block)
-        if a.kind != "tree":
-            raise SystemExit(f"arm {spec!r}: +lookup goes after a chain:K or tree:K:S:B[:L] arm")
-        return replace(a, lookup=n, trust=t)
-    parts = spec.split(":")
-    kind = parts[0].lower()
-    if kind.startswith("chain") and kind != "chain" and len(parts) == 1:
-        parts, kind = ["chain", kind[5:]], "chain"
-    if kind == "plain" and len(parts) == 1:
-        return Arm("plain")
-    if kind == "chain" and len(parts) == 2:
-        k = _int(parts[1], f"arm {spec!r}")
-        if not 1 <= k <= MAX_NODES - 1:
-            raise SystemExit(f"arm {spec!r}: a chain holds 1..{MAX_NODES - 1} draft tokens")
-        return Arm("chain", block=k, depth=k, budget=k)
-    if kind == "tree" and len(parts) in (4, 5):
-        K, S, B = (_int(p, f"arm {spec!r}") for p in parts[1:4])
-        L = _int(parts[4], f"arm {spec!r}") if len(parts) == 5 else K
-        if not (1 <= K <= 16 and 1 <= S <= MAX_NODES - 1 and 1 <= B <= MAX_NODES - 1 and 1 <= L <= K):
-            raise SystemExit(f"arm {spec!r}: tree:K:S:B[:L] needs K in 1..16, S and B in "
-                             f"1..{MAX_NODES - 1}, L in 1..K")
-        return Arm("tree", topk=K, depth=S, budget=B, lanes=0 if L == K else L)
-    if kind in _MODEL_FREE and len(parts) == 3:
-        B, D = (_int(p, f"arm {spec!r}") for p in parts[1:])
-        if not (1 <= B <= MAX_NODES - 1 and 1 <= D <= MAX_NODES - 1):
-            raise SystemExit(f"arm {spec!r}: {kind}:B:D needs B and D in 1..{MAX_NODES - 1}")
-        return Arm(kind, depth=D, budget=B)
-    raise SystemExit(f"cannot read arm {spec!r}: use plain, chain:K, tree:K:S:B[:L], lookup:B:D or suffix:B:D "
-                     f"(a chain or tree may end in +lookupN[@T])")
+        return Arm(DraftSpec.parse(text))
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
 
 
 def auto_depths(budget):
@@ -221,15 +138,14 @@ def grid_arms(blocks=(1, 2, 4, 8), topks=(2, 4), depths=None, budgets=None, extr
     chain of 1), depth > budget (the tree cannot reach it), and budgets beyond what K lanes
     can propose in S steps (K + (S-1) K^2: the drafter would cap them).
     """
-    arms = [Arm("plain")]
-    arms += [Arm("chain", block=k, depth=k, budget=k) for k in blocks]
+    arms = [parse_arm("plain")] + [parse_arm(f"chain:{k}") for k in blocks]
     budgets = list(blocks) if budgets is None else list(budgets)
     for K in topks:
         for B in budgets:
             for S in (depths if depths else auto_depths(B)):
                 if B < 2 or S < 1 or S > B or B > K + (S - 1) * K * K:
                     continue
-                arms.append(Arm("tree", topk=K, depth=S, budget=B))
+                arms.append(parse_arm(f"tree:{K}:{S}:{B}"))
     arms += list(extra)
     seen, out = set(), []
     for a in arms:
@@ -266,30 +182,6 @@ class ProgressBar:
         self.stream.flush()
 
 
-def run_one(target, drafter, prompt, max_tokens, stop_tokens=()):
-    """One generation at temp 0; returns (tokens, RoundStats, wall seconds)."""
-    stats = RoundStats()
-    out = []
-    t0 = time.perf_counter()
-    for tok, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=max_tokens,
-                                        stop_tokens=stop_tokens, stats=stats, sync_timing=True):
-        out.append(int(tok))
-    return out, stats, time.perf_counter() - t0
-
-
-def _run_record(prompt_index, order, prompt, out, stats, wall):
-    s = stats.summary()
-    decode_s = max(wall - stats.prompt_ms / 1e3, 1e-9)
-    drafted = int(sum(stats.nodes) - stats.rounds)
-    rec = dict(prompt=prompt_index, order=order, prompt_tokens=len(prompt), tokens=len(out),
-               decode_s=decode_s, tok_s=len(out) / decode_s,
-               wall_ms_per_round=1e3 * decode_s / max(stats.rounds, 1),
-               drafted_nodes=drafted, accepted=int(sum(stats.accepted)),
-               acceptance=(sum(stats.accepted) / drafted) if drafted else None)
-    rec.update(s)
-    return rec
-
-
 def run_sweep(target, draft_model, prompts: Sequence[Sequence[int]], arms: Sequence[Arm], *,
               max_tokens=128, stop_tokens=(), warmup_tokens=32, probe_inputs=3, probe_history=32,
               progress=True, save_rounds=False, max_seconds=None, log=None):
@@ -303,11 +195,12 @@ def run_sweep(target, draft_model, prompts: Sequence[Sequence[int]], arms: Seque
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     arms = list(arms)
     if not any(a.kind == "plain" for a in arms):
-        arms.insert(0, Arm("plain"))
+        arms.insert(0, parse_arm("plain"))
     if not prompts:
         raise ValueError("no prompts to run")
-    if draft_model is None and any(a.kind in ("chain", "tree") for a in arms):
+    if draft_model is None and any(a.spec.needs_draft_model for a in arms):
         raise ValueError("chain and tree arms need a draft model")
+    by_name = {a.name: a for a in arms}
 
     # exactness probe of every arm's shape (memoized per topology)
     probes = {}
@@ -320,37 +213,27 @@ def run_sweep(target, draft_model, prompts: Sequence[Sequence[int]], arms: Seque
             d.pop("per_input", None)
             probes[a.name] = d
 
-    # warm-up: every arm once on the first prompt
     bar = ProgressBar(len(arms) * (len(prompts) + 1), enabled=progress)
-    for a in arms:
-        run_one(target, a.make(draft_model), prompts[0], min(max_tokens, warmup_tokens), stop_tokens)
-        bar.step(f"warm-up {a.name}")
-
-    runs = {a.name: [] for a in arms}
     outputs = {a.name: [] for a in arms}
-    t_start = time.perf_counter()
-    prompts_run = 0
-    for i, prompt in enumerate(prompts):
-        if max_seconds is not None and i > 0 and time.perf_counter() - t_start > max_seconds:
-            if progress:
-                sys.stderr.write("\n")
-            log(f"time budget of {max_seconds:g} s spent: stopping after {i} of {len(prompts)} prompts")
-            break
-        prompts_run += 1
-        r = i % len(arms)
-        order = arms[r:] + arms[:r]
-        for pos, a in enumerate(order):
-            out, stats, wall = run_one(target, a.make(draft_model), prompt, max_tokens, stop_tokens)
-            rec = _run_record(i, pos, prompt, out, stats, wall)
-            if save_rounds:
-                rec["rounds_raw"] = dict(accepted=stats.accepted, emitted=stats.emitted,
-                                         nodes=stats.nodes, depth=stats.depth,
-                                         draft_ms=stats.draft_ms, verify_ms=stats.verify_ms,
-                                         round_ms=stats.round_ms)
-            runs[a.name].append(rec)
-            outputs[a.name].append(out)
-            bar.step(f"prompt {i + 1}/{len(prompts)} {a.name}")
 
+    def warmup(name):
+        generate_once(target, by_name[name].make(draft_model), prompts[0], min(max_tokens, warmup_tokens),
+                      stop_tokens)
+
+    def run(name, i, order):
+        out, stats, decode_s = generate_once(target, by_name[name].make(draft_model), prompts[i],
+                                             max_tokens, stop_tokens)
+        rec = record(i, order, prompts[i], out, stats, decode_s)
+        if save_rounds:
+            rec["rounds_raw"] = dict(accepted=stats.accepted, emitted=stats.emitted, nodes=stats.nodes,
+                                     depth=stats.depth, draft_ms=stats.draft_ms,
+                                     verify_ms=stats.verify_ms, round_ms=stats.round_ms)
+        outputs[name].append(out)
+        return rec
+
+    runs = interleave([a.name for a in arms], prompts, run, warmup=warmup, max_seconds=max_seconds,
+                      log=log, progress=bar.step)
+    prompts_run = len(runs["plain"])
     plain = {rec["prompt"]: (rec, out) for rec, out in zip(runs["plain"], outputs["plain"])}
     result = []
     for a in arms:
@@ -372,20 +255,11 @@ METRICS = ["acceptance", "emitted_per_verify", "accepted_per_round", "nodes_per_
            "effective_depth", "tokens", "rounds", "decode_s"]
 
 
-def _spread(values):
-    vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    if not vals:
-        return None
-    a = np.array(vals)
-    return dict(median=float(np.median(a)), min=float(a.min()), max=float(a.max()),
-                q1=float(np.percentile(a, 25)), q3=float(np.percentile(a, 75)), n=len(vals))
-
-
 def summarize(runs):
     """Median over prompts of every metric, with min/max/IQR; plus the count of identical outputs."""
-    spread = {m: _spread([r.get(m) for r in runs]) for m in METRICS}
-    median = {m: (s["median"] if s else None) for m, s in spread.items()}
-    return dict(median=median, spread=spread,
+    spreads = {m: spread([r.get(m) for r in runs]) for m in METRICS}
+    median = {m: (s["median"] if s else None) for m, s in spreads.items()}
+    return dict(median=median, spread=spreads,
                 same_as_plain=f"{sum(bool(r.get('same_as_plain')) for r in runs)}/{len(runs)}")
 
 
@@ -728,40 +602,16 @@ def _project_variant(sweep, args, cfg_path, cfg, q, label, variant, draft_fits, 
 
 
 def _demo_path(name):
+    from .cli import resolve_model_path
+
+    return resolve_model_path({"target": "demo", "drafter": "demo-drafter"}[name])
+
+
+def _int(text, what):
     try:
-        from .demo import demo_path  # type: ignore
-
-        return str(demo_path(name))
-    except Exception:
-        return str(Path(__file__).resolve().parent / "demo" / name)
-
-
-def default_prompts_file():
-    for base in (Path.cwd(), Path(__file__).resolve().parents[1]):
-        p = base / "bench" / "heldout_prompts.json"
-        if p.exists():
-            return p
-    return None
-
-
-def load_prompts(path):
-    """A JSON list of strings, a list of {"prompt": ...}, or {"prompts": [...]}; or text, one per line."""
-    text = Path(path).read_text()
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        return [line for line in text.splitlines() if line.strip()]
-    if isinstance(data, dict):
-        data = data.get("prompts", [])
-    out = []
-    for item in data:
-        if isinstance(item, str):
-            out.append(item)
-        elif isinstance(item, dict) and isinstance(item.get("prompt"), str):
-            out.append(item["prompt"])
-    if not out:
-        raise SystemExit(f"{path}: no prompts found (expected a JSON list of strings)")
-    return out
+        return int(text)
+    except ValueError:
+        raise SystemExit(f"{what}: expected an integer, got {text!r}") from None
 
 
 def _ints(text, what):
@@ -781,8 +631,9 @@ def build_parser():
     p.add_argument("--model", default=None, help="target (mlx-lm folder or repo); default: the demo target")
     p.add_argument("--draft-model", default=None, help="drafter; default: the demo drafter")
     p.add_argument("--prompts", default=None,
-                   help="JSON list of prompt strings; default bench/heldout_prompts.json if present, "
-                        "else built-in Python snippets")
+                   help="JSON list of prompt strings, or a named set: 'heldout' (the demo's held-out "
+                        "training split, the default), 'unseen' (text the demo never saw); built-in "
+                        "Python snippets where bench/ is not installed")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--stop-at-eos", action="store_true",
@@ -795,8 +646,9 @@ def build_parser():
     p.add_argument("--tree-topk", default="2,4", help="tree lanes K; 'none' for no trees")
     p.add_argument("--tree-depth", default="auto", help="tree depths S; 'auto': {2, B/2, B} per budget")
     p.add_argument("--budgets", default=None, help="tree budgets (draft nodes); default: the blocks")
-    p.add_argument("--arms", default="", help="extra arms: plain, chain:K, tree:K:S:B[:L] (L: lanes), lookup:B:D, suffix:B:D; "
-                        "a chain or tree may end in +lookupN[@T] (--draft-lookup N, --draft-lookup-trust T)")
+    p.add_argument("--arms", default="", help="extra arms: plain, chain:K, tree:K:S[:B[:L]] (L: lanes), lookup:B:D, "
+                        "suffix:B:D; a chain or tree may end in +lookupN[@T] (--draft-lookup N, "
+                        "--draft-lookup-trust T)")
     p.add_argument("--out", default="bench/out/sweep", help="folder for sweep.md, sweep.json, sweep.png")
     p.add_argument("--plot-from", default=None,
                    help="only (re)draw sweep.png under --out from a sweep JSON (e.g. one written "
@@ -826,14 +678,7 @@ def build_parser():
 
 
 def _meta(args, **kw):
-    info = {}
-    try:
-        info = {k: str(v) for k, v in mx.device_info().items() if isinstance(v, (str, int, float))}
-    except Exception:
-        pass
-    return dict(time=time.strftime("%Y-%m-%d %H:%M:%S"), device=device_name(), device_info=info,
-                mlx=getattr(mx, "__version__", "?"), python=platform.python_version(),
-                argv=sys.argv[1:], **kw)
+    return run_meta(**kw)
 
 
 def main(argv=None):
@@ -852,9 +697,6 @@ def main(argv=None):
         print(f"wrote {written}")
         return data
     extra = [parse_arm(s) for s in args.arms.split(",") if s.strip()]
-    for a in extra:
-        if a.kind in _MODEL_FREE:
-            model_free_class(a.kind)  # fail before loading anything
     blocks = _ints(args.blocks, "--blocks") or []
     topks = _ints(args.tree_topk, "--tree-topk") or []
     depths = _ints(args.tree_depth, "--tree-depth")
@@ -888,7 +730,7 @@ def main(argv=None):
     else:
         model_path = args.model or _demo_path("target")
         draft_path = args.draft_model or _demo_path("drafter")
-        need_draft = any(a.kind in ("chain", "tree") for a in arms)
+        need_draft = any(a.spec.needs_draft_model for a in arms)
         for what, p, given in (("target", model_path, args.model),
                                ("drafter", draft_path if need_draft else None, args.draft_model)):
             if p is not None and not given and not Path(p).exists():
@@ -897,15 +739,17 @@ def main(argv=None):
         target, tokenizer = load(model_path)
         if need_draft:
             draft_model = load(draft_path)[0]
-            _check_vocab(target, draft_model)
-        pfile = args.prompts or default_prompts_file()
-        texts = load_prompts(pfile) if pfile else list(BUILTIN_PROMPTS)
+            check_vocab(target, draft_model)
+        pfile = args.prompts or "heldout"
+        try:
+            texts = load_prompts(pfile)
+        except (OSError, ValueError) as e:
+            if args.prompts:
+                raise SystemExit(f"cannot read the prompts {pfile}: {e}") from None
+            texts, pfile = list(BUILTIN_PROMPTS), None  # an install without bench/: built-in snippets
         if args.num_prompts:
             texts = texts[: args.num_prompts]
-        prompts = []
-        for t in texts:
-            add_special = tokenizer.bos_token is None or not t.startswith(tokenizer.bos_token)
-            prompts.append(tokenizer.encode(t, add_special_tokens=add_special))
+        prompts = encode_prompts(tokenizer, texts)
         stop = sorted(int(t) for t in tokenizer.eos_token_ids) if args.stop_at_eos else []
         log(f"{len(arms)} arms x {len(prompts)} prompts ({pfile or 'built-in prompts'}), "
             f"{args.max_tokens} tokens each, temp 0, on {device_name()}")

@@ -7,6 +7,11 @@ numbered so that a parent always comes before its children
 single forward pass, and it rules out cycles without a graph search.
 
 "budget" everywhere in the library counts draft nodes, excluding the root.
+
+The module also holds the library's only host topology helpers (`check_parents`, `depths_of`,
+`ancestors_of`, `root_path`, `chain_parents`): they take *round parents*, where -1 means "child
+of the committed history" and may occur more than once (a forward of held tokens and a tree, a
+GatedDeltaNet forest); a draft tree is the case with one -1, at node 0.
 """
 
 from __future__ import annotations
@@ -131,9 +136,7 @@ class DraftTree:
             scores.setflags(write=False)
 
         parents = parents.astype(np.int32)
-        depths = np.zeros(n, dtype=np.int32)
-        for i in range(1, n):  # parents[i] < i: the parent's depth is final.
-            depths[i] = depths[parents[i]] + 1
+        depths = depths_of(parents).astype(np.int32)
         for array in (tokens, parents, depths):
             array.setflags(write=False)
         set_slot = object.__setattr__
@@ -212,21 +215,12 @@ class DraftTree:
         return tuple(int(c) for c in np.flatnonzero(self._parents == i))
 
     def path_to(self, i) -> np.ndarray:
-        i = self._check_node(i)
-        path = [i]
-        while path[-1] != 0:
-            path.append(int(self._parents[path[-1]]))
-        return np.array(path[::-1], dtype=np.int64)
+        return root_path(self._parents, self._check_node(i))
 
     def ancestor_mask(self) -> np.ndarray:
         """bool [n, n]: row i is True at i's ancestors and i itself."""
         if self._ancestor_mask is None:
-            n = self.size
-            mask = np.zeros((n, n), dtype=bool)
-            mask[0, 0] = True
-            for i in range(1, n):  # parents[i] < i: the parent's row is final.
-                mask[i] = mask[self._parents[i]]
-                mask[i, i] = True
+            mask = ancestors_of(self._parents)
             mask.setflags(write=False)
             object.__setattr__(self, "_ancestor_mask", mask)
         return self._ancestor_mask
@@ -290,3 +284,62 @@ def _check_parents(parents: np.ndarray) -> None:
         "renumber nodes so every parent comes before its children "
         "(breadth-first or depth-first order does this)"
     )
+
+
+# ---------------------------------------------------------------------------- host topology
+
+
+def check_parents(parents, n=None) -> np.ndarray:
+    """Round parents as int64: -1 (a child of the committed history) or an earlier node."""
+    p = np.asarray(parents, dtype=np.int64).reshape(-1)
+    if n is not None and p.size != n:
+        raise ValueError(f"parents has {p.size} entries, expected {n}")
+    if np.any(p < -1) or np.any(p >= np.arange(p.size)):
+        raise ValueError(f"parents must be topological: -1 <= parents[i] < i (got {p.tolist()})")
+    return p
+
+
+def check_draft_parents(parents) -> np.ndarray:
+    """A draft tree's parents as int64: 1..MAX_NODES nodes, node 0 the only root."""
+    p = check_parents(parents)
+    if not 1 <= p.size <= MAX_NODES or p[0] != -1 or (p[1:] < 0).any():
+        raise ValueError(f"a draft tree has 1..{MAX_NODES} nodes, node 0 its only root (parent -1); "
+                         f"got parents {p.tolist()}")
+    return p
+
+
+def depths_of(parents) -> np.ndarray:
+    """int64 depth of every node; a node with parent -1 has depth 0 (parents come first)."""
+    p = check_parents(parents).tolist()
+    d = [0] * len(p)
+    for i, q in enumerate(p):
+        if q >= 0:
+            d[i] = d[q] + 1
+    return np.array(d, dtype=np.int64)
+
+
+def ancestors_of(parents) -> np.ndarray:
+    """bool [n, n]: row i is True at i's ancestors and at i (parents' rows are final first)."""
+    p = check_parents(parents)
+    mask = np.zeros((p.size, p.size), dtype=bool)
+    for i, q in enumerate(p.tolist()):
+        if q >= 0:
+            mask[i] = mask[q]
+        mask[i, i] = True
+    return mask
+
+
+def root_path(parents, i) -> np.ndarray:
+    """Nodes from the first node with parent -1 down to node i, that one first (int64)."""
+    p = check_parents(parents)
+    out = []
+    i = int(i)
+    while i >= 0:
+        out.append(i)
+        i = int(p[i])
+    return np.array(out[::-1], dtype=np.int64)
+
+
+def chain_parents(n) -> np.ndarray:
+    """The parents of a chain of n nodes: [-1, 0, 1, ..., n - 2] (int64)."""
+    return np.arange(-1, int(n) - 1, dtype=np.int64)

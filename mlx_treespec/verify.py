@@ -10,7 +10,14 @@ tree's mask and key layout.
   viewed as (L*B, H, 1, D) so `mx.fast.rope` takes one offset per token).
 - A node sees the history and its own ancestors, nothing else.
 - Round nodes are numbered in the order they are added; parent -1 means "child of the history".
+- A round is a transaction: until `commit`, only append-kind caches are written (past their
+  committed offset, invisible to later rounds); `abort` puts every cache back as the round found
+  it, and `commit` prepares every layer's new state before it writes any.
+- Hidden-state capture: a round made with `capture` (target layer indices) records those layers'
+  outputs for every node of each forward (`TreeRound.hidden`); nothing is recorded otherwise.
 """
+import weakref
+
 import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
@@ -20,14 +27,33 @@ from .cache import (
     commit_appended,
     committed_offset,
     commit_rotating,
+    leading_run,
+    restore,
     rotating_layout,
+    snapshot,
 )
+from .tree import ancestors_of, depths_of
 
-__all__ = ["TreeRound", "install", "is_tree_module", "cached_array"]
+__all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "forward_capturing"]
+
+
+class _Context:
+    """What the re-classed modules read while a tree forward runs: one for the process, since
+    forwards run one at a time and a draft model may share modules with its target (layer-skip
+    self-speculation: `draft.model.layers = target.model.layers[:k]`)."""
+
+    def __init__(self):
+        self.positions = None  # mx int [L] while a tree forward runs
+        self.parents = None  # np int [L]: parents within the forward (-1: committed state)
+        self.captured = None  # {layer index: output} while a capturing forward runs
+        self.layer_ids = None  # {id(layer module): its index in the model that captures}
+
+
+_CTX = _Context()
 
 
 def _rope_call(self, x, offset=0, **kwargs):
-    positions = self._treespec_ctx.positions
+    positions = _CTX.positions
     if positions is None:
         return super(type(self), self).__call__(x, offset=offset, **kwargs)
     B, H, L, D = x.shape
@@ -39,40 +65,42 @@ def _rope_call(self, x, offset=0, **kwargs):
 
 
 def _gdn_call(self, inputs, mask=None, cache=None):
-    ctx = self._treespec_ctx
-    if ctx.positions is None:
+    if _CTX.positions is None:
         return super(type(self), self).__call__(inputs, mask=mask, cache=cache)
     from .gdn import gdn_layer_tree_forward
 
-    out, payload = gdn_layer_tree_forward(self, inputs, cache.inner, ctx.parents)
+    out, payload = gdn_layer_tree_forward(self, inputs, cache.inner, _CTX.parents)
     cache.record(self, payload)
+    return out
+
+
+def _layer_call(self, *args, **kwargs):
+    out = super(type(self), self).__call__(*args, **kwargs)
+    captured = _CTX.captured
+    if captured is not None:
+        i = _CTX.layer_ids.get(id(self))
+        if i in captured:
+            captured[i] = out[0] if isinstance(out, tuple) else out
     return out
 
 
 _TREE_CLASSES = {}
 
 
-def _make_tree_module(module, call, ctx):
+def _make_tree_module(module, call):
     """Give `module` a subclass whose __call__ knows tree forwards; parameters stay as they are."""
     cls = type(module)
+    if cls in _TREE_CLASSES.values():  # already re-classed (a module shared by two models)
+        return
     sub = _TREE_CLASSES.get((cls, call))
     if sub is None:
         sub = type(f"Tree{cls.__name__}", (cls,), {"__call__": call})
         _TREE_CLASSES[(cls, call)] = sub
     module.__class__ = sub
-    module._treespec_ctx = ctx
 
 
 def is_tree_module(module):
     return type(module) in _TREE_CLASSES.values()
-
-
-class _Context:
-    """Per-model switch read by the re-classed rope and recurrent modules."""
-
-    def __init__(self):
-        self.positions = None  # mx int [L] while a tree forward runs
-        self.parents = None  # np int [L]: parents within the forward (-1: committed state)
 
 
 # Recurrent layer classes that fork over a tree (mlx_treespec.gdn), by class name
@@ -80,21 +108,64 @@ GDN_CLASSES = {"GatedDeltaNet", "Qwen3NextGatedDeltaNet"}
 
 
 def install(model):
-    """Re-class every rope module and GatedDeltaNet layer once; returns the tree context."""
-    ctx = getattr(model, "_treespec_ctx", None)
-    if ctx is not None:
-        return ctx
-    ctx = _Context()
+    """Re-class every rope module and GatedDeltaNet layer of `model` (once per module)."""
+    if getattr(model, "_treespec_installed", False):
+        return
     for _, module in model.named_modules():
         if not isinstance(module, nn.Module) or is_tree_module(module):
             continue
         rope = module.get("rope")
-        if isinstance(rope, nn.Module) and not is_tree_module(rope):
-            _make_tree_module(rope, _rope_call, ctx)
+        if isinstance(rope, nn.Module):
+            _make_tree_module(rope, _rope_call)
         if type(module).__name__ in GDN_CLASSES:
-            _make_tree_module(module, _gdn_call, ctx)
-    model._treespec_ctx = ctx
-    return ctx
+            _make_tree_module(module, _gdn_call)
+    model._treespec_installed = True
+
+
+def check_capture(model, capture):
+    """Refuse layer indices the model does not have, naming its depth."""
+    n = len(list(getattr(model, "layers", [])))
+    bad = [i for i in capture if not 0 <= i < n]
+    if bad:
+        raise ValueError(f"the drafter reads target layers {bad}, but the target has {n} layers "
+                         f"(0..{n - 1}): use a drafter made for this target")
+
+
+class capturing:
+    """`with capturing(model, capture) as c:` records the outputs of decoder layers `capture`
+    (indices into `model.layers`) in every forward inside; `c.hidden(n)` concatenates the
+    first n rows of each on the feature axis ([n, len(capture) * H]). An empty `capture`
+    records nothing and costs nothing."""
+
+    def __init__(self, model, capture):
+        self.capture = tuple(capture)
+        self.layers = list(getattr(model, "layers", [])) if self.capture else []
+
+    def __enter__(self):
+        if self.capture:
+            for layer in self.layers:
+                _make_tree_module(layer, _layer_call)
+            _CTX.layer_ids = {id(m): i for i, m in enumerate(self.layers)}
+            _CTX.captured = {i: None for i in self.capture}
+        return self
+
+    def hidden(self, n=None):
+        if not self.capture:
+            return None
+        rows = [_CTX.captured[i][0] for i in self.capture]
+        return mx.concatenate([r[:n] if n is not None else r for r in rows], axis=-1)
+
+    def take(self):
+        """The recorded rows (all of them), and a clean slate for the next forward."""
+        h = self.hidden()
+        if self.capture:
+            _CTX.captured = {i: None for i in self.capture}
+        return h
+
+    def __exit__(self, *exc):
+        _CTX.captured = None
+        _CTX.layer_ids = None
+        return False
 
 
 class _AppendLayer:
@@ -242,12 +313,15 @@ class TreeRound:
     K/V after the history (invisible to later rounds: commit resets their offset).
     """
 
-    def __init__(self, model, caches, pad_keys=None):
+    def __init__(self, model, caches, capture=()):
         self.model = model
-        self.pad_keys = pad_keys_default() if pad_keys is None else pad_keys
+        self.pad_keys = pad_keys_default()
         self.width = None  # key columns of append-kind layers when whole buffers are read
-        self.ctx = install(model)
+        install(model)
+        self.capture = tuple(capture)
+        self.hidden = None  # [n, len(capture) * H]: the last forward's captured layer outputs
         self.caches = caches
+        self._before = snapshot(caches)  # what abort() restores
         self.kinds = [cache_kind(c) for c in caches]
         unknown = sorted({type(c).__name__ for c, k in zip(caches, self.kinds) if k not in _STAND_INS})
         if unknown:
@@ -276,15 +350,9 @@ class TreeRound:
     def ancestors(self):
         """bool [m, m]: row j is True at j's ancestors among the round nodes and at j."""
         if self._ancestors is None or len(self._ancestors) != self.size:
-            m = self.size
-            anc = np.zeros((m, m), bool)
             if (self.parents == -2).any():
                 raise ValueError("this round has nodes added with forward_rows: no host ancestry")
-            for j, p in enumerate(self.parents):  # parents[j] < j: rows are final when read
-                if p >= 0:
-                    anc[j] = anc[p]
-                anc[j, j] = True
-            self._ancestors = anc
+            self._ancestors = ancestors_of(self.parents)
         return self._ancestors
 
     def _add(self, parents):
@@ -294,15 +362,58 @@ class TreeRound:
             raise ValueError("this round has nodes with device-only depths: add nodes with forward_rows")
         if ((parents < -1) | (parents >= m0 + np.arange(n))).any():
             raise ValueError(f"round parents must be -1 or index an earlier node, got {parents}")
-        depths = np.zeros(n, np.int64)
-        for i, p in enumerate(parents.tolist()):
-            if p >= 0:
-                depths[i] = (self.depths[p] if p < m0 else depths[p - m0]) + 1
         self.chain = self.chain and bool((parents == np.arange(m0, m0 + n) - 1).all())
         self.parents = np.concatenate([self.parents, parents])
-        self.depths = np.concatenate([self.depths, depths])
+        self.depths = depths_of(self.parents)
         self._masks, self._layouts = {}, {}
         return m0
+
+    def verify(self, draft, held=None):
+        """The target's forward of a round: `held` (mx tokens accepted earlier and not in the
+        caches yet, or None) as a chain, the draft tree hung from the last of them. Returns the
+        tree's logits and its nodes' round depths (mx int32). No host array is made here for a
+        layout the device holds: on a GPU one would wait for the queued draft."""
+        p, n = (0 if held is None else held.shape[0]), draft.size
+        self._held = p
+        tokens = mx.concatenate([held, draft.tokens]) if p else draft.tokens
+        layout = draft.layout
+        if layout.device is not None and self.all_append:  # the topology stays on the device
+            _, depths, rows = layout.device
+            if p:
+                depths = mx.concatenate([mx.arange(p, dtype=mx.int32), depths.astype(mx.int32) + p])
+                lead = np.concatenate([np.tril(np.ones((p, p), bool)), np.zeros((p, n), bool)], axis=1)
+                rows = mx.concatenate([cached_array(lead), mx.concatenate(
+                    [mx.ones((n, p), mx.bool_), rows], axis=1)], axis=0)
+            logits = self.forward_rows(tokens, depths, rows)
+        else:
+            parents = layout.host_parents()
+            if p:
+                parents = np.concatenate([np.arange(p) - 1, np.where(parents < 0, p - 1, parents + p)])
+            logits = self.forward(tokens, parents)
+            depths = cached_array(self.depths.astype(np.int32))
+        if self.hidden is not None:
+            self.hidden = self.hidden[p:]
+        return (logits[p:], depths[p:]) if p else (logits, depths)
+
+    def commit(self, path, tokens, rerun=True):
+        """Keep the held lead and the tree's accepted `path` (numpy, root first); returns the
+        tokens the caches did not keep (mx, or None), to lead the next round's forward.
+
+        Over append caches with `rerun`, only the leading run of kept nodes already at
+        consecutive positions stays (a trim: no K/V row moves); the rest of the path is handed
+        back to be re-run, which costs less than a gather per layer (verify cost is flat in
+        rows). Otherwise the whole path is kept: a gather (quantized KV), a replay (rotating),
+        the chain recurrence (GatedDeltaNet)."""
+        p = getattr(self, "_held", 0)
+        keep = np.concatenate([np.arange(p), p + np.asarray(path, np.int64)])
+        run = leading_run(keep) if rerun and self.all_append else len(keep)
+        self.keep(keep[:run])
+        nodes = (keep[run:] - p).tolist()  # tree nodes: the held lead is always kept
+        return mx.concatenate([tokens[i : i + 1] for i in nodes]) if nodes else None
+
+    def abort(self):
+        """Put every cache back as this round found it (a round that raised lands nowhere)."""
+        restore(self.caches, self._before)
 
     def forward(self, tokens, parents):
         """Run nodes `tokens` (mx int [n]) with round parents `parents`; returns logits [n, V]."""
@@ -312,7 +423,10 @@ class TreeRound:
         if self.all_append and self.chain and (not self.pad_keys or len(parents) == 1):
             # Every node sees everything before it: the plain causal forward is the same forward.
             # (One-token attention takes any key length without a new kernel plan.)
-            return self.model(tokens[None], cache=self.caches)[0]
+            with capturing(self.model, self.capture) as cap:
+                out = self.model(tokens[None], cache=self.caches)[0]
+                self.hidden = cap.hidden()
+            return out
         return self._run(tokens, first)
 
     def forward_rows(self, tokens, depths, rows):
@@ -368,21 +482,25 @@ class TreeRound:
             if self.width is not None and self.all_append:
                 self._pad = total - n
         if self.stand_ins is None:
-            self.stand_ins = [_STAND_INS[k](c, self) for c, k in zip(self.caches, self.kinds)]
+            # stand-ins see the round through a weak proxy: no cycle keeps a round's masks alive
+            rnd = weakref.proxy(self)
+            self.stand_ins = [_STAND_INS[k](c, rnd) for c, k in zip(self.caches, self.kinds)]
         if positions is None:
             positions = self.base + cached_array(self.depths[self._new].astype(np.int32))
             local = self.parents[self._new] - first
-            self.ctx.parents = np.where(self.parents[self._new] < first, -1, local)
+            _CTX.parents = np.where(self.parents[self._new] < first, -1, local)
         pad = self._pad
         if pad:  # filler rows: they see the history and themselves; no real row sees them
             tokens = mx.concatenate([tokens, mx.zeros((pad,), tokens.dtype)])
             positions = mx.concatenate([positions, mx.full((pad,), self.base, mx.int32)])
-        self.ctx.positions = positions
+        _CTX.positions = positions
         try:
-            out = self.model(tokens[None], cache=self.stand_ins)[0]
+            with capturing(self.model, self.capture) as cap:
+                out = self.model(tokens[None], cache=self.stand_ins)[0]
+                self.hidden = cap.hidden(n)
         finally:
-            self.ctx.positions = None
-            self.ctx.parents = None
+            _CTX.positions = None
+            _CTX.parents = None
             if pad:  # (all caches append) the next forward of this round writes over the filler K/V
                 for c in self.caches:
                     c.offset -= pad
@@ -432,17 +550,28 @@ class TreeRound:
             self._layouts[key] = hit
         return hit
 
-    def commit(self, keep):
-        """Keep round nodes `keep` (a root path, in depth order); drop every other node."""
+    def keep(self, keep):
+        """Keep round nodes `keep` (a root path, in depth order); drop every other node.
+
+        Every layer's new state is prepared before any is written (the GatedDeltaNet replays,
+        the rotating replays on fresh buffers), and a failure while writing puts back what the
+        round found: a commit lands whole or not at all."""
         keep = np.asarray(keep, np.int64)
+        writes = []
         for i, (cache, kind) in enumerate(zip(self.caches, self.kinds)):
             if kind == "append":
-                commit_appended(cache, self.base, keep)
+                writes.append(lambda cache=cache: commit_appended(cache, self.base, keep))
             elif self.stand_ins is not None:  # nothing was written before commit
                 stand_in = self.stand_ins[i]
                 if kind == "arrays" and stand_in.payload is not None:
                     from .gdn import gdn_layer_commit
 
-                    gdn_layer_commit(stand_in.layer, cache, stand_in.payload, keep)
+                    writes.append(gdn_layer_commit(stand_in.layer, cache, stand_in.payload, keep, apply=False))
                 elif kind == "rotating" and stand_in.keys is not None:
-                    commit_rotating(cache, stand_in.keys, stand_in.values, keep)
+                    writes.append(lambda cache=cache, s=stand_in: commit_rotating(cache, s.keys, s.values, keep))
+        try:
+            for write in writes:
+                write()
+        except BaseException:
+            self.abort()
+            raise

@@ -7,7 +7,7 @@ from mlx_lm.generate import GenerationResponse
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_treespec.demo import demo_path
-from mlx_treespec.generate import RoundStats, generate, stream_generate
+from mlx_treespec import RoundStats, generate, stream_generate
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +69,23 @@ def test_hybrid_demo_target_trees_equal_mlx_lm(pair):
                                              tree_topk=3, tree_depth=4, tree_budget=12, stats=stats)]
     assert ours == ref
     assert stats.rounds < 48
+
+
+def test_generate_is_the_function_after_importing_the_submodule():
+    # mlx-lm users write `from mlx_treespec import generate`: it must not become a module once
+    # something imported mlx_treespec.generate, and `python -m mlx_treespec.generate` stays quiet
+    import subprocess
+    import sys
+
+    code = ("import mlx_treespec.generate, mlx_treespec.cli\n"
+            "from mlx_treespec import generate, stream_generate\n"
+            "import mlx_treespec\n"
+            "assert callable(generate) and generate.__name__ == 'generate', generate\n"
+            "assert mlx_treespec.generate is generate\n"
+            "from mlx_treespec.generate import stream_generate as s2\n"
+            "assert s2 is stream_generate\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "mlx_treespec.generate", "--help"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "RuntimeWarning" not in r.stderr and "--draft-block-size" in r.stdout

@@ -1,4 +1,4 @@
-"""The H200 benchmark scripts run end to end (tiny settings, CPU), so a device call never meets a
+"""The benchmark harness runs end to end (tiny settings, CPU), so a device call never meets a
 broken script; on CPU every arm's tokens equal plain decoding's."""
 import json
 import os
@@ -8,53 +8,66 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(args, tmp_path):
-    out = subprocess.run([sys.executable] + args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+def run(args):
+    out = subprocess.run([sys.executable, "bench/run.py"] + args, cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
 
 
-def test_bench_loop_quick(tmp_path):
-    path = tmp_path / "loop.json"
-    text = run(["bench/bench_loop.py", "--quick", "--out", str(path)], tmp_path)
-    assert "## Verify loop" in text and "Bars: ours chain" in text
-    data = json.loads(path.read_text())
-    assert data["best_chain"].startswith("ours chain") and "+" not in data["best_chain"]
-    tree_arms = [n for n in data["arms"] if n.startswith("ours tree") or "+ lookup" in n]
-    assert data["fastest_tree"] in tree_arms and data["widest_tree"] in tree_arms
-    assert any("trust 3" in n for n in tree_arms) and "lookup chain 4 (no draft model)" in data["arms"]
-    assert set(data["overhead"]) >= {data["best_chain"], data["fastest_tree"]}
-    for name, arm in data["arms"].items():  # CPU verifies are bitwise: no arm ever diverges
-        assert all(d is None for d in arm["first_divergence"]), name
+def test_loop_section_tiny(tmp_path):
+    arms = "plain,mlx-chain:3,chain:3,tree:3:4,lookup:8:4,chain:3+lookup4@2,dflash:7,ddtree:12"
+    text = run(["loop", "--arms", arms, "--prompts", "unseen,heldout", "--n", "2", "--max-tokens", "16",
+                "--out", str(tmp_path / "loop")])
+    assert "## unseen prompts" in text and "## heldout prompts" in text
+    data = json.loads((tmp_path / "loop.json").read_text())
+    assert data["meta"]["commit"] and data["meta"]["mlx"] and data["meta"]["device"] == "cpu"
+    for pset in ("unseen", "heldout"):
+        rows = {r["arm"]: r for r in data["sets"][pset]["arms"]}
+        assert set(rows) == {"mlx-plain"} | set(arms.split(","))
+        for name, r in rows.items():  # CPU verifies are bitwise: no arm diverges
+            assert r["identical"] == "2/2" and all(d is None for d in r["first_divergence"]), name
+        assert rows["mlx-plain"]["x_plain"]["median"] == 1.0
+        assert rows["ddtree:12"]["draft_forwards"]["median"] == 1.0
+    assert (tmp_path / "loop.md").read_text().startswith("# loop: demo")
 
 
-def test_round_parts_bench_tiny(tmp_path):
-    path = tmp_path / "parts.json"
-    run(["bench/round_parts_bench.py", "--reps", "1", "--history", "32", "--loop-prompts", "1",
-         "--loop-tokens", "24", "--out", str(path)], tmp_path)
-    data = json.loads(path.read_text())
-    timed = [v for k, v in data.items() if not k.startswith("loop, ")]
-    loops = [v for k, v in data.items() if k.startswith("loop, ")]
-    assert len(timed) >= 20 and all(v["synced_ms"] > 0 for v in timed)
-    assert len(loops) == 6 and all(v["tok_s"] > 0 for v in loops)
+def test_acceptance_section_tiny(tmp_path):
+    text = run(["acceptance", "--arms", "tree:3:8,ddtree:31", "--prompts", "unseen", "--n", "1",
+                "--max-tokens", "12", "--ratio", "ddtree:31/tree:3:8", "--out", str(tmp_path / "acc")])
+    assert "ddtree:31 / tree:3:8 = " in text
+    data = json.loads((tmp_path / "acc.json").read_text())
+    assert all(r["identical"] == "1/1" for r in data["sets"]["unseen"]["arms"])
 
 
-def test_branch_scripts_tiny(tmp_path):
-    text = run(["bench/branch_profile.py", "--tokens", "16", "--reps", "1"], tmp_path)
-    assert text.count("draft()") == 5 and "with a .item() each" in text
-    text = run(["bench/branch_diag.py", "--prompts", "1", "--tokens", "16"], tmp_path)
-    assert "batch step R=2 history 600" in text and "R3 P=1.0" in text
-    text = run(["bench/branch_acceptance.py", "--prompts", "1", "--tokens", "8"], tmp_path)
-    assert text.count("= plain 1/1") == 15
+def test_proj_section_tiny(tmp_path):
+    # the projection arithmetic over tiny random shapes, for each drafter family
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import tiny
+    from test_dflash import dflash_config
 
-
-def test_round_split_and_merged_scripts_tiny(tmp_path):
-    # the scripts behind RESULTS sections 1b and 1c, at sizes CI affords
-    text = run(["bench/round_split.py", "--prompts", "1", "--tokens", "12", "--arms", "chain k=6,rows K3 S8 R3"], tmp_path)
-    assert text.count("| chain k=6 |") == 1 and text.count("| rows K3 S8 R3 |") == 1
-    text = run(["bench/branch_host.py", "--prompts", "1", "--tokens", "12"], tmp_path)
-    assert text.count("draft() total") == 3
-    text = run(["bench/batch_row_ops.py", "--reps", "2"], tmp_path)
-    assert "| drafter step (B-row cache) |" in text and "| sdpa T=1, batch rows folded into heads |" in text
-    text = run(["bench/merged_acceptance.py", "--prompts", "1", "--tokens", "12", "--lookup", "4"], tmp_path)
-    assert text.count("= plain 1/1") == 10 and "trust 3" in text
+    acc = {"sets": {"unseen": {"arms": [
+        {"arm": "dflash:7", "pooled_emitted_per_verify": 3.0}, {"arm": "ddtree:12", "pooled_emitted_per_verify": 3.5},
+        {"arm": "mtp-chain:3", "pooled_emitted_per_verify": 2.0},
+        {"arm": "mtp-tree:3:3:9:1", "pooled_emitted_per_verify": 2.4},
+        {"arm": "eagle3-tree:2:3:6:2", "pooled_emitted_per_verify": 2.2}]}}}
+    (tmp_path / "acc.json").write_text(json.dumps(acc))
+    eagle = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                 vocab_size=tiny.VOCAB, draft_vocab_size=40, target_hidden_size=64,
+                 eagle_aux_hidden_state_layer_ids=[0, 1, 1])
+    files = {"qwen3": tiny.CONFIGS["qwen3"], "qwen3_5": tiny.CONFIGS["qwen3_5"],
+             "dflash": dflash_config(tiny.CONFIGS["qwen3"]), "eagle3": eagle}
+    for name, cfg in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
+    for family, target, head, want in (("dflash", "qwen3", "dflash", ["dflash:7", "ddtree:12"]),
+                                       ("mtp", "qwen3_5", None, ["mtp-chain:3", "mtp-tree:3:3:9:1"]),
+                                       ("eagle3", "qwen3", "eagle3", ["eagle3-tree:2:3:6:2"])):
+        args = ["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", family,
+                "--config", str(tmp_path / f"{target}.json"), "--q-bits", "0", "--dtype", "float32",
+                "--history", "32", "--out", str(tmp_path / family)]
+        text = run(args + (["--head-config", str(tmp_path / f"{head}.json")] if head else []))
+        data = json.loads((tmp_path / f"{family}.json").read_text())
+        rows = data["variants"][0]["arms"]
+        assert [r["arm"] for r in rows] == want and all(r["x_plain"] > 0 for r in rows), text
+        for r in rows:  # x plain = emitted per verify x plain ms / round ms
+            assert abs(r["x_plain"] - r["tau"] * data["variants"][0]["plain_ms"] / r["round_ms"]) < 1e-9

@@ -12,7 +12,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import save_config, save_model
 
 import tiny
-from mlx_treespec.generate import _check_vocab, make_drafter, tree_generate_step
+from mlx_treespec import make_drafter, tree_generate_step
+from mlx_treespec.generate import check_vocab
 
 DEMO = os.path.join(os.path.dirname(__file__), "..", "mlx_treespec", "demo")
 
@@ -86,7 +87,7 @@ def test_vocab_mismatch_is_refused(tmp_path):
     target = tiny.build(tiny.CONFIGS["qwen3"])
     other = tiny.build(dict(tiny.CONFIGS["qwen3"], vocab_size=tiny.VOCAB + 8))
     with pytest.raises(ValueError, match="vocabulary"):
-        _check_vocab(target, other)
+        check_vocab(target, other)
     small = _save_folder(tmp_path, "small_vocab", target, tiny.CONFIGS["qwen3"])
     r = cli("--draft-model", small, "--max-tokens", "4")
     assert r.returncode == 2 and "vocabulary" in r.stderr
@@ -123,7 +124,7 @@ def test_default_draft_shape_is_the_fixed_one_lane_tree():
     # option keeps the old meaning (tree_topk defaults to 1: a chain)
     draft = tiny.build(tiny.CONFIGS["qwen3"])
     d = make_drafter(draft)
-    assert (d.topk, d.lanes, d.depth, d.budget) == (3, 1, 8, 32)
+    assert (d.topk, d.lanes, d.depth, d.budget) == (3, 1, 8, 24)
     assert d.budget >= d.depth * d.topk  # every candidate stays: the fixed layout, no re-rank
     c = make_drafter(draft, tree_depth=5)
     assert (c.topk, c.lanes, c.depth, c.budget) == (1, 1, 5, 5)

@@ -16,7 +16,7 @@ from mlx_lm.generate import generate_step
 import tiny
 from mlx_treespec.drafters.lookup import LookupDrafter, NgramIndex, merge_continuations, ngram_matches
 from mlx_treespec.drafters.suffix import SuffixDrafter, SuffixIndex, expand_best_first
-from mlx_treespec.generate import RoundStats, tree_generate_step
+from mlx_treespec import RoundStats, tree_generate_step
 from mlx_treespec.tree import MAX_NODES
 
 DEMO = pathlib.Path(__file__).resolve().parents[1] / "mlx_treespec" / "demo" / "target"
@@ -57,7 +57,7 @@ def test_ngram_match_near_the_end_gives_a_short_continuation():
     # the match of (5, 6) ends at 1: its continuation is 7, 5, 6 (3 tokens, less than depth 8)
     assert d.last_match == 2
     assert np.array(draft.tokens).tolist() == [6, 7, 5, 6]
-    assert draft.parents.tolist() == [-1, 0, 1, 2]
+    assert draft.layout.parents.tolist() == [-1, 0, 1, 2]
 
 
 def test_lookup_longest_n_wins_and_no_match_is_root_only():
@@ -73,7 +73,7 @@ def test_lookup_longest_n_wins_and_no_match_is_root_only():
     d.prefill(ctx)
     draft = d.draft(4, 63)
     assert np.array(draft.tokens).tolist() == [4, 8, 0, 2, 9, 1, 2]
-    assert draft.parents.tolist() == [-1, 0, 1, 2, 0, 4, 5]
+    assert draft.layout.parents.tolist() == [-1, 0, 1, 2, 0, 4, 5]
     d = LookupDrafter(budget=10, max_depth=3)
     d.prefill([10, 11, 12, 13])
     draft = d.draft(13, 63)
@@ -215,7 +215,7 @@ def test_suffix_index_incremental_equals_rebuild(earlier, stream, depth, max_mat
         want = expand_best_first(stream[j], node, naive.ranked_children, naive.count.__getitem__, budget,
                                  min(6, depth - k), 0.0, branches)
         assert np.array(draft.tokens).tolist() == want.tokens.tolist()
-        assert draft.parents.tolist() == want.parents.tolist()
+        assert draft.layout.parents.tolist() == want.parents.tolist()
         # every counted substring agrees (trie paths <-> naive substrings)
         trie = {(): 0}
         stack = [((), 0)]
@@ -297,7 +297,7 @@ def test_suffix_expansion_is_best_first_on_empirical_probability():
 def _tree(draft):
     from mlx_treespec.tree import DraftTree
 
-    return DraftTree(np.array(draft.tokens).astype(np.int64), draft.parents)
+    return DraftTree(np.array(draft.tokens).astype(np.int64), draft.layout.parents)
 
 
 def test_shared_suffix_index_carries_earlier_outputs():
@@ -416,6 +416,12 @@ class Recording:
 
     def commit(self, draft, path, emitted):
         self.inner.commit(draft, path, emitted)
+
+    def reset(self):
+        self.inner.reset()
+
+    def probe_parents(self):
+        return self.inner.probe_parents()
 
 
 @pytest.mark.parametrize("make", [lambda: LookupDrafter(16, 8, ngram_min=2), lambda: SuffixDrafter(16, 8)],

@@ -67,7 +67,7 @@ def test_draft_cache_holds_what_plain_decoding_builds(shape):
     # tokens, as a plain forward of that text builds it (bitwise on CPU)
     import tiny
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_treespec.generate import make_drafter, tree_generate_step
+    from mlx_treespec import make_drafter, tree_generate_step
 
     target = tiny.build(tiny.CONFIGS["qwen3"])
     draft = tiny.perturbed(target)
@@ -100,12 +100,12 @@ def test_one_lane_full_budget_is_the_ranked_tree():
     ranked.prefill(prompt)
     for root in np.random.default_rng(2).integers(0, tiny.VOCAB, 6).tolist():
         a, b = fixed.draft(root, 10), ranked.draft(root, 10)
-        assert not a.on_device and b.on_device  # the fixed layout needs no re-rank
-        ta, pa = np.array(a.tokens), a.host_parents()
-        assert _paths(ta, pa) == _paths(np.array(b.tokens), b.host_parents())
+        assert a.layout.parents is not None and b.layout.parents is None  # the fixed layout needs no re-rank
+        ta, pa = np.array(a.tokens), a.layout.host_parents()
+        assert _paths(ta, pa) == _paths(np.array(b.tokens), b.layout.host_parents())
         assert np.array_equal(pa[:6], np.arange(6) - 1)  # the spine is nodes 1..5
         tree = DraftTree(ta.astype(np.int64), pa)
-        assert np.array_equal(np.array(a.visible), tree.ancestor_mask())
-        assert np.array_equal(np.array(a.depths), tree.depths)
+        assert np.array_equal(np.array(a.layout.device[2]), tree.ancestor_mask())
+        assert np.array_equal(np.array(a.layout.device[1]), tree.depths)
         for d in (fixed, ranked):  # nothing accepted: the next root follows this one
             d.commit(a if d is fixed else b, np.array([0]), [root])

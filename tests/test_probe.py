@@ -13,9 +13,9 @@ import mlx.core as mx
 import tiny
 import mlx_treespec
 from mlx_treespec import probe
+from mlx_treespec.tree import chain_parents  # n nodes, root included
 from mlx_treespec.probe import (
     InexactError,
-    chain_parents,
     check_speculation,
     probe_exactness,
     representative_tree_parents,
@@ -31,7 +31,7 @@ def models():
 
 
 def topologies():
-    return [chain_parents(6), representative_tree_parents(3, 4, 15), HAND_TREE]
+    return [chain_parents(7), representative_tree_parents(3, 4, 15), HAND_TREE]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -84,7 +84,7 @@ def test_probe_detects_a_perturbed_verify(models, family):
 def test_probe_memoizes_per_model_device_dtype_topology(models, monkeypatch):
     model = models["qwen3"]
     probe.clear_memo()
-    chain = chain_parents(5)
+    chain = chain_parents(6)
     first = probe_exactness(model, [chain], n_inputs=2)
     assert not first.topologies[0].cached
 
@@ -98,7 +98,7 @@ def test_probe_memoizes_per_model_device_dtype_topology(models, monkeypatch):
     assert (t1.flips, t1.max_abs_diff, t1.checked, t1.parents) == (t0.flips, t0.max_abs_diff, t0.checked, t0.parents)
     # another topology, another model, or a perturbed probe is not served from the memo
     with pytest.raises(AssertionError, match="probed again"):
-        probe_exactness(model, [chain_parents(4)], n_inputs=2)
+        probe_exactness(model, [chain_parents(5)], n_inputs=2)
     with pytest.raises(AssertionError, match="probed again"):
         probe_exactness(models["gemma3"], [chain], n_inputs=2)
     with pytest.raises(AssertionError, match="probed again"):
@@ -123,6 +123,6 @@ def test_probe_exact_on_demo_target():
     from mlx_lm import load
 
     model = load(str(DEMO))[0]
-    report = probe_exactness(model, [chain_parents(4), representative_tree_parents(2, 4, 8)], n_inputs=1)
+    report = probe_exactness(model, [chain_parents(5), representative_tree_parents(2, 4, 8)], n_inputs=1)
     print(f"probe ran on the demo target ({report.dtype})")
     assert report.flips == 0 and report.exact

@@ -6,7 +6,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 import tiny
-from mlx_treespec.generate import RoundStats, make_drafter, tree_generate_step
+from mlx_treespec import RoundStats, make_drafter, tree_generate_step
 
 HYBRIDS = ["qwen3_5", "qwen3_next", "qwen3_next_dense"]
 SHAPES = [(1, 1), (4, 1), (3, 2), (5, 3)]  # (depth, siblings per depth)

@@ -15,6 +15,7 @@ import pytest
 import tiny
 import mlx_treespec
 from mlx_treespec import costmodel, sweep
+from mlx_treespec.spec import DraftSpec
 from mlx_treespec.sweep import Arm, compute_bar, grid_arms, parse_arm
 from mlx_treespec.tree import MAX_NODES
 
@@ -211,18 +212,18 @@ def test_arms_grid_and_specs():
     for a in trees:
         assert a.depth <= a.budget <= a.topk + (a.depth - 1) * a.topk ** 2
         assert a.requested_nodes == a.budget + 1
-    assert parse_arm("chain:4") == parse_arm("chain4") == Arm("chain", block=4, depth=4, budget=4)
-    assert parse_arm("tree:2:4:8") == Arm("tree", topk=2, depth=4, budget=8)
-    assert parse_arm("tree:2:4:8:2") == Arm("tree", topk=2, depth=4, budget=8)  # lanes = K
+    assert parse_arm("chain:4") == parse_arm("chain4") == Arm(DraftSpec("model", topk=1, lanes=1, depth=4, budget=4))
+    assert parse_arm("tree:2:4:8") == Arm(DraftSpec("model", topk=2, lanes=2, depth=4, budget=8))
+    assert parse_arm("tree:2:4:8:2") == parse_arm("tree:2:4:8")  # lanes = K
     one_lane = parse_arm("tree:4:8:16:1")
     assert one_lane.name == "tree-k4-l1-d8-b16" and one_lane.shape == "tree K=4 L=1 S=8 B=16"
     assert one_lane.params()["lanes"] == 1 and parse_arm("tree:2:4:8").params()["lanes"] == 2
-    with pytest.raises(SystemExit, match="L in 1..K"):
+    with pytest.raises(SystemExit, match="--tree-lanes"):
         parse_arm("tree:2:4:8:3")
-    assert parse_arm("lookup:8:4") == Arm("lookup", depth=4, budget=8)
+    assert parse_arm("lookup:8:4") == Arm(DraftSpec("lookup", depth=4, budget=8))
     # a chain or tree with a lookup chain under its root is a tree arm
     merged = parse_arm("chain:6+lookup8@3")
-    assert merged == Arm("tree", topk=1, depth=6, budget=6, lookup=8, trust=3)
+    assert merged == Arm(DraftSpec("model", topk=1, lanes=1, depth=6, budget=6, lookup=8, trust=3))
     assert merged.series == "tree" and merged.requested_nodes == 15 and merged.name == "tree-k1-d6-b6+lu8@3"
     assert len(merged.topology()) == 15 and merged.topology()[7] == 0  # the lookup's first node: a root child
     wide = parse_arm("tree:4:8:32:1+lookup40")
@@ -234,21 +235,10 @@ def test_arms_grid_and_specs():
         parse_arm("bogus:1")
 
 
-def test_missing_model_free_drafter_is_a_clear_error(monkeypatch):
-    monkeypatch.setitem(sweep._MODEL_FREE, "lookup", ("mlx_treespec.drafters.nope", "LookupDrafter"))
-    with pytest.raises(SystemExit, match=r"--arms lookup:B:D needs mlx_treespec\.drafters\.nope"):
-        sweep.main(["--arms", "lookup:8:4", "--out", "/nonexistent/never-written"])
-
-
 def test_model_free_arms_and_no_matplotlib(monkeypatch, tmp_path, capsys):
-    """plain + suffix (when installed) through run_sweep; without matplotlib: table + JSON only."""
+    """plain + suffix through run_sweep; without matplotlib: table + JSON only."""
     target = tiny.build(tiny.CONFIGS["qwen3"])
-    arms = [Arm("plain")]
-    try:
-        sweep.model_free_class("suffix")
-        arms.append(parse_arm("suffix:6:3"))
-    except SystemExit:
-        pass
+    arms = [parse_arm("plain"), parse_arm("suffix:6:3")]
     rng = np.random.default_rng(0)
     motif = rng.integers(1, tiny.VOCAB, 6).tolist()
     prompts = [motif * 4, (motif[::-1]) * 4]
@@ -283,7 +273,7 @@ def test_merged_lookup_arms_run_exact_as_trees():
     # chain:K+lookupN[@T] and tree:...+lookupN through run_sweep: tree series, exact, probed
     target = tiny.build(tiny.CONFIGS["qwen3"])
     draft = tiny.perturbed(target)
-    arms = [Arm("plain"), parse_arm("chain:3+lookup4@2"), parse_arm("tree:2:3:6:1+lookup4")]
+    arms = [parse_arm("plain"), parse_arm("chain:3+lookup4@2"), parse_arm("tree:2:3:6:1+lookup4")]
     motif = np.random.default_rng(1).integers(1, tiny.VOCAB, 6).tolist()
     result = sweep.run_sweep(target, draft, [motif * 4], arms, max_tokens=16, warmup_tokens=4,
                              probe_inputs=1, progress=False)

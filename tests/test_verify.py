@@ -10,18 +10,22 @@ from mlx_treespec.tree import DraftTree
 from mlx_treespec.verify import TreeRound
 
 
-def _round_over_nine_tokens(pad):
-    """A tiny qwen3 with 9 tokens of history, a 7-node tree, and a round over that cache."""
+def _round_over_nine_tokens(pad, monkeypatch):
+    """A tiny qwen3 with 9 tokens of history, a 7-node tree, and a round over that cache
+    (`pad`: the GPU's whole-buffer path)."""
+    import mlx_treespec.verify as verify
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: pad)
     model = tiny.build(tiny.CONFIGS["qwen3"])
     cache = make_prompt_cache(model)
     model(mx.array([list(range(9))]), cache=cache)
     tree = DraftTree(np.arange(7) + 3, np.array([-1, 0, 1, 1, 0, 4, 2]))
-    return model, cache, tree, TreeRound(model, cache, pad_keys=pad)
+    return model, cache, tree, TreeRound(model, cache)
 
 
 @pytest.mark.parametrize("pad", [False, True])
-def test_single_forward_mask_is_mask_py(pad):
-    model, cache, tree, rnd = _round_over_nine_tokens(pad)
+def test_single_forward_mask_is_mask_py(pad, monkeypatch):
+    model, cache, tree, rnd = _round_over_nine_tokens(pad, monkeypatch)
     parents = tree.parents
     seen = {}
     real = rnd._append_mask
@@ -46,10 +50,10 @@ def test_single_forward_mask_is_mask_py(pad):
 
 @pytest.mark.parametrize("pad", [False, True])
 @pytest.mark.parametrize("device_topology", [False, True])
-def test_windowed_append_mask_is_mask_py(pad, device_topology):
+def test_windowed_append_mask_is_mask_py(pad, device_topology, monkeypatch):
     # a sliding-window layer over an append cache: the windowed mask of mask.py, whether the
     # tree came with host parents or (forward_rows) device depths and rows only
-    model, cache, tree, rnd = _round_over_nine_tokens(pad)
+    model, cache, tree, rnd = _round_over_nine_tokens(pad, monkeypatch)
     parents = tree.parents
     tokens = mx.array(tree.tokens.astype(np.uint32))
     if device_topology:
@@ -63,7 +67,7 @@ def test_windowed_append_mask_is_mask_py(pad, device_topology):
         assert not got[:7, expected.shape[1]:].any()
         if pad:  # the filler row: the history and itself, whatever the window
             assert got.shape[0] == 8 and got[7, :9].all() and got[7, 9 + 7] and got[7].sum() == 10
-    rnd.commit([])
+    rnd.abort()
 
 
 def test_cached_array_is_a_copy_keyed_by_value():

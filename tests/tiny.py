@@ -90,21 +90,35 @@ class SiblingDrafter:
     the runner-up tokens as sibling leaves. It decodes plainly from a copy of its cache each
     round (fine for tiny models), so it works with recurrent draft models too."""
 
+    capture = ()
+
     def __init__(self, model, depth=4, width=2):
         self.model, self.depth, self.width = model, depth, width
+        self.tokens = []
+
+    def reset(self):
         self.tokens = []
 
     def prefill(self, prompt):
         self.tokens = list(prompt)
 
+    def probe_parents(self):
+        import numpy as np
+
+        parents = [-1]
+        for d in range(self.depth):
+            spine = len(parents) - self.width if d else 0
+            parents += [spine] * self.width
+        return np.array(parents)
+
     def draft(self, root, max_depth):
         import numpy as np
         from mlx_lm.models.cache import make_prompt_cache
-        from mlx_treespec.drafters import Draft, root_only
+        from mlx_treespec.draft import Draft, Layout
 
         depth = min(self.depth, max_depth)
         if depth == 0:
-            return root_only(root)
+            return Draft.root_only(root)
         cache = make_prompt_cache(self.model)
         logits = self.model(mx.array(self.tokens)[None], cache=cache)[0, -1]
         tokens, parents, spine = [root], [-1], 0
@@ -116,7 +130,7 @@ class SiblingDrafter:
             spine = len(tokens) - self.width  # the best child continues the chain
             if d + 1 < depth:
                 logits = self.model(mx.array([[order[0]]]), cache=cache)[0, -1]
-        return Draft(np.array(parents, np.int32), mx.array(tokens, dtype=mx.uint32), len(tokens) - 1, depth)
+        return Draft(mx.array(tokens, dtype=mx.uint32), Layout.host(parents), budget=len(tokens) - 1, depth=depth)
 
     def commit(self, draft, path, emitted):
         self.tokens += list(emitted)

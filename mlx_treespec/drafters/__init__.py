@@ -1,70 +1,56 @@
-"""Drafters propose a draft tree rooted at the last emitted token.
+"""Drafters: what proposes a round's tree (the interface is `mlx_treespec.draft.Drafter`).
 
-The round loop speaks to every drafter through three calls:
-
-- `prefill(prompt)`: the prompt's tokens, the last of which is the first root;
-- `draft(root, max_depth) -> Draft`: a tree rooted at `root` (the last emitted token), at most
-  `max_depth` deep (0: no draft, the round is a plain decoding step);
-- `commit(draft, path, emitted)`: the walk's accepted node path (root first) and the tokens it
-  emitted (accepted drafts, then the target's token; the last one is the next root).
-
-A `Draft` holds its tokens as an mx array, so a model drafter's tokens never need a host sync
-before the verify (the walk fetches them with the target's choices). Its topology is on the host
-(numpy parents), or, for a drafter that ranks on the device, on the device: parents, depths and
-the ancestor-or-self rows as mx arrays, fetched by the walk's one sync (`Draft.arrays`).
+- `model.ModelDrafter`: a small mlx-lm model, chains and EAGLE-2 trees;
+- `lookup.LookupDrafter`, `suffix.SuffixDrafter`: model-free, from the text itself;
+- `merged.MergedDrafter`: a draft model's tree and a lookup chain under one root;
+- `dflash.DFlashDrafter`: a DFlash block drafter over the target's hidden states, its chain and
+  DDTree's best-first tree.
 """
-from dataclasses import dataclass, field
-from typing import Any, Optional
-
-import numpy as np
-import mlx.core as mx
-
-from ..tree import MAX_NODES, DraftTree
-
-
-@dataclass
-class Draft:
-    parents: Any  # int [n], parents[0] == -1: numpy, or an mx array when built on the device
-    tokens: mx.array  # uint32 [n], tokens[0] is the root
-    requested_budget: int = 0
-    requested_depth: int = 0
-    extra: Any = field(default=None, repr=False)  # the drafter's own bookkeeping for commit
-    depths: Optional[mx.array] = None  # int32 [n], with device parents
-    visible: Optional[mx.array] = None  # bool [n, n] ancestors-or-self, with device parents
-    pending: tuple = ()  # the drafter's device arrays its commit reads (fetched with the walk)
-
-    @property
-    def on_device(self):
-        return isinstance(self.parents, mx.array)
-
-    @property
-    def size(self):
-        return int(self.parents.shape[0])
-
-    def host_parents(self):
-        """The parents as numpy (a host sync when they were built on the device)."""
-        return np.array(self.parents).astype(np.int64) if self.on_device else self.parents
-
-    def arrays(self):
-        """Every device array the walk fetches in its one sync."""
-        return [self.tokens] + ([self.parents] if self.on_device else []) + list(self.pending)
+from ..spec import check_int
+from ..tree import MAX_NODES
 
 
 def check_budget_depth(budget, max_depth):
     """The bounds every model-free drafter shares: both count draft nodes, root excluded."""
-    if not 0 <= budget <= MAX_NODES - 1:
-        raise ValueError(f"budget counts draft nodes without the root: 0..{MAX_NODES - 1}, got {budget}")
-    if not 0 <= max_depth <= MAX_NODES - 1:
-        raise ValueError(f"max_depth must be in 0..{MAX_NODES - 1}, got {max_depth}")
+    check_int(budget, "budget (draft nodes without the root)", 0, MAX_NODES - 1)
+    check_int(max_depth, "max_depth", 0, MAX_NODES - 1)
 
 
-def root_only(root):
-    return Draft(np.array([-1], np.int32), mx.array([root], mx.uint32))
+def host_probe_parents(branches, budget, max_depth):
+    """The largest layout a model-free drafter sends: a chain with `branches=1`, else a tree of
+    its whole budget."""
+    from ..probe import representative_tree_parents
+    from ..tree import chain_parents
+
+    if branches == 1:
+        return chain_parents(min(budget, max_depth) + 1)
+    return representative_tree_parents(2, max_depth, budget)
 
 
-def fixed_topology(parents):
-    """A layout the host knows before drafting: host parents, and the device depths and
-    ancestor-or-self rows the verify reads (built once per layout, so a round spends no op on
-    them)."""
-    shape = DraftTree(np.zeros(len(parents), np.int64), parents)  # tokens do not matter
-    return parents, mx.array(shape.depths.astype(np.int32)), mx.array(shape.ancestor_mask())
+def dequantize_linears(module):
+    """The module's quantized linear layers as float layers holding the same values.
+
+    A drafter ships quantized (small) and runs as float: its numerics are the quantized
+    weights', and MLX's CPU matmul over quantized weights is ~10x slower at draft sizes than a
+    float one. The dtype is the module's norms' (the unquantized parameters')."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+
+    swaps = []
+    for path, m in module.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            w = mx.dequantize(m.weight, m.scales, m.get("biases"), group_size=m.group_size, bits=m.bits)
+            lin = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
+            lin.weight = w
+            if "bias" in m:
+                lin.bias = m.bias
+            swaps.append((path, lin))
+    if swaps:
+        floats = [v.dtype for _, v in __import__("mlx.utils").utils.tree_flatten(module.parameters())
+                  if mx.issubdtype(v.dtype, mx.floating)]
+        module.update_modules(tree_unflatten(swaps))
+        for _, lin in swaps:
+            lin.set_dtype(floats[0] if floats else mx.float16)
+        mx.eval(module.parameters())
+    return module

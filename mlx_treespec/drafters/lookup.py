@@ -35,7 +35,8 @@ import numpy as np
 import mlx.core as mx
 
 from ..tree import MAX_NODES, DraftTree
-from . import Draft, check_budget_depth, root_only
+from ..draft import Draft, Layout
+from . import check_budget_depth, host_probe_parents
 
 __all__ = ["NgramIndex", "ngram_matches", "merge_continuations", "LookupDrafter"]
 
@@ -182,9 +183,18 @@ class LookupDrafter:
         self.index = NgramIndex(ngram_max, ngram_min)
         self.last_match = 0  # n of the last draft's match (0: none), for stats and tests
 
-    def prefill(self, prompt):
+    capture = ()
+
+    def reset(self):
         self.index = NgramIndex(self.ngram_max, self.ngram_min)
+        self.last_match = 0
+
+    def prefill(self, prompt):
+        self.reset()
         self.index.extend(int(t) for t in prompt)
+
+    def probe_parents(self):
+        return host_probe_parents(self.branches, self.budget, self.max_depth)
 
     def continuations(self, depth):
         """(continuations, match lengths) for the current suffix, most recent first."""
@@ -210,15 +220,16 @@ class LookupDrafter:
         depth = min(self.max_depth, int(max_depth))
         self.last_match = 0
         if depth <= 0 or self.budget == 0:
-            return root_only(root)
+            return Draft.root_only(root)
         conts, lens = self.continuations(depth)
         if not conts:
-            return root_only(root)
+            return Draft.root_only(root)
         self.last_match = max(lens)
         tree = merge_continuations(root, conts, self.budget, depth, lengths=lens, branches=self.branches)
         if tree.size == 1:
-            return root_only(root)
-        return Draft(tree.parents, mx.array(tree.tokens.astype(np.uint32)), self.budget, depth)
+            return Draft.root_only(root)
+        return Draft(mx.array(tree.tokens.astype(np.uint32)), Layout.host(tree.parents),
+                     budget=self.budget, depth=depth)
 
     def commit(self, draft, path, emitted):
         self.index.extend(int(t) for t in emitted)

@@ -15,12 +15,23 @@ next model draft, which forwards them in one pass).
 Commit: the model drafter sees the accepted path up to its first lookup node (what it did not
 forward is pending for it, as after any leaf), the lookup drafter sees the emitted tokens.
 """
+from dataclasses import dataclass
+
 import numpy as np
 import mlx.core as mx
 
-from ..tree import MAX_NODES, DraftTree
+from ..draft import Draft, Layout
+from ..tree import MAX_NODES, ancestors_of, depths_of
 from ..verify import cached_array
-from . import Draft, fixed_topology, root_only
+
+
+@dataclass
+class MergedState:
+    """The two drafts a merged draft was made of, and where the lookup's nodes begin."""
+
+    base: Draft
+    extra: Draft
+    first_extra: int
 
 
 class MergedDrafter:
@@ -35,58 +46,62 @@ class MergedDrafter:
         self.extra = extra
         self.trust = trust
         self.rounds_alone = 0  # rounds the lookup drafted alone
-        self._layouts = {}
+        self.capture = tuple(getattr(base, "capture", ()))
 
     @property
     def depth(self):
         return self.base.depth
 
-    def prefill(self, prompt):
-        self.base.prefill(prompt)
+    def reset(self):
+        self.base.reset()
+        self.extra.reset()
+        self.rounds_alone = 0
+
+    def prefill(self, prompt, *hidden):
+        self.rounds_alone = 0
+        self.base.prefill(prompt, *hidden)
         self.extra.prefill(prompt)
 
     def draft(self, root, max_depth):
         e = self.extra.draft(root, max_depth)  # first: its host array is made before anything is queued
         alone = self.trust > 0 and e.size > 1 and self.extra.last_match >= self.trust
         self.rounds_alone += alone
-        b = root_only(root) if alone else self.base.draft(root, max_depth)
+        b = Draft.root_only(root) if alone else self.base.draft(root, max_depth)
         nb = b.size
         m = min(e.size - 1, MAX_NODES - nb)
+        state = MergedState(b, e, nb)
         if m <= 0:
-            return Draft(b.parents, b.tokens, b.requested_budget, b.requested_depth, (b, e, nb),
-                         depths=b.depths, visible=b.visible, pending=b.pending)
-        e_parents = np.asarray(e.host_parents()[1 : m + 1], np.int64)
+            return Draft(b.tokens, b.layout, state, fetch=b.fetch, budget=b.budget, depth=b.depth,
+                         forwards=b.forwards)
+        e_parents = np.asarray(e.layout.host_parents()[1 : m + 1], np.int64)
         shifted = np.where(e_parents == 0, 0, e_parents + nb - 1)  # lookup node i -> nb + i - 1
         tokens = mx.concatenate([b.tokens, e.tokens[1 : m + 1]])
-        if b.on_device:  # the model's topology is on the device: extend it there
-            e_tree = DraftTree(np.zeros(m + 1, np.int64), np.concatenate([[-1], e_parents]))
-            e_vis = e_tree.ancestor_mask()[1:]  # [m, m + 1]: lookup rows over root + lookup nodes
-            parents = mx.concatenate([b.parents.astype(mx.int32), cached_array(shifted.astype(np.int32))])
-            depths = mx.concatenate([b.depths.astype(mx.int32), cached_array(e_tree.depths[1:].astype(np.int32))])
+        if b.layout.parents is None:  # the model's topology is on the device: extend it there
+            e_all = np.concatenate([[-1], e_parents])
+            e_vis = ancestors_of(e_all)[1:]  # [m, m + 1]: lookup rows over root + lookup nodes
+            b_parents, b_depths, b_visible = b.layout.device
+            parents = mx.concatenate([b_parents.astype(mx.int32), cached_array(shifted.astype(np.int32))])
+            depths = mx.concatenate([b_depths.astype(mx.int32), cached_array(depths_of(e_all)[1:].astype(np.int32))])
             lower = mx.concatenate([cached_array(e_vis[:, :1]), mx.zeros((m, nb - 1), mx.bool_),
                                     cached_array(e_vis[:, 1:])], axis=1)
-            upper = mx.concatenate([b.visible, mx.zeros((nb, m), mx.bool_)], axis=1)
-            visible = mx.concatenate([upper, lower], axis=0)
+            upper = mx.concatenate([b_visible, mx.zeros((nb, m), mx.bool_)], axis=1)
+            layout = Layout.on_device(parents, depths, mx.concatenate([upper, lower], axis=0))
         else:
-            parents = np.concatenate([np.asarray(b.parents, np.int64), shifted])
-            key = parents.tobytes()
-            if key not in self._layouts:
-                if len(self._layouts) >= 256:  # a lookup tree (not the CLI's chain) varies its shape
-                    self._layouts.clear()
-                self._layouts[key] = fixed_topology(parents)
-            _, depths, visible = self._layouts[key]
-        return Draft(parents, tokens, b.requested_budget + m, b.requested_depth, (b, e, nb),
-                     depths=depths, visible=visible, pending=b.pending)
+            layout = Layout.fixed(np.concatenate([b.layout.parents, shifted]))
+        return Draft(tokens, layout, state, fetch=b.fetch, budget=b.budget + m, depth=b.depth,
+                     forwards=b.forwards)
 
-    def commit(self, draft, path, emitted):
-        b, e, nb = draft.extra
+    def commit(self, draft, path, emitted, *hidden):
+        st = draft.state
         path = np.asarray(path)
+        nb = st.first_extra
         cut = int(np.argmax(path >= nb)) if (path >= nb).any() else len(path)
-        self.base.commit(b, path[:cut], emitted)
-        self.extra.commit(e, np.concatenate([[0], path[cut:] - nb + 1]) if cut < len(path) else path[:1], emitted)
+        self.base.commit(st.base, path[:cut], emitted, *[h[:cut] for h in hidden])
+        self.extra.commit(st.extra, np.concatenate([[0], path[cut:] - nb + 1]) if cut < len(path) else path[:1],
+                          emitted)
 
     def probe_parents(self):
         """The base's largest layout with the lookup's whole budget as a chain under the root."""
         from ..probe import with_root_chain
 
-        return with_root_chain(np.asarray(self.base.probe_parents(), np.int64), getattr(self.extra, "budget", 0))
+        return with_root_chain(np.asarray(self.base.probe_parents(), np.int64), self.extra.budget)

@@ -7,13 +7,16 @@ A chain is the tree with one lane and one child per node: plain one-token steps,
 commit, as in mlx-lm's speculative loop. One lane with K children is that chain plus its best
 siblings as leaves.
 """
+from dataclasses import dataclass
+
 import numpy as np
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache import cache_kind
+from ..draft import Draft, Layout
+from ..tree import chain_parents
 from ..verify import TreeRound, cached_array
-from . import Draft, fixed_topology, root_only
 
 
 def _logprobs(logits):
@@ -70,41 +73,65 @@ def keep_best(root, tokens, scores, parents, depths, budget):
     return sel, tree_parents, tree_depths[perm], tree_tokens, anc[perm][:, perm]
 
 
+def one_lane_parents(S, K):
+    """The fixed layout of a spine of S with each step's K - 1 runners-up as leaves: the root,
+    the spine (node i at depth i, 1..S), then the leaves of nodes 0..S-1 in step order."""
+    spine = chain_parents(S + 1)
+    leaves = np.repeat(np.arange(S, dtype=np.int64), K - 1)
+    return np.concatenate([spine, leaves])
+
+
+def model_probe_parents(topk, lanes, depth, budget):
+    """The topology the GPU exactness probe verifies for a draft model of this shape: its fixed
+    layout where the budget keeps every candidate (a chain; one lane with all its siblings),
+    else the EAGLE-2 tree a fairly confident drafter of this shape builds."""
+    if topk == 1:
+        return chain_parents(depth + 1)
+    if lanes == 1 and budget >= depth * topk:
+        return one_lane_parents(depth, topk)
+    from ..probe import representative_tree_parents
+
+    return representative_tree_parents(topk, depth, budget)
+
+
+@dataclass
+class ModelDraftState:
+    """What a draft forwarded on the draft model, for its commit: the draft cache's round,
+    the round node each draft node was forwarded as (-1: not forwarded; numpy, or an mx array
+    fetched by the walk's sync), and the round node of the root."""
+
+    rnd: TreeRound
+    forwarded: object
+    root_node: int
+
+
 class ModelDrafter:
     """`topk` children per expanded node, `lanes` nodes expanded per step (EAGLE-2: lanes = topk;
     lanes = 1 expands only the best candidate, a chain of one-token steps whose siblings ride
-    along as leaves), `depth` steps, `budget` draft nodes kept."""
+    along as leaves), `depth` steps, `budget` draft nodes kept. Shapes are checked and
+    defaulted by `DraftSpec`; this class takes them as given."""
 
-    # Queue each draft step as it is built? A chain of 6 drafted built whole and evaluated once
-    # in 2.0 vs 2.8 ms and 2.0 vs 2.2 ms queued step by step on two H200 machines, 3.7 vs 2.7 ms
-    # on a third (bench/RESULTS.md, section 2): off, so a round queues its draft once.
-    queue_steps = False
+    capture = ()  # reads no target hidden state
 
-    def __init__(self, model, topk=1, depth=4, budget=None, cache=None, prefill_step_size=2048,
-                 lanes=None):
-        if topk < 1:
-            raise ValueError(f"topk must be >= 1, got {topk}")
-        lanes = topk if lanes is None else lanes
-        if not 1 <= lanes <= topk:
-            raise ValueError(f"lanes must be in 1..topk ({topk}), got {lanes}")
-        if depth < 0:
-            raise ValueError(f"depth must be >= 0, got {depth}")
+    def __init__(self, model, topk=1, depth=8, budget=None, prefill_step_size=2048, lanes=None):
         if any(cache_kind(c) == "arrays" for c in make_prompt_cache(model)):
             # lanes of later steps would need recurrent states of earlier lanes
             raise ValueError("the draft model has recurrent layers; use an attention-only drafter")
         self.model = model
         self.topk = topk
-        self.lanes = lanes
+        self.lanes = topk if lanes is None else lanes
         self.depth = depth
         self.budget = depth if budget is None else budget
-        self.cache = cache
         self.prefill_step_size = prefill_step_size
+        self.cache = None
         self.pending = []  # emitted tokens not yet in the draft cache; the last is the root
-        self._layouts = {}  # spine depth -> fixed topology of one-lane drafts
+
+    def reset(self):
+        self.cache, self.pending = None, []
 
     def prefill(self, prompt):
-        if self.cache is None:
-            self.cache = make_prompt_cache(self.model)
+        self.reset()
+        self.cache = make_prompt_cache(self.model)
         prompt = [int(t) for t in prompt]
         body, self.pending = prompt[:-1], prompt[-1:]
         for i in range(0, len(body), self.prefill_step_size):
@@ -118,55 +145,43 @@ class ModelDrafter:
             self.budget, self.topk + (depth - 1) * self.lanes * self.topk
         )
         if depth == 0 or budget == 0:
-            return root_only(root)
+            return Draft.root_only(root)
         # The pending tokens (the last is the root) are round nodes too: they always stay.
         rnd = TreeRound(self.model, self.cache)
-        p = len(self.pending)
-        pending = mx.array(self.pending, mx.uint32)
-        logits = rnd.forward(pending, np.arange(p) - 1)[-1:]
-        if self.lanes == 1:
-            rows, toks = self._spine(logits, rnd, depth)
-            if budget >= depth * self.topk:  # every candidate stays: nothing to rank
-                return self._spine_and_siblings(pending[-1:], rows, toks, rnd, budget)
-            return self._ranked_siblings(pending[-1:], rows, toks, rnd, budget)
-        return self._tree(pending[-1:], logits, rnd, depth, budget)
+        try:
+            p = len(self.pending)
+            pending = mx.array(self.pending, mx.uint32)
+            logits = self._forward(rnd, pending, np.arange(p) - 1)[-1:]
+            if self.lanes == 1:
+                rows, toks = self._spine(logits, rnd, depth)
+                if budget >= depth * self.topk:  # every candidate stays: nothing to rank
+                    return self._spine_and_siblings(pending[-1:], rows, toks, rnd, budget)
+                return self._ranked_siblings(pending[-1:], rows, toks, rnd, budget)
+            return self._tree(pending[-1:], logits, rnd, depth, budget)
+        except BaseException:
+            rnd.abort()
+            raise
+
+    def _forward(self, rnd, tokens, parents=None, depth=None, rows=None, feeds=None):
+        """One draft forward over the round: host `parents`, or device visibility `rows` at
+        `depth`. `feeds`: the round nodes each new node continues from (a head drafter reads
+        their output hidden state; None for a round's first forward, the pending tokens)."""
+        if rows is None:
+            return rnd.forward(tokens, parents)
+        return rnd.forward_rows(tokens, depth, rows)
 
     def _spine(self, logits, rnd, depth):
         """Greedy one-token steps from the root: each step's logits and argmax token."""
         root_node = rnd.size - 1
         rows, toks = [logits], [mx.argmax(logits, axis=-1).astype(mx.uint32)]
         for s in range(1, depth):
-            logits = rnd.forward(toks[-1], [root_node + s - 1])
+            logits = self._forward(rnd, toks[-1], [root_node + s - 1], feeds=[root_node + s - 1])
             rows.append(logits)
             toks.append(mx.argmax(logits, axis=-1).astype(mx.uint32))
-            if self.queue_steps:  # the device starts on this step while the host builds the next
-                mx.async_eval(toks[-1])
         return rows, toks
 
-    def _layout(self, S):
-        """The fixed topology of a spine of S with its step's K - 1 runners-up as leaves: host
-        parents, and the device depths and ancestor-or-self rows the verify reads (built once
-        per depth, so a round spends no op on them)."""
-        hit = self._layouts.get(S)
-        if hit is None:
-            K = self.topk
-            spine = np.arange(S + 1, dtype=np.int64) - 1  # node i (1..S) at depth i
-            leaves = np.repeat(np.arange(S, dtype=np.int64), K - 1)  # children of nodes 0..S-1
-            hit = self._layouts[S] = fixed_topology(np.concatenate([spine, leaves]))
-        return hit
-
     def probe_parents(self):
-        """The topology the GPU exactness probe verifies for this drafter: its fixed layout
-        where the budget keeps every candidate (a chain; one lane with all its siblings), else
-        the EAGLE-2 tree a fairly confident drafter of this shape builds."""
-        S = self.depth
-        if self.topk == 1:
-            return np.arange(S + 1, dtype=np.int64) - 1
-        if self.lanes == 1 and self.budget >= S * self.topk:
-            return self._layout(S)[0]
-        from ..probe import representative_tree_parents
-
-        return representative_tree_parents(self.topk, S, self.budget)
+        return model_probe_parents(self.topk, self.lanes, self.depth, self.budget)
 
     def _spine_and_siblings(self, root, rows, toks, rnd, budget):
         """The chain (K = 1), or the chain with each step's K - 1 runners-up as leaves: a fixed
@@ -181,12 +196,12 @@ class ModelDrafter:
             logits = mx.put_along_axis(logits, chain[:, None].astype(mx.int32),
                                        mx.array(-mx.inf, logits.dtype), axis=-1)
             parts.append(mx.argpartition(-logits, kth=K - 2, axis=-1)[:, : K - 1].reshape(-1).astype(mx.uint32))
-        parents, depths, visible = self._layout(S)
+        layout = Layout.fixed(one_lane_parents(S, K))
         # spine node i (1 <= i < S) was forwarded as round node root_node + i; nothing else was
-        forwarded = np.full(len(parents), -1, np.int64)
+        forwarded = np.full(layout.size, -1, np.int64)
         forwarded[1:S] = np.arange(1, S) + root_node
-        return Draft(parents, mx.concatenate(parts), budget, S,
-                     (rnd, forwarded, root_node), depths=depths, visible=visible)
+        return Draft(mx.concatenate(parts), layout, ModelDraftState(rnd, forwarded, root_node),
+                     budget=budget, depth=S, forwards=S)
 
     def _ranked_siblings(self, root, rows, toks, rnd, budget):
         """One lane with a budget below S * K: the chain's steps' top-K, ranked at once on the
@@ -216,8 +231,9 @@ class ModelDrafter:
         if S > 1:
             round_of[lanes[:-1]] = mx.arange(root_node + 1, root_node + S, dtype=mx.int32)
         tree_round = mx.concatenate([mx.full((1,), -1, mx.int32), round_of[sel]])
-        return Draft(tree_parents, tree_tokens, budget, S, (rnd, tree_round, root_node),
-                     depths=tree_depths, visible=anc, pending=(tree_round,))
+        return Draft(tree_tokens, Layout.on_device(tree_parents, tree_depths, anc),
+                     ModelDraftState(rnd, tree_round, root_node), fetch=(tree_round,), budget=budget, depth=S,
+                     forwards=S)
 
     def _tree(self, root, logits, rnd, depth, budget):
         """EAGLE-2 (L >= 2 lanes), ranked on the device: the host sees the tree only at the
@@ -246,10 +262,12 @@ class ModelDrafter:
         for s in range(1, depth):
             first = rnd.size
             if visible is None:
-                logits = rnd.forward(lane_tokens.astype(mx.uint32), np.array(lane_parents))
+                logits = self._forward(rnd, lane_tokens.astype(mx.uint32), np.array(lane_parents),
+                                       feeds=lane_parents)
             else:
                 rows = mx.concatenate([visible[lane_parents], mx.eye(L, dtype=mx.bool_)], axis=1)
-                logits = rnd.forward_rows(lane_tokens.astype(mx.uint32), root_depth + s, rows)
+                logits = self._forward(rnd, lane_tokens.astype(mx.uint32), depth=root_depth + s, rows=rows,
+                                       feeds=lane_parents)
                 visible = mx.concatenate(
                     [mx.concatenate([visible, mx.zeros((first, L), mx.bool_)], axis=1), rows], axis=0)
             forwarded.append(lane_cands)
@@ -265,8 +283,6 @@ class ModelDrafter:
             lane_cands = n_cand + choice
             lane_parents = first + choice // K
             n_cand += L * K
-            if self.queue_steps:
-                mx.async_eval(lane_tokens, lane_scores, lane_parents)
         sel, tree_parents, tree_depths, tree_tokens, anc = keep_best(
             root, mx.concatenate(tokens), mx.concatenate(scores), mx.concatenate(parents),
             np.concatenate(cand_depths), budget)
@@ -274,19 +290,20 @@ class ModelDrafter:
         if forwarded:
             round_of[mx.concatenate(forwarded)] = mx.concatenate(forwarded_at).astype(mx.int32)
         tree_round = mx.concatenate([mx.full((1,), -1, mx.int32), round_of[sel]])
-        return Draft(tree_parents, tree_tokens, budget, depth, (rnd, tree_round, root_node),
-                     depths=tree_depths, visible=anc, pending=(tree_round,))
+        return Draft(tree_tokens, Layout.on_device(tree_parents, tree_depths, anc),
+                     ModelDraftState(rnd, tree_round, root_node), fetch=(tree_round,), budget=budget,
+                     depth=depth, forwards=depth)
 
     def commit(self, draft, path, emitted):
-        if draft.extra is None:  # nothing was forwarded: the root is still pending
+        state = draft.state
+        if state is None:  # nothing was forwarded: the root is still pending
             self.pending = self.pending + list(emitted)
             return
-        rnd, forwarded, root_node = draft.extra
-        forwarded = np.array(forwarded)  # fetched by the walk's sync when built on the device
-        keep = list(range(root_node + 1))  # the pending tokens, root included
+        forwarded = np.array(state.forwarded)  # fetched by the walk's sync when built on the device
+        keep = list(range(state.root_node + 1))  # the pending tokens, root included
         for node in path[1:]:
             if forwarded[node] < 0:
                 break
             keep.append(int(forwarded[node]))
-        rnd.commit(keep)
-        self.pending = list(emitted[len(keep) - root_node - 1 :])
+        state.rnd.keep(keep)
+        self.pending = list(emitted[len(keep) - state.root_node - 1 :])

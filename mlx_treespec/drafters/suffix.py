@@ -29,7 +29,8 @@ import numpy as np
 import mlx.core as mx
 
 from ..tree import MAX_NODES, DraftTree
-from . import Draft, check_budget_depth, root_only
+from ..draft import Draft, Layout
+from . import check_budget_depth, host_probe_parents
 
 __all__ = ["SuffixIndex", "SuffixCursor", "expand_best_first", "SuffixDrafter"]
 
@@ -192,10 +193,20 @@ class SuffixDrafter:
         self.cursor: Optional[SuffixCursor] = None
         self.last_match = 0  # length of the last draft's matched suffix (0: none)
 
-    def prefill(self, prompt):
+    capture = ()
+
+    def reset(self):
+        """A private index starts over; a shared one keeps what it indexed (that is its use)."""
         if not self.shared:
             self.index = SuffixIndex(self.index_depth)
+        self.cursor, self.last_match = None, 0
+
+    def prefill(self, prompt):
+        self.reset()
         self.cursor = self.index.sequence(int(t) for t in prompt)
+
+    def probe_parents(self):
+        return host_probe_parents(self.branches, self.budget, self.max_depth)
 
     def draft(self, root, max_depth):
         cur = self.cursor
@@ -205,14 +216,15 @@ class SuffixDrafter:
         k, node = cur.match(self.max_match)
         depth = min(self.max_depth, int(max_depth), self.index.depth - k)
         if k == 0 or depth <= 0 or self.budget == 0:
-            return root_only(root)
+            return Draft.root_only(root)
         self.last_match = k
         idx = self.index
         tree = expand_best_first(root, node, idx.ranked_children, idx.count.__getitem__, self.budget, depth,
                                  self.min_prob, self.branches)
         if tree.size == 1:
-            return root_only(root)
-        return Draft(tree.parents, mx.array(tree.tokens.astype(np.uint32)), self.budget, depth)
+            return Draft.root_only(root)
+        return Draft(mx.array(tree.tokens.astype(np.uint32)), Layout.host(tree.parents),
+                     budget=self.budget, depth=depth)
 
     def commit(self, draft, path, emitted):
         self.cursor.extend(int(t) for t in emitted)

@@ -1,0 +1,409 @@
+"""The benchmark harness: every figure in bench/RESULTS.md comes from one of its sections.
+
+    python bench/run.py loop --target demo --arms plain,chain:7,tree:3:8,dflash:15,ddtree:31 \\
+        --prompts unseen,heldout --n 20 --max-tokens 256 --seconds 400
+    python bench/run.py acceptance --target demo --arms tree:3:8,ddtree:31 --prompts unseen --n 12
+    python bench/run.py proj --acceptance FILE.json --family dflash --config bench/configs/qwen3_8b.json \\
+        --head-config bench/configs/qwen3_8b_dflash.json --q-bits 0,4
+    python bench/run.py unseen-prompts        # (re)writes bench/unseen_prompts.json
+
+Arms use mlx_treespec.spec's grammar (plain, chain:K, tree:K:S[:B[:L]], lookup:B:D,
+suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselines:
+`mlx-plain` (generate_step) and `mlx-chain:K` (speculative_generate_step). Speed figures are
+ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
+bench/results/<date>_<commit>_<section>.{md,json} (commit, versions and device inside) unless
+--out names another place.
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mlx_treespec import RoundStats  # noqa: E402
+from mlx_treespec.cli import resolve_model_path  # noqa: E402
+from mlx_treespec.harness import (encode_prompts, first_divergence, generate_once, interleave,  # noqa: E402
+                                  load_prompts, record, run_meta, spread)
+from mlx_treespec.spec import DraftSpec  # noqa: E402
+
+# the drafter each demo target uses, by kind
+DEMO_DRAFTERS = {"demo": {"model": "demo-drafter", "dflash": "demo-dflash", "eagle3": "demo-eagle3", "mtp": "demo"},
+                 "demo-hybrid": {"model": "demo-drafter", "dflash": "demo-hybrid-dflash", "mtp": "demo-hybrid"}}
+
+
+def log(msg):
+    print(msg, file=sys.stderr, flush=True)
+
+
+class Arms:
+    """The arms of a run, each a function (prompt, max_tokens) -> (tokens, RoundStats, seconds)."""
+
+    def __init__(self, target, target_name, texts, draft_name=None, dflash_name=None, head_names=None):
+        from mlx_lm.utils import load
+
+        self.target, self.target_name = target, target_name
+        self.texts = texts
+        demo = DEMO_DRAFTERS.get(target_name, {})
+        self._draft_name = draft_name or demo.get("model")
+        self._dflash_name = dflash_name or demo.get("dflash")
+        self._head_names = {k: (head_names or {}).get(k) or demo.get(k) for k in ("mtp", "eagle3")}
+        self._draft = self._dflash = None
+        self._heads = {}
+        self._load = load
+
+    def draft_model(self):
+        if self._draft is None:
+            if not self._draft_name:
+                raise SystemExit("a draft-model arm needs --draft-model")
+            self._draft = self._load(resolve_model_path(self._draft_name))[0]
+        return self._draft
+
+    def dflash(self):
+        if self._dflash is None:
+            from mlx_treespec.drafters.dflash import bind_dflash
+
+            if not self._dflash_name:
+                raise SystemExit("a dflash/ddtree arm needs --dflash")
+            self._dflash = bind_dflash(resolve_model_path(self._dflash_name), self.target)
+        return self._dflash
+
+    def head(self, kind):
+        if kind not in self._heads:
+            from mlx_treespec.drafters.eagle3 import load_eagle3
+            from mlx_treespec.drafters.mtp import load_mtp
+
+            name = self._head_names[kind]
+            if not name:
+                raise SystemExit(f"a {kind} arm needs --{kind}")
+            self._heads[kind] = (load_mtp if kind == "mtp" else load_eagle3)(resolve_model_path(name), self.target)
+        return self._heads[kind]
+
+    def runner(self, arm):
+        from mlx_lm.generate import generate_step, speculative_generate_step
+
+        if arm == "mlx-plain":
+            return lambda p, n: _timed(t for t, _ in generate_step(mx.array(p), self.target, max_tokens=n))
+        if arm.startswith("mlx-chain:"):
+            k = int(arm.split(":")[1])
+            return lambda p, n: _timed(t for t, _, _ in speculative_generate_step(
+                mx.array(p), self.target, self.draft_model(), num_draft_tokens=k, max_tokens=n))
+        spec = DraftSpec.parse(arm)
+        source = {"model": self.draft_model, "dflash": self.dflash, "mtp": lambda: self.head("mtp"),
+                  "eagle3": lambda: self.head("eagle3")}.get(spec.drafter)
+        make = (lambda: spec.build(source())) if source else (lambda: spec.build(None))
+        return lambda p, n: generate_once(self.target, make(), p, n)
+
+
+def _timed(gen):
+    out, t_first = [], None
+    for t in gen:
+        out.append(int(t))
+        if t_first is None:
+            t_first = time.perf_counter()
+    return out, RoundStats(), time.perf_counter() - t_first
+
+
+def load_target(name):
+    from mlx_lm.utils import load
+
+    model, tok = load(resolve_model_path(name))
+    return model, tok
+
+
+def run_loop(args):
+    """Every arm on every prompt of each set, interleaved; tok/s against mlx-lm's plain loop."""
+    target, tok = load_target(args.target)
+    names = ["mlx-plain"] + [a for a in args.arms.split(",") if a and a != "mlx-plain"]
+    report = dict(meta=run_meta(section=args.section, target=args.target, arms=names,
+                                max_tokens=args.max_tokens), sets={})
+    md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {report['meta']['commit']})", "",
+          f"`python bench/run.py {' '.join(sys.argv[1:])}`", ""]
+    budget = args.seconds / max(len(args.prompts.split(",")), 1) if args.seconds else None
+    for pset in args.prompts.split(","):
+        texts = load_prompts(pset)[: args.n]
+        prompts = encode_prompts(tok, texts)
+        arms = Arms(target, args.target, texts, args.draft_model, args.dflash, dict(mtp=args.mtp, eagle3=args.eagle3))
+        runners = {a: arms.runner(a) for a in names}
+        outputs = {a: [] for a in names}
+
+        def warmup(a):
+            runners[a](prompts[0], min(args.max_tokens, 32))
+
+        def run(a, i, order):
+            out, stats, dt = runners[a](prompts[i], args.max_tokens)
+            outputs[a].append(out)
+            rec = record(i, order, prompts[i], out, stats, dt)
+            rec["emitted_total"], rec["rounds_total"] = sum(stats.emitted), stats.rounds
+            log(f"{pset} prompt {i} {a}: {rec['tok_s']:.1f} tok/s, {rec['emitted_per_verify']:.2f} emitted/verify")
+            return rec
+
+        log(f"{pset}: {len(prompts)} prompts x {args.max_tokens} tokens, {len(names)} arms")
+        runs = interleave(names, prompts, run, warmup=warmup, max_seconds=budget, log=log,
+                          progress=(lambda m: log(m)) if args.verbose else None)
+        rows = summarize_arms(names, runs, outputs)
+        report["sets"][pset] = dict(prompts=len(runs["mlx-plain"]), arms=rows)
+        md += [f"## {pset} prompts ({len(runs['mlx-plain'])} x {args.max_tokens} tokens, temp 0)", "",
+               table(rows), ""]
+        write(args, report, md)  # after each set: a run cut short keeps what it measured
+
+
+def summarize_arms(names, runs, outputs):
+    base = {r["prompt"]: r["tok_s"] for r in runs["mlx-plain"]}
+    ref = {r["prompt"]: o for r, o in zip(runs["mlx-plain"], outputs["mlx-plain"])}
+    rows = []
+    for a in names:
+        rs = runs[a]
+        ratio = [r["tok_s"] / base[r["prompt"]] for r in rs if base.get(r["prompt"])]
+        emitted = sum(r.get("emitted_total", 0) for r in rs)
+        rounds = sum(r.get("rounds_total", 0) for r in rs)
+        same = sum(o == ref[r["prompt"]] for r, o in zip(rs, outputs[a]))
+        div = [first_divergence(o, ref[r["prompt"]]) for r, o in zip(rs, outputs[a])]
+        rows.append(dict(arm=a, tok_s=spread([r["tok_s"] for r in rs]), x_plain=spread(ratio),
+                         emitted_per_verify=spread([r["emitted_per_verify"] for r in rs if r["rounds"]]),
+                         pooled_emitted_per_verify=(emitted / rounds) if rounds else None,
+                         round_ms=spread([r["round_ms"] for r in rs if r["rounds"]]),
+                         nodes=spread([r["nodes_per_round"] for r in rs if r["rounds"]]),
+                         draft_forwards=spread([r["draft_forwards_per_round"] for r in rs if r["rounds"]]),
+                         identical=f"{same}/{len(rs)}", first_divergence=div,
+                         runs=[{k: v for k, v in r.items() if k != "acceptance_by_depth"} for r in rs]))
+    return rows
+
+
+def _f(s, fmt="{:.2f}", spread_=True):
+    if s is None:
+        return "-"
+    if isinstance(s, dict):
+        return fmt.format(s["median"]) + (f" ({fmt.format(s['min'])}-{fmt.format(s['max'])})" if spread_ else "")
+    return fmt.format(s)
+
+
+def table(rows):
+    lines = ["| arm | x plain (median, min-max) | tok/s | emitted/verify (pooled) | nodes/round | "
+             "draft forwards/round | round ms | identical to plain |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['arm']} | {_f(r['x_plain'])} | {_f(r['tok_s'], '{:.1f}')} | "
+                     f"{_f(r['pooled_emitted_per_verify'])} | {_f(r['nodes'], spread_=False)} | "
+                     f"{_f(r['draft_forwards'], spread_=False)} | {_f(r['round_ms'], spread_=False)} | "
+                     f"{r['identical']} |")
+    return "\n".join(lines)
+
+
+def run_acceptance(args):
+    """Emitted tokens per verify, pooled over prompts (on CPU a verify is bitwise one-token
+    decoding, so this is the target's own acceptance); every arm's tokens checked against plain."""
+    target, tok = load_target(args.target)
+    names = ["plain"] + [a for a in args.arms.split(",") if a and a != "plain"]
+    report = dict(meta=run_meta(section=args.section, target=args.target, arms=names,
+                                max_tokens=args.max_tokens), sets={})
+    md = [f"# {args.section}: {args.target} (commit {report['meta']['commit']})", "",
+          f"`python bench/run.py {' '.join(sys.argv[1:])}`", ""]
+    for pset in args.prompts.split(","):
+        texts = load_prompts(pset)[: args.n]
+        prompts = encode_prompts(tok, texts)
+        arms = Arms(target, args.target, texts, args.draft_model, args.dflash, dict(mtp=args.mtp, eagle3=args.eagle3))
+        rows = []
+        ref = None
+        for a in names:
+            run = arms.runner(a)
+            outs, emitted, rounds, by_depth = [], 0, 0, []
+            for p in prompts:
+                out, stats, _ = run(p, args.max_tokens)
+                outs.append(out)
+                emitted += sum(stats.emitted)
+                rounds += stats.rounds
+                by_depth.append(stats.acceptance_by_depth())
+            ref = outs if a == "plain" else ref
+            same = sum(o == r for o, r in zip(outs, ref))
+            rows.append(dict(arm=a, emitted_per_verify=emitted / max(rounds, 1), rounds=rounds,
+                             tokens=emitted, identical=f"{same}/{len(outs)}"))
+            log(f"{pset} {a}: {emitted / max(rounds, 1):.3f} emitted/verify, {same}/{len(outs)} identical")
+        chainlike = {r["arm"]: r["emitted_per_verify"] for r in rows}
+        report["sets"][pset] = dict(prompts=len(prompts), arms=rows)
+        md += [f"## {pset} prompts ({len(prompts)} x {args.max_tokens} tokens, temp 0, pooled)", "",
+               "| arm | emitted/verify | rounds | identical to plain |", "|---|---|---|---|"]
+        md += [f"| {r['arm']} | {r['emitted_per_verify']:.3f} | {r['rounds']} | {r['identical']} |" for r in rows]
+        if args.ratio:
+            a, b = args.ratio.split("/")
+            md.append(f"\n{a} / {b} = {chainlike[a] / chainlike[b]:.3f}")
+        md.append("")
+    write(args, report, md)
+
+
+def run_proj(args):
+    """Projected tok/s over an 8B-shape target: the acceptance (emitted per verify) measured on a
+    demo pair (a loop or acceptance JSON), over round costs timed here with random weights (a
+    projection): DFlash / DDTree (one draft forward), MTP or EAGLE-3 heads (one head step per
+    tree depth, as the head drafter runs them)."""
+    from mlx_treespec import costmodel
+
+    acc = json.loads(Path(args.acceptance).read_text())
+    pset = args.prompt_set or next(iter(acc["sets"]))
+    tau = {r["arm"]: (r.get("pooled_emitted_per_verify") or r.get("emitted_per_verify"))
+           for r in acc["sets"][pset]["arms"]}
+    family = args.family
+    prefix = {"dflash": ("dflash", "ddtree"), "mtp": ("mtp-",), "eagle3": ("eagle3-",)}[family]
+    arms = {a: t for a, t in tau.items() if a.startswith(prefix) and t}
+    cfg = costmodel.load_config(args.config)
+    head_cfg = json.loads(Path(args.head_config).read_text()) if args.head_config else None
+    report = dict(meta=run_meta(section=args.section, acceptance=args.acceptance, prompt_set=pset,
+                                config=args.config, head_config=args.head_config, family=family), variants=[])
+    md = [f"# {args.section}: {family} projection over {Path(args.config).stem} (commit {report['meta']['commit']})", "",
+          f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
+          f"Acceptance (emitted per verify) measured on the demo pair, {pset} prompts, from "
+          f"{args.acceptance}; round costs timed here with random weights: **projections**.", ""]
+    for q in [None if b in ("0", "") else int(b) for b in args.q_bits.split(",")]:
+        label = args.dtype + (f", {q}-bit" if q else "")
+        target = costmodel.build_from_config(cfg, args.dtype, q)
+        plain = costmodel.time_plain(target, history=args.history)
+        verify = costmodel.time_verify(target, Ts=(8, 16, 32, 64), history=args.history)
+        draft_cost = _draft_cost(family, target, cfg, head_cfg, args, q)
+        out = dict(variant=label, plain_ms=plain, verify_ms=verify, draft=draft_cost["timed"], arms=[])
+        md += [f"## {label}: plain {plain:.2f} ms/token; verify T=8/16/32/64 "
+               + "/".join(f"{verify[T]:.2f}" for T in (8, 16, 32, 64)) + " ms; " + draft_cost["text"], "",
+               "| arm | emitted/verify (measured) | draft ms | round ms (projected) | x plain (projected) |",
+               "|---|---|---|---|---|"]
+        for a, t in arms.items():
+            spec = DraftSpec.parse(a)
+            nodes = min(spec.budget or 31, 63) + 1
+            T = next(T for T in (8, 16, 32, 64) if nodes <= T)
+            d = draft_cost["per_arm"](spec)
+            round_ms = d + verify[T] + args.overhead_ms
+            x = t * plain / round_ms
+            out["arms"].append(dict(arm=a, tau=t, draft_ms=d, round_ms=round_ms, x_plain=x))
+            md.append(f"| {a} | {t:.2f} | {d:.2f} | {round_ms:.2f} | {x:.2f} |")
+        md += [f"\nround = draft + verify (T = the next timed row count) + {args.overhead_ms:.2f} ms host "
+               "overhead per round", ""]
+        report["variants"].append(out)
+        del target
+        mx.clear_cache()
+    write(args, report, md)
+
+
+def _draft_cost(family, target, cfg, head_cfg, args, q):
+    """Time the family's drafter at this shape; returns the figures and draft ms per arm."""
+    import mlx.nn as nn
+    from mlx_treespec import costmodel
+
+    def quantize(m):
+        m.set_dtype(getattr(mx, args.dtype))
+        if q:
+            nn.quantize(m, bits=q, group_size=64)
+        return m
+
+    if family == "dflash":
+        from mlx_treespec.drafters.dflash import DFlashModel, bind_dflash
+
+        drafter = quantize(DFlashModel(dict(head_cfg, vocab_size=cfg["vocab_size"])))
+        ms = costmodel.time_dflash(bind_dflash(drafter, target), target, history=args.history)
+        return dict(timed=dict(forward_ms=ms), text=f"DFlash draft forward {ms:.2f} ms",
+                    per_arm=lambda spec: ms)
+    if family == "mtp":
+        from mlx_treespec.drafters.mtp import MTPHead
+
+        head = quantize(MTPHead(target))
+    else:
+        from mlx_treespec.drafters.eagle3 import Eagle3Head, _config
+
+        c, _, ids = _config(head_cfg, args.head_config)
+        c.update(n_aux=len(ids), vocab_size=cfg["vocab_size"])
+        head = quantize(Eagle3Head(c, ids)).bind(target)
+        head.set_vocab_map(mx.zeros((c["draft_vocab_size"],), mx.int32))
+    step = {L: costmodel.time_head(head, history=args.history, rows=L) for L in (1, 2, 4)}
+
+    def per_arm(spec):  # the spine's one-token steps; EAGLE-2 lanes step L rows after the first
+        S, L = spec.depth, spec.lanes
+        return step[1] * S if L == 1 else step[1] + (S - 1) * step[min(L, 4)]
+
+    return dict(timed=dict(step_ms=step), text="head step (1/2/4 rows) " + "/".join(f"{step[L]:.2f}" for L in (1, 2, 4))
+                + " ms", per_arm=per_arm)
+
+
+def make_unseen_prompts(args):
+    """Prompts from text the demo models never saw: this project's own source files (written
+    after the demo corpus was collected from a Python installation's stdlib and site-packages).
+    Each prompt is ~200 characters from a seeded random line start, extended to the line's end."""
+    rng = random.Random(0)
+    files = sorted(p for d in ("mlx_treespec", "tests", "bench") for p in (ROOT / d).rglob("*.py")
+                   if p.stat().st_size > 3000)
+    prompts = []
+    for p in files:
+        text = p.read_text()
+        lines = text.splitlines(keepends=True)
+        starts = [sum(len(l) for l in lines[:i]) for i in range(len(lines)) if i and lines[i].strip()]
+        s = rng.choice(starts[: max(len(starts) * 3 // 4, 1)])
+        end = text.find("\n", s + 200)
+        prompts.append(dict(source=str(p.relative_to(ROOT)), prompt=text[s : end + 1 if end > 0 else None]))
+    rng.shuffle(prompts)
+    doc = dict(about="Source text the demo models never saw in training: this project's own Python files "
+                     "(bench/run.py unseen-prompts)", commit=run_meta()["commit"], prompts=prompts[: args.n])
+    path = ROOT / "bench" / "unseen_prompts.json"
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {len(doc['prompts'])} prompts to {path}")
+
+
+def write(args, report, md):
+    text = "\n".join(md) + "\n"
+    print(text)
+    if args.out:
+        out = Path(args.out)
+    else:
+        meta = report["meta"]
+        out = ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}_{meta['commit']}_{args.section}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=_json) + "\n")
+    log(f"wrote {out}.md and {out}.json")
+
+
+def _json(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    raise TypeError(type(o).__name__)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("command", choices=["loop", "acceptance", "proj", "unseen-prompts"])
+    p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
+    p.add_argument("--target", default="demo")
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--dflash", default=None, help="a DFlash drafter folder (default: the demo target's)")
+    p.add_argument("--mtp", default=None, help="a folder with the target's mtp.* weights (default: the target's)")
+    p.add_argument("--eagle3", default=None, help="an EAGLE-3 folder (default: the demo target's)")
+    p.add_argument("--arms", default="plain,chain:7,tree:3:8")
+    p.add_argument("--prompts", default="unseen,heldout", help="prompt sets or files, comma separated")
+    p.add_argument("--n", type=int, default=20, help="prompts per set")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--seconds", type=float, default=None, help="loop: start no prompt after this (all sets)")
+    p.add_argument("--ratio", default=None, help="acceptance: print A/B of two arms' emitted per verify")
+    p.add_argument("--acceptance", default=None, help="proj: a loop or acceptance JSON")
+    p.add_argument("--prompt-set", default=None, help="proj: which set of that JSON")
+    p.add_argument("--config", default="bench/configs/qwen3_8b.json")
+    p.add_argument("--family", default="dflash", choices=["dflash", "mtp", "eagle3"], help="proj: which drafter")
+    p.add_argument("--head-config", default="bench/configs/qwen3_8b_dflash.json",
+                   help="proj: the drafter's config (DFlash or EAGLE-3 JSON; MTP: built from the target's)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--q-bits", default="0,4")
+    p.add_argument("--history", type=int, default=512)
+    p.add_argument("--overhead-ms", type=float, default=0.5)
+    p.add_argument("--out", default=None, help="write OUT.md and OUT.json instead of bench/results/")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+    args.section = args.section or args.command
+    {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj,
+     "unseen-prompts": make_unseen_prompts}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,390 @@
+"""A DFlash block drafter over the target's hidden states, and DDTree's trees from it.
+
+DFlash (z-lab) proposes every position of a block in ONE forward: the block is [the last
+emitted token] + [mask token] * (B - 1); its queries attend, without a mask, to each other and
+to the context: the target's hidden states of every earlier token (outputs of a few chosen
+target layers, concatenated, projected by `fc` and `hidden_norm`), injected as extra keys and
+values in every draft layer. The drafter has no embedding and no lm_head: it uses the target's.
+Block position k predicts the token k places after the root.
+
+The round's tree:
+- a chain: each position's argmax (`topk = 1`), depth k <= B - 1 (no host sync before verify);
+- DDTree: the `budget` most probable prefixes under the per-position marginals, best first
+  (builders.best_first_tree over each position's top `topk`; one host sync for the top-k).
+
+Either way the drafter costs one forward per round whatever the tree's size. The draft cache
+holds the context's keys and values only; commit appends the accepted path's hidden states (the
+rows the target computed for them in the verify), which the next draft forward projects in the
+same pass as its block.
+
+Shapes stay fixed across rounds (a GPU pays for every new attention shape): each layer keeps
+whole K/V buffers grown in steps of 256 rows, new context rows are padded to B, and a mask
+hides the unused rows; the block's own K/V are written after the padded context rows and
+overwritten next round.
+"""
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.rope_utils import initialize_rope
+
+from ..builders import best_first_tree
+from ..draft import Draft, Layout
+from ..tree import MAX_NODES, chain_parents
+from . import dequantize_linears
+
+__all__ = ["DFlashModel", "DFlashDrafter", "load_dflash", "bind_dflash", "probe_parents",
+           "default_layer_ids", "target_io"]
+
+GROW = 256  # rows a context buffer grows by
+
+
+def default_layer_ids(num_target_layers, num_draft_layers):
+    """The published drafters' rule: evenly spaced from layer 1 to layer N - 3 (one draft
+    layer: the middle one)."""
+    n, l = num_target_layers, num_draft_layers
+    if l == 1:
+        return [n // 2]
+    return [int(round(1 + i * (n - 4) / (l - 1))) for i in range(l)]
+
+
+class _Attention(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        H, d = a["hidden_size"], a["head_dim"]
+        self.n_heads, self.n_kv, self.head_dim = a["num_attention_heads"], a["num_key_value_heads"], d
+        self.scale = d ** -0.5
+        self.q_proj = nn.Linear(H, self.n_heads * d, bias=False)
+        self.k_proj = nn.Linear(H, self.n_kv * d, bias=False)
+        self.v_proj = nn.Linear(H, self.n_kv * d, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * d, H, bias=False)
+        self.q_norm = nn.RMSNorm(d, eps=a["rms_norm_eps"])
+        self.k_norm = nn.RMSNorm(d, eps=a["rms_norm_eps"])
+        self.rope = initialize_rope(d, base=a.get("rope_theta", 10000.0), traditional=False,
+                                    scaling_config=a.get("rope_scaling"),
+                                    max_position_embeddings=a.get("max_position_embeddings"))
+
+    def heads(self, x, proj, n, norm=None):
+        y = proj(x).reshape(1, x.shape[1], n, self.head_dim)
+        return (norm(y) if norm is not None else y).transpose(0, 2, 1, 3)  # [1, n, L, d]
+
+    def kv(self, h, offset):
+        """Keys (normed, rotated from position `offset`) and values of rows h [1, L, H]."""
+        return self.rope(self.heads(h, self.k_proj, self.n_kv, self.k_norm), offset=offset), \
+            self.heads(h, self.v_proj, self.n_kv)
+
+
+class _Layer(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        H, I, eps = a["hidden_size"], a["intermediate_size"], a["rms_norm_eps"]
+        self.input_layernorm = nn.RMSNorm(H, eps=eps)
+        self.post_attention_layernorm = nn.RMSNorm(H, eps=eps)
+        self.self_attn = _Attention(a)
+        self.mlp = _MLP(H, I)
+
+
+class _MLP(nn.Module):
+    def __init__(self, H, I):
+        super().__init__()
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashModel(nn.Module):
+    """The drafter's own weights (published layout: fc, hidden_norm, layers.N.*, norm)."""
+
+    def __init__(self, config):
+        super().__init__()
+        a = dict(config)
+        a.setdefault("head_dim", a["hidden_size"] // a["num_attention_heads"])
+        a.setdefault("rms_norm_eps", 1e-6)
+        self.config = a
+        dc = a.get("dflash_config") or {}
+        self.block_size = int(a.get("block_size", 16))
+        self.num_target_layers = int(a.get("num_target_layers", 0))
+        ids = dc.get("target_layer_ids") or a.get("target_layer_ids")
+        if ids is None:
+            ids = default_layer_ids(self.num_target_layers, a["num_hidden_layers"])
+        self.target_layer_ids = tuple(int(i) for i in ids)
+        self.mask_token_id = dc.get("mask_token_id", a.get("mask_token_id"))
+        H = a["hidden_size"]
+        self.fc = nn.Linear(len(self.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = nn.RMSNorm(H, eps=a["rms_norm_eps"])
+        self.layers = [_Layer(a) for _ in range(a["num_hidden_layers"])]
+        self.norm = nn.RMSNorm(H, eps=a["rms_norm_eps"])
+
+    def context(self, feats):
+        """Target features [L, n*H] -> the context rows every layer reads [1, L, H]."""
+        return self.hidden_norm(self.fc(feats.astype(self.hidden_norm.weight.dtype)))[None]
+
+    def block_logits(self, target, ctx_feats, root):
+        """One block over a whole context, no cache (reference semantics, for checks):
+        ctx_feats [L, n*H] at positions 0..L-1, block at L..L+B-1; logits [B, V]."""
+        embed, lm_head = target_io(target)
+        L, B = ctx_feats.shape[0], self.block_size
+        ctx = self.context(ctx_feats)
+        x = embed(mx.array([[int(root)] + [self.mask_token_id] * (B - 1)]))
+        for layer in self.layers:
+            at = layer.self_attn
+            xn = layer.input_layernorm(x)
+            q = at.rope(at.heads(xn, at.q_proj, at.n_heads, at.q_norm), offset=L)
+            kb, vb = at.kv(xn, L)
+            kc, vc = at.kv(ctx, 0)
+            o = mx.fast.scaled_dot_product_attention(q, mx.concatenate([kc, kb], axis=2),
+                                                     mx.concatenate([vc, vb], axis=2), scale=at.scale)
+            x = x + at.o_proj(o.transpose(0, 2, 1, 3).reshape(1, B, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return lm_head(self.norm(x))[0]
+
+
+def target_io(target):
+    """The target's token embedding and output head (tied: the embedding as a linear map)."""
+    inner = getattr(target, "language_model", target)  # qwen3_5 & co. wrap the text model
+    body = inner.model
+    embed = body.embed_tokens
+    head = getattr(inner, "lm_head", None)
+    return embed, (head if head is not None else embed.as_linear)
+
+
+def load_dflash(path):
+    """A DFlash folder (config.json + safetensors, the published layout; an mlx `quantization`
+    entry in the config loads quantized weights) -> DFlashModel."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{path} has no config.json: pass a DFlash drafter folder (config.json and "
+                         "safetensors with fc, hidden_norm, layers.N.*, norm)")
+    config = json.loads(cfg_file.read_text())
+    dc = config.get("dflash_config") or {}
+    if "block_size" not in config or "target_layer_ids" not in dc:
+        raise ValueError(f"{path}/config.json is not a DFlash drafter's: it needs block_size and "
+                         "dflash_config.target_layer_ids")
+    if dc.get("mask_token_id") is None:
+        raise ValueError(f"{path}/config.json has no dflash_config.mask_token_id: add the token id the "
+                         "drafter was trained with as its mask")
+    model = DFlashModel(config)
+    q = config.get("quantization")
+    if q:
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"])
+    weights = {}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} has no safetensors weights")
+    for f in files:
+        weights.update(mx.load(str(f)))
+    weights = {k[len("model."):] if k.startswith("model.") else k: v for k, v in weights.items()}
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ValueError(f"{path}: the weights do not match a DFlash drafter of this config ({str(e).splitlines()[0]})") from None
+    if q:
+        dequantize_linears(model)
+    mx.eval(model.parameters())
+    model.eval()
+    model.path = str(path)
+    return model
+
+
+@dataclass(frozen=True)
+class BoundDFlash:
+    """A DFlash drafter bound to the target whose embedding, output head and layers it reads."""
+
+    model: DFlashModel
+    embed: object
+    lm_head: object
+
+
+def bind_dflash(drafter, target):
+    """Check a DFlash drafter (a folder or a DFlashModel) against its target; one-line errors."""
+    if target is None:
+        raise ValueError("a DFlash drafter reads the target's embedding and hidden states: pass target=")
+    model = drafter if isinstance(drafter, DFlashModel) else load_dflash(drafter)
+    embed, lm_head = target_io(target)
+    V, H = embed.weight.shape[0], model.config["hidden_size"]
+    t_args = getattr(target, "args", None)
+    t_hidden = getattr(t_args, "hidden_size", None) or (getattr(t_args, "text_config", None) or {}).get("hidden_size")
+    n_layers = len(list(target.layers))
+    if t_hidden is not None and t_hidden != H:
+        raise ValueError(f"the DFlash drafter has hidden size {H}, the target {t_hidden}: use a drafter "
+                         "trained for this target")
+    if model.config.get("vocab_size") not in (None, V):
+        raise ValueError(f"the DFlash drafter's vocabulary ({model.config['vocab_size']}) differs from the "
+                         f"target's ({V}): use a drafter trained for this target")
+    bad = [i for i in model.target_layer_ids if not 0 <= i < n_layers]
+    if bad:
+        raise ValueError(f"the DFlash drafter reads target layers {bad}, but the target has {n_layers} "
+                         f"(0..{n_layers - 1}): use a drafter trained for this target")
+    if not 0 <= int(model.mask_token_id) < V:
+        raise ValueError(f"the DFlash mask token {model.mask_token_id} is outside the target's vocabulary "
+                         f"(0..{V - 1}): fix dflash_config.mask_token_id")
+    if not 2 <= model.block_size <= MAX_NODES:
+        raise ValueError(f"the DFlash block size must be in 2..{MAX_NODES}, got {model.block_size}")
+    return BoundDFlash(model, embed, lm_head)
+
+
+def probe_parents(topk, depth, budget, block_size=16):
+    """The largest layout a round sends: the chain, or a best-first tree of the budget."""
+    if topk == 1:
+        return chain_parents(depth + 1)
+    budget = budget or default_budget(block_size)
+    from ..probe import representative_tree_parents
+
+    return representative_tree_parents(2, depth or block_size - 1, budget)
+
+
+def default_budget(block_size):
+    """DDTree nodes per round when none is given: twice the block's predictions (31 for B = 16;
+    32 verify rows, a power of two)."""
+    return min(2 * (block_size - 1) + 1, MAX_NODES - 1)
+
+
+class DFlashDrafter:
+    """Chains (`topk = 1`, `depth` tokens) and DDTree trees (`budget` nodes, `topk` candidates per
+    position, at most `depth` deep; 0 means the block's) from a bound DFlash drafter."""
+
+    def __init__(self, bound, topk=0, depth=0, budget=0):
+        if not isinstance(bound, BoundDFlash):
+            raise ValueError("DFlashDrafter takes a drafter bound to its target: bind_dflash(folder, target)")
+        self.bound = bound
+        m = bound.model
+        self.block = m.block_size
+        self.capture = m.target_layer_ids
+        self.depth = min(depth or self.block - 1, self.block - 1)
+        if topk == 1:
+            self.topk, self.budget = 1, self.depth
+        else:
+            self.budget = budget or default_budget(self.block)
+            self.topk = topk or self.budget
+        self.reset()
+
+    # ------------------------------------------------------------------ the context cache
+
+    def reset(self):
+        self.keys = self.values = None  # per layer [1, n_kv, cap, d]
+        self.length = 0  # context rows held (= the position of the next root)
+        self.pending = None  # context features not yet projected [n, n*H]
+
+    def _room(self, rows):
+        """Grow every layer's buffers (a multiple of GROW) to hold `rows` rows."""
+        cap = 0 if self.keys is None else self.keys[0].shape[2]
+        if rows <= cap:
+            return
+        new = -(-rows // GROW) * GROW
+        m = self.bound.model
+        at = m.layers[0].self_attn
+        dtype = m.norm.weight.dtype
+        shape = (1, at.n_kv, new - cap, at.head_dim)
+        # one array per layer and buffer: rows are written in place
+        if self.keys is None:
+            self.keys = [mx.zeros(shape, dtype) for _ in m.layers]
+            self.values = [mx.zeros(shape, dtype) for _ in m.layers]
+        else:
+            self.keys = [mx.concatenate([k, mx.zeros(shape, dtype)], axis=2) for k in self.keys]
+            self.values = [mx.concatenate([v, mx.zeros(shape, dtype)], axis=2) for v in self.values]
+
+    def _write_context(self, feats):
+        """Project context features and write their K/V after the held context (no block)."""
+        m = self.bound.model
+        for start in range(0, feats.shape[0], 512):
+            part = feats[start : start + 512]
+            n = part.shape[0]
+            self._room(self.length + n + 2 * self.block)
+            ctx = m.context(part)
+            for i, layer in enumerate(m.layers):
+                k, v = layer.self_attn.kv(ctx, self.length)
+                self.keys[i][..., self.length : self.length + n, :] = k
+                self.values[i][..., self.length : self.length + n, :] = v
+            self.length += n
+        mx.eval(self.keys, self.values)
+
+    def prefill(self, prompt, hidden=None):
+        self.reset()
+        if hidden is None:
+            raise ValueError("a DFlash drafter reads the target's hidden states: the loop passes them "
+                             "(drafter.capture)")
+        if hidden.shape[0]:
+            self._write_context(hidden)
+
+    def commit(self, draft, path, emitted, hidden=None):
+        # the root and the accepted nodes are context now; their rows go in with the next block
+        self.pending = hidden if self.pending is None else mx.concatenate([self.pending, hidden])
+
+    # ------------------------------------------------------------------ drafting
+
+    def _block_logits(self, root):
+        """One forward: the pending context rows (padded to B) and the block [1, B, V]."""
+        m, B = self.bound.model, self.block
+        n = 0 if self.pending is None else self.pending.shape[0]
+        self.forwards = 1
+        if n > B:  # more context than one pass takes (rounds without a draft): write it first
+            self._write_context(self.pending[: n - B])
+            self.pending, n = self.pending[n - B :], B
+            self.forwards += 1
+        P, L0 = B, self.length
+        root_pos = L0 + n
+        self._room(L0 + P + B)
+        width = self.keys[0].shape[2]
+        feats = self.pending if n else None
+        if feats is not None and n < P:
+            feats = mx.concatenate([feats, mx.zeros((P - n, feats.shape[1]), feats.dtype)])
+        ctx = m.context(feats) if feats is not None else None
+        root = root if isinstance(root, mx.array) else mx.array([int(root)], mx.uint32)
+        tokens = mx.concatenate([root.reshape(1).astype(mx.uint32),
+                                 mx.full((B - 1,), int(m.mask_token_id), mx.uint32)])
+        x = self.bound.embed(tokens[None])
+        cols = mx.arange(width)
+        mask = (cols < root_pos) | ((cols >= L0 + P) & (cols < L0 + P + B))
+        for i, layer in enumerate(m.layers):
+            at = layer.self_attn
+            xn = layer.input_layernorm(x)
+            q = at.rope(at.heads(xn, at.q_proj, at.n_heads, at.q_norm), offset=root_pos)
+            kb, vb = at.kv(xn, root_pos)
+            if ctx is not None:
+                kc, vc = at.kv(ctx, L0)
+                kb, vb = mx.concatenate([kc, kb], axis=2), mx.concatenate([vc, vb], axis=2)
+                self.keys[i][..., L0 : L0 + P + B, :] = kb
+                self.values[i][..., L0 : L0 + P + B, :] = vb
+            else:
+                self.keys[i][..., L0 + P : L0 + P + B, :] = kb
+                self.values[i][..., L0 + P : L0 + P + B, :] = vb
+            o = mx.fast.scaled_dot_product_attention(q, self.keys[i], self.values[i], scale=at.scale,
+                                                     mask=mask)
+            x = x + at.o_proj(o.transpose(0, 2, 1, 3).reshape(1, B, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        self.length, self.pending = root_pos, None
+        return self.bound.lm_head(m.norm(x))[0]
+
+    def draft(self, root, max_depth):
+        depth = min(self.depth, max_depth)
+        if depth == 0:
+            return Draft.root_only(root)
+        logits = self._block_logits(root)[1 : depth + 1]  # position k predicts k after the root
+        root_arr = mx.array([int(root)], mx.uint32)
+        if self.topk == 1:
+            chain = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            return Draft(mx.concatenate([root_arr, chain]), Layout.fixed(chain_parents(depth + 1)),
+                         budget=depth, depth=depth, forwards=self.forwards)
+        logprobs = logits.astype(mx.float32)
+        logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+        k = min(self.topk, self.budget, logprobs.shape[-1])
+        ids = mx.argsort(-logprobs, axis=-1)[:, :k]  # each position's best k, best first
+        top = mx.take_along_axis(logprobs, ids, axis=-1)
+        mx.eval(ids, top)  # the tree is built on the host: the round's extra sync
+        ids, top = np.array(ids), np.array(top)
+        # best-first over column ranks (a column is a rank: its token is ids[position, column])
+        tree = best_first_tree(0, top, self.budget)
+        cols, depths = tree.tokens[1:], tree.depths[1:]
+        tokens = np.concatenate([[int(root)], ids[depths - 1, cols]]).astype(np.uint32)
+        return Draft(mx.array(tokens), Layout.host(tree.parents), budget=self.budget, depth=depth,
+                     forwards=self.forwards)
+
+    def probe_parents(self):
+        return probe_parents(self.topk, self.depth, self.budget, self.block)

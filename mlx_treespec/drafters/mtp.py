@@ -1,0 +1,376 @@
+"""The Qwen3.5 / Qwen3-Next multi-token-prediction (MTP) layer as a drafting head.
+
+The head is one full-attention decoder layer of the target's own family (mlx-lm's classes:
+gated q_proj, q_norm/k_norm, partial rotary; dense MLP, or mlx-lm's sparse MoE block), with its
+own KV cache, between two projections it shares with the target (the embedding and lm_head):
+
+    u = fc(concat[RMSNorm(E[x_{t+1}]; pre_fc_norm_embedding), RMSNorm(h_t; pre_fc_norm_hidden)])
+    z = layer(u)                       (causal over the head's own cache, position t)
+    o = RMSNorm(z; norm)               -> head.out_hidden, the hidden of the next draft step
+    logits = lm_head(o)                predict x_{t+2}
+
+`h_t` is the target's last hidden state, after its final norm ("post", what vLLM and mlx-vlm
+feed) or before it ("pre"): `head.hidden_kind` says which one this head was trained on.
+
+Call convention (mlx-lm's, so `mlx_treespec.verify.TreeRound` drives it like a model):
+`head(tokens [1, L], cache=[c], hidden=[1, L, H]) -> logits [1, L, V]`. TreeRound calls
+`model(tokens[None], cache=...)` without `hidden`: set `head.pending_hidden` ([1, n, H] or
+[n, H]) before that forward; it is used once and cleared.
+
+Norm layout (the rule `load_mtp` applies). Qwen3.5 / Qwen3-Next RMSNorms are zero-centred in the
+HF checkpoints: the effective weight is 1 + w. mlx-lm's converter adds the 1 to the target's
+norms and drops every `mtp.*` tensor, so a `mtp.`-prefixed tensor in a folder always comes from
+the raw HF layout (the original checkpoint, or this project's export, which writes raw HF
+tensors into `model-mtp.safetensors` and marks the folder config with `mtp_hidden`). Hence:
+`mtp.*` norms are shifted by +1 on load, whatever the rest of the folder looks like (mlx-vlm's
+rule too: it shifts only keys still carrying the raw `mtp.` prefix). `load_mtp(...,
+zero_centred=False)` overrides this for a folder whose `mtp.*` norms were already shifted.
+To write a loaded (possibly quantized) head back in this layout, save `head.raw_weights()`.
+"""
+import dataclasses
+import glob
+import json
+import os
+import struct
+import sys
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache
+from . import dequantize_linears
+
+__all__ = ["MTPHead", "load_mtp", "target_io", "read_tensors", "quantize_like"]
+
+NO_MTP = ("this checkpoint has no MTP layer (mtp.* weights): use a Qwen3.5/Qwen3-Next folder "
+          "converted with its mtp weights, or --drafter model")
+
+# 1-D weights of zero-centred norms (the HF layout stores w, the effective weight is 1 + w),
+# names without the `mtp.` prefix
+_TOP_NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "norm.weight")
+_LAYER_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", ".q_norm.weight",
+                ".k_norm.weight")
+
+
+def _is_norm(name):
+    return name in _TOP_NORMS or (name.startswith("layers.") and name.endswith(_LAYER_NORMS))
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers shared with eagle3.py
+
+def _one_line(msg):
+    return " ".join(str(msg).split())
+
+
+def target_io(target):
+    """(text model args, embedding module, lm_head callable) of an mlx-lm model: the text
+    model is `target.language_model` where there is one (qwen3_5, VLM wrappers), else the
+    model itself; lm_head is its `lm_head`, or the embedding as a linear map when tied."""
+    lm = getattr(target, "language_model", None)
+    lm = lm if isinstance(lm, nn.Module) else target
+    inner = getattr(lm, "model", None)
+    embed = getattr(inner, "embed_tokens", None) if inner is not None else None
+    if embed is None:
+        embed = getattr(lm, "embed_tokens", None)
+    if embed is None:
+        raise ValueError(f"cannot find the token embedding of {type(target).__name__} "
+                         "(looked for .model.embed_tokens): pass an mlx-lm model")
+    args = getattr(lm, "args", None) or getattr(target, "args", None)
+    tied = bool(getattr(args, "tie_word_embeddings", False)) if args is not None else False
+    head = getattr(lm, "lm_head", None)
+    if head is None or tied:
+        head = embed.as_linear
+    return args, embed, head
+
+
+def _safetensors_keys(path):
+    """Tensor names of a safetensors file, from its header only."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+    return [k for k in header if k != "__metadata__"]
+
+
+def read_tensors(folder, want):
+    """Tensors whose names satisfy `want(name)`, from the folder's *.safetensors files (the
+    index, where present, says which files hold them; files the index does not list are read
+    too, e.g. a `model-mtp.safetensors` added next to an mlx-lm index). Loading is lazy: only
+    the chosen tensors are ever read."""
+    files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        listed = set(weight_map.values())
+        chosen = {v for k, v in weight_map.items() if want(k)}
+        files = [p for p in files if os.path.basename(p) in chosen or os.path.basename(p) not in listed]
+    out = {}
+    for path in files:
+        keys = [k for k in _safetensors_keys(path) if want(k)]
+        if keys:
+            arrays = mx.load(path)
+            out.update({k: arrays[k] for k in keys})
+    return out
+
+
+def quantize_like(module, weights, config, prefix=""):
+    """Quantize the leaves of `module` that have `.scales` in `weights` (mlx-lm's layout), with
+    their group size / bits / mode as stored: read from the shapes (mlx-lm's
+    infer_quant_config), a per-module entry `prefix + path` of the config's `quantization`
+    taking precedence."""
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    if not any(k.endswith(".scales") for k in weights):
+        return
+    from mlx_lm.utils import infer_quant_config
+
+    try:
+        from mlx_lm.utils import _takes_global_scale
+    except ImportError:  # older mlx-lm
+        _takes_global_scale = None
+
+    def predicate(path, m):
+        if not hasattr(m, "to_quantized") or f"{path}.scales" not in weights:
+            return False
+        entry = quant.get(prefix + path) if isinstance(quant, dict) else None
+        if isinstance(entry, dict):
+            return dict(entry)
+        params = infer_quant_config(path, m, weights)
+        if f"{path}.global_scale" in weights and _takes_global_scale is not None and _takes_global_scale(m):
+            params["global_scale"] = True
+        return params
+
+    nn.quantize(module, class_predicate=predicate)
+
+
+def load_checked(module, weights, what):
+    """module.load_weights(strict), its errors as one line naming `what`."""
+    have = {k for k, _ in _flat(module.parameters())}
+    missing = sorted(have - set(weights))
+    extra = sorted(set(weights) - have)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:6]}{' ...' if len(missing) > 6 else ''}")
+        if extra:
+            parts.append(f"unexpected {extra[:6]}{' ...' if len(extra) > 6 else ''}")
+        raise ValueError(_one_line(f"{what}: tensors do not match the expected layout: {'; '.join(parts)}"))
+    try:
+        module.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ValueError(_one_line(f"{what}: {e}")) from None
+
+
+def _flat(params):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(params)
+
+
+# ---------------------------------------------------------------------------------------------
+
+_STATE = ("pending_hidden", "out_hidden", "_embed", "_lm_head", "_final_norm", "capture")
+
+_FAMILIES = {  # mlx-lm module of the text model -> its decoder layer class
+    "mlx_lm.models.qwen3_5": "DecoderLayer",
+    "mlx_lm.models.qwen3_next": "Qwen3NextDecoderLayer",
+}
+
+
+def _family(target):
+    args, embed, head = target_io(target)
+    lm = getattr(target, "language_model", None)
+    lm = lm if isinstance(lm, nn.Module) else target
+    module = type(lm).__module__
+    if module not in _FAMILIES or args is None:
+        raise ValueError(f"MTP heads are for qwen3_5 / qwen3_5_moe / qwen3_next targets, got "
+                         f"{getattr(args, 'model_type', type(target).__name__)}: use --drafter model")
+    return args, embed, head, sys.modules[module], _FAMILIES[module]
+
+
+class MTPHead(nn.Module):
+    """One MTP layer for `target` (an mlx-lm qwen3_5 / qwen3_5_moe / qwen3_next model), built
+    from the target's text config and bound to its embedding and lm_head; see the module
+    docstring. `mlp`: "dense" (intermediate size `intermediate_size`, default the target's) or
+    "moe" (mlx-lm's sparse MoE block from the target's MoE fields). Weights are random until
+    loaded (`load_mtp` does both)."""
+
+    def __init__(self, target, mlp="dense", intermediate_size=None, hidden_kind="post"):
+        super().__init__()
+        if hidden_kind not in ("post", "pre"):
+            raise ValueError(f"hidden_kind must be 'post' or 'pre', got {hidden_kind!r}")
+        args, _, _, family_module, layer_class = _family(target)
+        H, eps = args.hidden_size, args.rms_norm_eps
+        self.args = args
+        self.hidden_kind = hidden_kind
+        self.pre_fc_norm_embedding = nn.RMSNorm(H, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(H, eps=eps)
+        self.fc = nn.Linear(2 * H, H, bias=False)
+        from mlx_lm.models.qwen3_next import Qwen3NextMLP, Qwen3NextSparseMoeBlock
+
+        if mlp not in ("dense", "moe"):
+            raise ValueError(f"mlp must be 'dense' or 'moe', got {mlp!r}")
+        if mlp == "moe" and not getattr(args, "num_experts", 0):
+            raise ValueError("the MTP layer has MoE weights but the target config has no experts")
+        # a full-attention layer (index full_attention_interval - 1 is one in both families);
+        # dense: built without experts (mlx-lm picks the MLP from the args)
+        largs = dataclasses.replace(args, num_experts=0) if mlp == "dense" else args
+        layer = getattr(family_module, layer_class)(largs, getattr(args, "full_attention_interval", 1) - 1)
+        if getattr(layer, "is_linear", False):
+            raise ValueError("could not build a full-attention MTP layer for this target")
+        if mlp == "dense":
+            layer.mlp = Qwen3NextMLP(H, intermediate_size or args.intermediate_size)
+        elif not isinstance(layer.mlp, Qwen3NextSparseMoeBlock):
+            layer.mlp = Qwen3NextSparseMoeBlock(args)
+        self.layers = [layer]
+        self.norm = nn.RMSNorm(H, eps=eps)
+        self.pending_hidden = None
+        self.out_hidden = None
+        self._embed = None  # the target's modules: not this head's parameters
+        self._lm_head = None
+        self.bind(target)
+
+    def __setattr__(self, key, value):
+        if key in _STATE:  # per-call state, not parameters
+            object.__setattr__(self, key, value)
+        else:
+            super().__setattr__(key, value)
+
+    def bind(self, target):
+        """Use `target`'s embedding and lm_head (tied: the embedding as a linear map)."""
+        _, embed, head = target_io(target)
+        self._embed, self._lm_head = embed, head
+        lm = getattr(target, "language_model", None)
+        lm = lm if isinstance(lm, nn.Module) else target
+        self._final_norm = lm.model.norm
+        self.capture = (len(list(target.layers)) - 1,)  # the last layer's output (pre-norm)
+        return self
+
+    def target_hidden(self, last_layer_out):
+        """The hidden this head reads, from the target's last layer output (what a round
+        captures with `head.capture`): after the target's final norm for hidden_kind "post",
+        as it is for "pre"."""
+        return self._final_norm(last_layer_out) if self.hidden_kind == "post" else last_layer_out
+
+    def raw_weights(self):
+        """This head's tensors in the layout `load_mtp` reads: `mtp.` names, zero-centred norms
+        (w, not 1 + w); quantized leaves as they are (`.scales` / `.biases`). Experts stay in
+        mlx-lm's stacked `switch_mlp.*` form, which `load_mtp` reads too."""
+        out = {}
+        for k, v in _flat(self.parameters()):
+            if v.ndim == 1 and mx.issubdtype(v.dtype, mx.floating) and _is_norm(k):
+                v = v - mx.array(1.0, v.dtype)
+            out["mtp." + k] = v
+        return out
+
+    def make_cache(self):
+        return [KVCache()]
+
+    def __call__(self, inputs, cache=None, hidden=None):
+        if self._embed is None:
+            raise ValueError("MTPHead is not bound to a target: call head.bind(target)")
+        if hidden is None:
+            hidden, self.pending_hidden = self.pending_hidden, None
+            if hidden is None:
+                raise ValueError("MTPHead needs the target hidden: pass hidden= or set head.pending_hidden")
+        if hidden.ndim == 2:
+            hidden = hidden[None]
+        L = inputs.shape[1]
+        if hidden.shape[1] < L:  # filler rows of a padded tree forward: their output is discarded
+            hidden = mx.pad(hidden, ((0, 0), (0, L - hidden.shape[1]), (0, 0)))
+        e = self._embed(inputs)
+        u = self.fc(mx.concatenate([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden)], axis=-1))
+        c = cache[0] if cache is not None else None
+        mask = create_attention_mask(u, c)
+        z = self.layers[0](u, mask=mask, cache=c)
+        o = self.norm(z)
+        self.out_hidden = o
+        return self._lm_head(o)
+
+
+def _mlp_kind(weights):
+    p = "layers.0.mlp."
+    if f"{p}gate_proj.weight" in weights:
+        return "dense", weights[f"{p}gate_proj.weight"].shape[0]
+    if f"{p}gate.weight" in weights:
+        return "moe", None
+    raise ValueError(_one_line(f"the MTP layer has neither a dense MLP ({p}gate_proj) nor a MoE "
+                               f"router ({p}gate): not a Qwen3.5/Qwen3-Next MTP layout"))
+
+
+def _moe_to_mlx(weights, num_experts):
+    """HF expert layouts -> mlx-lm's `switch_mlp.*` stacks (qwen3_next: one tensor per expert;
+    qwen3_5_moe: fused gate_up_proj [E, 2 Im, H] and down_proj [E, H, Im])."""
+    p = "layers.0.mlp."
+    if f"{p}experts.gate_up_proj" in weights:
+        gate_up = weights.pop(f"{p}experts.gate_up_proj")
+        mid = gate_up.shape[-2] // 2
+        weights[f"{p}switch_mlp.gate_proj.weight"] = gate_up[..., :mid, :]
+        weights[f"{p}switch_mlp.up_proj.weight"] = gate_up[..., mid:, :]
+        weights[f"{p}switch_mlp.down_proj.weight"] = weights.pop(f"{p}experts.down_proj")
+    elif f"{p}experts.0.up_proj.weight" in weights:
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            for suffix in ("weight", "scales", "biases"):
+                keys = [f"{p}experts.{e}.{n}.{suffix}" for e in range(num_experts)]
+                if all(k in weights for k in keys):
+                    weights[f"{p}switch_mlp.{n}.{suffix}"] = mx.stack([weights.pop(k) for k in keys])
+    return weights
+
+
+def load_mtp(target_folder, target_model, zero_centred=None):
+    """The MTP head stored in `target_folder` (the target's own folder: `mtp.*` tensors in any
+    of its safetensors files), bound to `target_model`.
+
+    - Norms: `mtp.*` tensors are the raw HF layout (see the module docstring), so every
+      zero-centred norm weight gets +1; `zero_centred=False` loads them as they are.
+    - Quantized weights (mlx-lm's `.scales` / `.biases` siblings) are loaded quantized.
+    - `head.hidden_kind`: the folder config's `mtp_hidden` ("post" or "pre"), default "post".
+    """
+    cfg_path = os.path.join(target_folder, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise ValueError(f"{target_folder} has no config.json: pass the target's model folder")
+    with open(cfg_path) as f:
+        config = json.load(f)
+    text = config.get("text_config", config)
+    args = _family(target_model)[0]
+    for key in ("mtp_num_hidden_layers", "num_nextn_predict_layers"):
+        n = text.get(key, config.get(key))
+        if n is not None and int(n) > 1:
+            raise ValueError(f"{key}={n}: only one MTP layer is supported (the released models have one)")
+    if text.get("mtp_use_dedicated_embeddings", config.get("mtp_use_dedicated_embeddings")):
+        raise ValueError("mtp_use_dedicated_embeddings is not supported: the head uses the target's embedding")
+    side = os.path.join(target_folder, "mtp.json")  # what bench/train_heads.py writes beside the weights
+    extra = {}
+    if os.path.isfile(side):
+        with open(side) as f:
+            extra = json.load(f)
+    hidden_kind = config.get("mtp_hidden", text.get("mtp_hidden", extra.get("mtp_hidden", "post")))
+    if hidden_kind not in ("post", "pre"):
+        raise ValueError(f"config mtp_hidden must be 'post' or 'pre', got {hidden_kind!r}")
+
+    raw = read_tensors(target_folder, lambda k: k.startswith("mtp."))
+    if not raw:
+        raise ValueError(NO_MTP)
+    weights = {k[len("mtp."):]: v for k, v in raw.items()}
+    bad = sorted(k for k in weights if k.startswith("layers.") and not k.startswith("layers.0."))
+    if bad:
+        raise ValueError(_one_line(f"MTP tensors of more than one layer ({bad[:4]}): only one MTP layer is supported"))
+    shift = True if zero_centred is None else bool(zero_centred)
+    if shift:
+        for k, v in list(weights.items()):
+            if v.ndim == 1 and mx.issubdtype(v.dtype, mx.floating) and _is_norm(k):
+                weights[k] = v + mx.array(1.0, v.dtype)
+    kind, inter = _mlp_kind(weights)
+    if kind == "moe":
+        weights = _moe_to_mlx(weights, getattr(args, "num_experts", 0))
+    fc = weights.get("fc.weight")
+    if fc is not None and "fc.scales" not in weights and tuple(fc.shape) != (args.hidden_size, 2 * args.hidden_size):
+        raise ValueError(f"mtp.fc.weight has shape {tuple(fc.shape)}, the target's hidden size {args.hidden_size} "
+                         f"needs ({args.hidden_size}, {2 * args.hidden_size}): these mtp weights are for another model")
+    head = MTPHead(target_model, mlp=kind, intermediate_size=inter, hidden_kind=hidden_kind)
+    quantize_like(head, weights, config, prefix="mtp.")
+    load_checked(head, weights, f"MTP weights in {target_folder}")
+    dequantize_linears(head)  # shipped small, run as float (see drafters.dequantize_linears)
+    head.eval()
+    mx.eval(head.parameters())
+    return head

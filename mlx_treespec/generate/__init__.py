@@ -1,0 +1,150 @@
+"""mlx-lm-style library calls: `stream_generate` and `generate`, speculating with a draft tree.
+
+    from mlx_treespec import stream_generate, generate
+
+`python -m mlx_treespec.generate` is the command line (mlx_treespec/cli.py).
+"""
+import os
+import time
+from contextlib import closing
+
+import mlx.core as mx
+
+from ..draft import check_drafter
+from ..loop import RoundStats, check_prompt, tree_generate_step, vocab_size
+from ..spec import DraftSpec, check_int
+
+__all__ = ["stream_generate", "generate", "make_drafter", "check_vocab"]
+
+
+def check_vocab(model, draft_model):
+    """Refuse a draft model whose vocabulary differs from the target's, naming the fix."""
+    vt, vd = vocab_size(model), vocab_size(draft_model)
+    if vt is not None and vd is not None and vt != vd:
+        raise ValueError(
+            f"the draft model's vocabulary ({vd} tokens) differs from the target's ({vt}): "
+            "use a drafter trained with the target's tokenizer"
+        )
+
+
+def make_drafter(draft_model=None, *, drafter=None, target=None, **options):
+    """The drafter for mlx-lm-style options (`draft_block_size`, `tree_topk`, `tree_depth`,
+    `tree_budget`, `tree_lanes`, `draft_lookup`, `draft_lookup_trust`; see DraftSpec).
+
+    `drafter` is a drafter object (used as it is, with no shape option) or a kind: 'model' (the
+    default with a draft model), 'lookup', 'suffix', 'dflash' (a DFlash folder as
+    `draft_model`, bound to `target`), 'mtp' (the target's own folder as `draft_model`: its
+    mtp.* weights), 'eagle3' (an EAGLE-3 folder), 'none'. No drafter and no draft model: None
+    (plain decoding)."""
+    if drafter is not None and not isinstance(drafter, str):
+        given = [k for k, v in options.items() if v is not None]
+        if given:
+            raise ValueError(f"drafter= is a drafter object: its shape is its own; drop {', '.join(given)} "
+                             "(or pass drafter='model' with a draft model)")
+        return check_drafter(drafter)
+    spec = DraftSpec.from_options(drafter, has_draft_model=draft_model is not None, **options)
+    if spec.drafter == "dflash":
+        from ..drafters.dflash import bind_dflash
+
+        draft_model = bind_dflash(draft_model, target)
+    elif spec.drafter in ("mtp", "eagle3") and isinstance(draft_model, (str, os.PathLike)):
+        if target is None:
+            raise ValueError(f"a {spec.drafter} head reads the target's hidden states: pass target=")
+        from ..drafters.eagle3 import load_eagle3
+        from ..drafters.mtp import load_mtp
+
+        draft_model = (load_mtp if spec.drafter == "mtp" else load_eagle3)(str(draft_model), target)
+    elif spec.drafter == "model" and target is not None and draft_model is not None:
+        check_vocab(target, draft_model)
+    return spec.build(draft_model)
+
+
+def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=256, drafter=None,
+                    draft_block_size=None, tree_topk=None, tree_depth=None, tree_budget=None,
+                    tree_lanes=None, draft_lookup=None, draft_lookup_trust=None, stats=None,
+                    sampler=None, **kwargs):
+    """mlx-lm's `stream_generate`, speculating with a draft tree. Yields `GenerationResponse`s.
+
+    Sampling options are `temp`, `top_p`, `min_p`, `top_k`, `seed` (not a `sampler` function:
+    the draw at each node must be a function of its position for trees to stay exact). A prompt
+    cache passed in holds the prompt and every token delivered when the stream ends or is
+    abandoned, as mlx-lm's does.
+    """
+    from mlx_lm.generate import GenerationResponse
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    if sampler is not None:
+        raise ValueError("pass temp=, top_p=, min_p=, top_k=, seed= instead of a sampler function")
+    max_tokens = check_int(max_tokens, "max_tokens")
+    if max_tokens == 0:
+        raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
+    if not isinstance(tokenizer, TokenizerWrapper):
+        tokenizer = TokenizerWrapper(tokenizer)
+    if isinstance(prompt, str):
+        add_special = tokenizer.bos_token is None or not prompt.startswith(tokenizer.bos_token)
+        prompt = tokenizer.encode(prompt, add_special_tokens=add_special)
+    prompt = check_prompt(prompt, vocab_size(model))
+    drafter = make_drafter(draft_model, drafter=drafter, target=model, draft_block_size=draft_block_size,
+                           tree_topk=tree_topk, tree_depth=tree_depth, tree_budget=tree_budget,
+                           tree_lanes=tree_lanes, draft_lookup=draft_lookup,
+                           draft_lookup_trust=draft_lookup_trust)
+    stats = stats if stats is not None else RoundStats()
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    eos = set(tokenizer.eos_token_ids)
+    steps = tree_generate_step(prompt, model, drafter, max_tokens=max_tokens, stop_tokens=eos,
+                               stats=stats, **kwargs)
+    tic = time.perf_counter()
+    prompt_tps, n, token, logprobs, from_draft = 0.0, -1, None, None, False
+
+    def response(finish_reason):
+        return GenerationResponse(
+            text=detokenizer.last_segment, token=token, logprobs=logprobs, from_draft=from_draft,
+            prompt_tokens=len(prompt), prompt_tps=prompt_tps, generation_tokens=n + 1,
+            generation_tps=(n + 1) / max(time.perf_counter() - tic, 1e-9),
+            peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish_reason,
+        )
+
+    # mlx-lm's loop: a response per token as it comes; the last one (an EOS, or the
+    # max_tokens-th) after the detokenizer's last segment, with its finish reason
+    with closing(steps):
+        for n, (token, logprobs, from_draft) in enumerate(steps):
+            if n == 0:
+                prompt_tps = len(prompt) / max(time.perf_counter() - tic, 1e-9)
+                tic = time.perf_counter()
+            if token in eos:
+                break
+            detokenizer.add_token(token)
+            if n + 1 == max_tokens:
+                break
+            yield response(None)
+    # the steps are closed here: a prompt cache holds every delivered token
+    detokenizer.finalize()
+    if n >= 0:
+        yield response("stop" if token in eos else "length")
+
+
+def generate(model, tokenizer, prompt, draft_model=None, verbose=False, **kwargs):
+    """Generate a complete response; with `verbose`, print it as mlx-lm's generate does."""
+    import itertools
+
+    responses = stream_generate(model, tokenizer, prompt, draft_model, **kwargs)
+    first = next(responses, None)  # bad input raises here, before anything is printed
+    if verbose:
+        print("=" * 10)
+    text = ""
+    response = None
+    for response in itertools.chain([first] if first is not None else [], responses):
+        if verbose:
+            print(response.text, end="", flush=True)
+        text += response.text
+    if verbose:
+        print()
+        print("=" * 10)
+        if len(text) == 0:
+            print("No text generated for this prompt")
+            return text
+        print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.3f} tokens-per-sec")
+        print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.3f} tokens-per-sec")
+        print(f"Peak memory: {response.peak_memory:.3f} GB")
+    return text

@@ -1,0 +1,154 @@
+"""The benchmark runner the sweep and bench/run.py share: prompts, interleaved arms, spreads,
+timing, and the record of where a run happened.
+
+Every prompt runs every arm in turn, in an order that rotates with the prompt, after a warm-up
+of every arm, so drift (thermals, other load) falls on all arms alike; figures are medians over
+prompts with their spread. Nothing here is on the decoding path.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import mlx.core as mx
+
+from .loop import RoundStats, tree_generate_step
+
+__all__ = ["load_prompts", "encode_prompts", "generate_once", "interleave", "spread", "first_divergence",
+           "run_meta", "PROMPT_SETS"]
+
+_BENCH = Path(__file__).resolve().parents[1] / "bench"
+# Named prompt sets (bench/*.json): the demo pair's held-out training split, and source text the
+# demo models never saw in training (this project's own code, written after they were trained)
+PROMPT_SETS = {"heldout": "heldout_prompts.json", "unseen": "unseen_prompts.json"}
+
+
+def load_prompts(path):
+    """Prompt texts from a named set ('heldout', 'unseen'), a JSON file (a list of strings, of
+    {"prompt": ...}, or {"prompts": [...]}), or a text file with one prompt per line."""
+    if str(path) in PROMPT_SETS:
+        path = _BENCH / PROMPT_SETS[str(path)]
+    text = Path(path).read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        return [line for line in text.splitlines() if line.strip()]
+    if isinstance(data, dict):
+        data = data.get("prompts", [])
+    out = [d if isinstance(d, str) else d.get("prompt") for d in data if isinstance(d, (str, dict))]
+    out = [t for t in out if isinstance(t, str)]
+    if not out:
+        raise ValueError(f"{path}: no prompts found (expected a JSON list of strings)")
+    return out
+
+
+def encode_prompts(tokenizer, texts):
+    out = []
+    for t in texts:
+        add_special = tokenizer.bos_token is None or not t.startswith(tokenizer.bos_token)
+        out.append(tokenizer.encode(t, add_special_tokens=add_special))
+    return out
+
+
+def generate_once(target, drafter, prompt, max_tokens, stop_tokens=()):
+    """One generation at temp 0: (tokens, RoundStats, decode seconds). The clock starts at the
+    first token (prefill excluded) and stops at the last."""
+    stats = RoundStats()
+    out, t_first = [], None
+    for tok, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=max_tokens,
+                                        stop_tokens=stop_tokens, stats=stats):
+        out.append(int(tok))
+        if t_first is None:
+            t_first = time.perf_counter()
+    dt = time.perf_counter() - t_first if t_first is not None else 0.0
+    return out, stats, dt
+
+
+def record(prompt_index, order, prompt, out, stats, decode_s):
+    """The per-run figures: tok/s counts the tokens after the first over the decode time."""
+    s = stats.summary()
+    drafted = int(sum(stats.nodes) - stats.rounds)
+    rec = dict(prompt=prompt_index, order=order, prompt_tokens=len(prompt), tokens=len(out),
+               decode_s=decode_s, tok_s=(len(out) - 1) / decode_s if decode_s > 0 else float("nan"),
+               wall_ms_per_round=1e3 * decode_s / max(stats.rounds, 1),
+               drafted_nodes=drafted, accepted=int(sum(stats.accepted)),
+               acceptance=(sum(stats.accepted) / drafted) if drafted else None)
+    rec.update(s)
+    return rec
+
+
+def interleave(names: Sequence[str], prompts: Sequence, run: Callable, *, warmup: Optional[Callable] = None,
+               max_seconds=None, log=None, progress=None) -> Dict[str, List]:
+    """`run(name, prompt_index, order)` for every arm name on every prompt, in an order rotated
+    by the prompt index, after `warmup(name)` for every arm. With `max_seconds`, no prompt starts
+    after that many seconds (every arm keeps the same prompts). Returns {name: [results]}."""
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    names = list(names)
+    if warmup is not None:
+        for name in names:
+            warmup(name)
+            if progress:
+                progress(f"warm-up {name}")
+    results = {n: [] for n in names}
+    start = time.perf_counter()
+    for i in range(len(prompts)):
+        if max_seconds is not None and i > 0 and time.perf_counter() - start > max_seconds:
+            log(f"time budget of {max_seconds:g} s spent: {i} of {len(prompts)} prompts ran")
+            break
+        r = i % len(names)
+        for pos, name in enumerate(names[r:] + names[:r]):
+            results[name].append(run(name, i, pos))
+            if progress:
+                progress(f"prompt {i + 1}/{len(prompts)} {name}")
+    return results
+
+
+def spread(values):
+    """Median, min, max, quartiles and count of the finite values (None if there are none)."""
+    vals = [float(v) for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not vals:
+        return None
+    a = np.array(vals)
+    return dict(median=float(np.median(a)), min=float(a.min()), max=float(a.max()),
+                q1=float(np.percentile(a, 25)), q3=float(np.percentile(a, 75)), n=len(vals))
+
+
+def first_divergence(a, b):
+    """The first index where two token lists differ (None: equal over the shorter)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run_meta(**kw):
+    """Where and on what a run happened: commit, versions, device, time."""
+    def version(name):
+        try:
+            import importlib.metadata as md
+
+            return md.version(name)
+        except Exception:
+            return None
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parents[1], timeout=10).stdout.strip() or None
+    except Exception:
+        commit = None
+    info = {}
+    try:
+        info = {k: str(v) for k, v in mx.device_info().items() if isinstance(v, (str, int, float))}
+    except Exception:
+        pass
+    return dict(time=time.strftime("%Y-%m-%d %H:%M:%S"), commit=commit,
+                device=str(mx.default_device().type).split(".")[-1], device_info=info,
+                mlx=version("mlx"), mlx_lm=version("mlx-lm"), python=platform.python_version(),
+                argv=sys.argv[1:], **kw)

@@ -1,0 +1,427 @@
+"""The speculative round loop, and plain decoding.
+
+Each round: draft -> verify -> walk -> commit. The drafter proposes a tree rooted at the last
+emitted token; the target runs every node in one forward; the walk follows the target's own
+choices down the tree; the caches keep the accepted path only. Greedy output is the target's own
+greedy output, token for token.
+
+A round is a transaction. Until its tokens are delivered nothing is committed (`TreeRound.abort`
+puts the caches back if drafting, verifying or walking raises); once delivered, it commits the
+tokens the consumer took: all of them, or, when the stream is abandoned inside the round, just
+those. A prompt cache passed in then holds the prompt and every token delivered, mlx-lm's rule,
+also after an exception.
+"""
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
+
+import numpy as np
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from .cache import cache_kind, committed_offset, restore, snapshot
+from .draft import check_drafter
+from .sampling import make_node_sampler
+from .spec import check_int
+from .support import require_tree_support
+from .tree import MAX_NODES, DraftTree
+from .verify import TreeRound, cached_array, capturing, check_capture
+from .walk import greedy_walk
+
+DEFAULT_QUANTIZED_KV_START = 5000
+
+__all__ = ["tree_generate_step", "RoundStats", "check_prompt", "DEFAULT_QUANTIZED_KV_START"]
+
+
+@dataclass
+class RoundStats:
+    """Per-round figures of one generation; `summary()` condenses them."""
+
+    accepted: List[int] = field(default_factory=list)  # draft tokens accepted per round
+    emitted: List[int] = field(default_factory=list)  # tokens emitted per round (per verify)
+    nodes: List[int] = field(default_factory=list)  # nodes verified per round (root included)
+    depth: List[int] = field(default_factory=list)  # effective tree depth per round
+    held: List[int] = field(default_factory=list)  # accepted tokens left for the next forward
+    requested_budget: List[int] = field(default_factory=list)
+    requested_depth: List[int] = field(default_factory=list)
+    draft_ms: List[float] = field(default_factory=list)
+    verify_ms: List[float] = field(default_factory=list)
+    round_ms: List[float] = field(default_factory=list)
+    sync_ms: List[float] = field(default_factory=list)  # waiting in the round's one host sync
+    walk_ms: List[float] = field(default_factory=list)  # after the sync: walk and commits
+    draft_forwards: List[int] = field(default_factory=list)  # draft-model forwards per round
+    prompt_ms: float = 0.0
+
+    def record(self, *, accepted, emitted, nodes, depth, held, budget, requested_depth, draft_ms,
+               verify_ms, round_ms, sync_ms, walk_ms, draft_forwards=0):
+        for name, value in locals().items():
+            if name != "self":
+                getattr(self, {"budget": "requested_budget"}.get(name, name)).append(value)
+
+    @property
+    def rounds(self):
+        return len(self.emitted)
+
+    def acceptance_by_depth(self):
+        """Fraction of rounds reaching depth d, among rounds whose tree was at least d deep."""
+        depth = np.array(self.depth)
+        acc = np.array(self.accepted)
+        out = []
+        for d in range(1, int(depth.max(initial=0)) + 1):
+            has = depth >= d
+            out.append(float((acc[has] >= d).mean()))
+        return out
+
+    def summary(self):
+        n = max(self.rounds, 1)
+        return {
+            "rounds": self.rounds,
+            "emitted": int(sum(self.emitted)),
+            "emitted_per_verify": sum(self.emitted) / n,
+            "accepted_per_round": sum(self.accepted) / n,
+            "nodes_per_round": sum(self.nodes) / n,
+            "held_per_round": sum(self.held) / n,
+            "acceptance_by_depth": self.acceptance_by_depth(),
+            "requested_budget": max(self.requested_budget, default=0),
+            "effective_budget": (sum(self.nodes) - self.rounds) / n,
+            "requested_depth": max(self.requested_depth, default=0),
+            "effective_depth": sum(self.depth) / n,
+            "draft_ms_per_round": sum(self.draft_ms) / n,
+            "verify_ms_per_round": sum(self.verify_ms) / n,
+            "round_ms": sum(self.round_ms) / n,
+            "sync_ms_per_round": sum(self.sync_ms) / n,
+            "walk_ms_per_round": sum(self.walk_ms) / n,
+            "draft_forwards_per_round": sum(self.draft_forwards) / n,
+            "prompt_ms": self.prompt_ms,
+        }
+
+    def format(self):
+        s = self.summary()
+        by_depth = " ".join(f"{a:.2f}" for a in s["acceptance_by_depth"])
+        return (
+            f"Rounds: {s['rounds']}, emitted/verify: {s['emitted_per_verify']:.3f}, "
+            f"accepted/round: {s['accepted_per_round']:.3f}, re-run next round: {s['held_per_round']:.3f}\n"
+            f"Nodes/round: {s['nodes_per_round']:.2f} (budget requested {s['requested_budget']}, "
+            f"effective {s['effective_budget']:.2f}; depth requested {s['requested_depth']}, "
+            f"effective {s['effective_depth']:.2f})\n"
+            f"Acceptance by depth: {by_depth or '-'}; draft forwards/round: {s['draft_forwards_per_round']:.2f}\n"
+            f"Draft {s['draft_ms_per_round']:.2f} ms/round, verify {s['verify_ms_per_round']:.2f} "
+            f"ms/round, round {s['round_ms']:.2f} ms (of which waiting on the device "
+            f"{s['sync_ms_per_round']:.2f}, walk and commit {s['walk_ms_per_round']:.2f})"
+        )
+
+
+def vocab_size(model):
+    """The target's vocabulary (rows of its output), from its config."""
+    args = getattr(model, "args", None)
+    v = getattr(args, "vocab_size", None)
+    if v is None and args is not None and isinstance(getattr(args, "text_config", None), dict):
+        v = args.text_config.get("vocab_size")
+    return v
+
+
+def check_prompt(prompt, vocab=None):
+    """The prompt as a list of Python ints, or a one-line error naming the fix."""
+    if isinstance(prompt, mx.array):
+        if prompt.ndim != 1:
+            raise ValueError(f"the prompt must be a 1-D array of token ids, got shape {prompt.shape}: "
+                             "pass one sequence (prompt[0] for a batch of one)")
+        if not mx.issubdtype(prompt.dtype, mx.integer):
+            raise ValueError(f"prompt token ids must be integers, got {prompt.dtype}: pass token ids, not floats")
+        prompt = prompt.tolist()
+    elif isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1:
+            raise ValueError(f"the prompt must be a 1-D array of token ids, got shape {prompt.shape}: "
+                             "pass one sequence (prompt[0] for a batch of one)")
+        prompt = prompt.tolist()
+    elif isinstance(prompt, (str, bytes)):
+        raise ValueError("the prompt is text: encode it with the tokenizer (or use stream_generate)")
+    out = []
+    for t in prompt:
+        if isinstance(t, (list, tuple, np.ndarray)):
+            raise ValueError("the prompt must be a flat sequence of token ids, got a nested sequence: "
+                             "pass one sequence (prompt[0] for a batch of one)")
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise ValueError(f"prompt token ids must be integers, got {t!r}: pass token ids, not floats")
+        out.append(int(t))
+    if not out:
+        raise ValueError("the prompt is empty: pass at least one token")
+    bad = [t for t in out if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1 if vocab else '?'}): "
+                         "encode the prompt with this model's tokenizer")
+    return out
+
+
+def _quantizer(kv_bits, kv_group_size, quantized_kv_start):
+    """mlx-lm's rule, applied at the same token boundaries as plain decoding."""
+
+    def quantize(caches):
+        if kv_bits is None:
+            return
+        for i, c in enumerate(caches):
+            if hasattr(c, "to_quantized") and c.offset >= quantized_kv_start:
+                caches[i] = c.to_quantized(group_size=kv_group_size, bits=kv_bits)
+
+    return quantize
+
+
+def _forward(model, caches, tokens, quantize, capture=()):
+    """A plain forward that lands whole or not at all: a failure puts the caches back."""
+    saved = snapshot(caches)
+    try:
+        with capturing(model, capture) as cap:
+            logits = model(tokens[None], cache=caches)
+            hidden = cap.hidden()
+        quantize(caches)
+    except BaseException:
+        restore(caches, saved)
+        raise
+    return logits, hidden
+
+
+def _prefill(model, caches, prompt, step, quantize, progress, capture):
+    """Process all prompt tokens but the last, in mlx-lm's chunks (the last is the first root);
+    returns the captured layer outputs of those tokens (or None)."""
+    total, done, hidden = len(prompt), 0, []
+    progress(done, total)
+    while total - done > 1:
+        n = min(step, total - done - 1)
+        _, h = _forward(model, caches, mx.array(prompt[done : done + n]), quantize, capture)
+        mx.eval([c.state for c in caches] + ([h] if h is not None else []))
+        hidden.append(h)
+        done += n
+        progress(done, total)
+        mx.clear_cache()
+    progress(total, total)
+    if not capture:
+        return None
+    return mx.concatenate(hidden) if hidden else mx.zeros((0, 0))
+
+
+def _depth_cap(caches, room, kv_bits, quantized_kv_start):
+    """How deep this round's tree may be: the tokens left, the 64-node limit, the quantization
+    boundary (a node must see the cache precision plain decoding would: mlx-lm quantizes once a
+    step ends at `quantized_kv_start` or beyond), and the rotating window (a round's nodes must
+    fit the window that plain decoding would keep)."""
+    base = committed_offset(caches)
+    cap = int(min(room - 1, MAX_NODES - 1))
+    if kv_bits is not None and any(isinstance(c, KVCache) for c in caches):  # not yet quantized
+        cap = min(cap, max(quantized_kv_start, 1) - base - 1)
+    for c in caches:
+        if cache_kind(c) == "rotating":
+            cap = min(cap, c.max_size - c.keep - 1)
+    return max(cap, 0), base
+
+
+def tree_generate_step(
+    prompt,
+    model,
+    drafter=None,
+    *,
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    min_p: float = 0.0,
+    top_k: int = 0,
+    min_tokens_to_keep: int = 1,
+    seed: int = 0,
+    prompt_cache: Optional[List[Any]] = None,
+    max_kv_size: Optional[int] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    prefill_step_size: int = 2048,
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+    stop_tokens=(),
+    stats: Optional[RoundStats] = None,
+):
+    """Yields (token, logprobs, from_draft) like mlx-lm's generate steps.
+
+    `prompt_cache` (the target's caches) is used in place: afterwards it holds the prompt and
+    every token delivered, as mlx-lm's generate leaves it, also when the consumer stops early or
+    a round raises (the last token costs one more forward, made only when a cache was passed
+    in). The drafter keeps its own caches. With `stop_tokens`, emission ends at the first of
+    them (included). Bad options and prompts raise ValueError before anything runs.
+    """
+    max_tokens = check_int(max_tokens, "max_tokens", -1)
+    if max_tokens == 0:
+        raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
+    if max_tokens < -1:
+        raise ValueError(f"max_tokens must be positive, or -1 for no limit, got {max_tokens}")
+    for name, value, low in (("top_k", top_k, 0), ("seed", seed, None), ("kv_group_size", kv_group_size, 1),
+                             ("quantized_kv_start", quantized_kv_start, 0),
+                             ("prefill_step_size", prefill_step_size, 1), ("min_tokens_to_keep", min_tokens_to_keep, 1)):
+        check_int(value, name, low)
+    if max_kv_size is not None:
+        check_int(max_kv_size, "max_kv_size", 1)
+    if kv_bits is not None:
+        check_int(kv_bits, "kv_bits", 1)
+    if isinstance(stop_tokens, (int, np.integer)) or not hasattr(stop_tokens, "__iter__"):
+        raise ValueError(f"stop_tokens must be a collection of token ids, got {stop_tokens!r}: "
+                         "pass e.g. stop_tokens=[eos_id]")
+    stop_tokens = {check_int(t, "stop_tokens entry", 0) for t in stop_tokens}
+    prompt = check_prompt(prompt, vocab_size(model))
+    if kv_bits is not None and max_kv_size is not None:
+        raise ValueError("kv_bits and max_kv_size cannot be combined (mlx-lm cannot quantize a rotating cache)")
+    capture = ()
+    if drafter is not None:
+        check_drafter(drafter)
+        require_tree_support(model)
+        capture = tuple(getattr(drafter, "capture", ()))
+        check_capture(model, capture)
+    caches = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size=max_kv_size)
+    if drafter is not None:
+        for c in caches:
+            if cache_kind(c) == "rotating" and c.max_size <= c.keep:
+                raise ValueError(f"a rotating cache of {c.max_size} tokens holds only the {c.keep} it keeps "
+                                 f"from the start, no window for a draft: raise --max-kv-size above {c.keep}")
+    choose = make_node_sampler(temp, top_p, min_p, top_k, min_tokens_to_keep, seed)
+    stats = stats if stats is not None else RoundStats()
+    quantize = _quantizer(kv_bits, kv_group_size, quantized_kv_start)
+
+    tic = time.perf_counter()
+    hidden = _prefill(model, caches, prompt, prefill_step_size, quantize,
+                      prompt_progress_callback or (lambda *_: None), capture)
+    stats.prompt_ms = 1e3 * (time.perf_counter() - tic)
+    if drafter is None:
+        yield from _plain_decode(model, caches, prompt[-1], max_tokens, choose, quantize, stop_tokens,
+                                 stats, settle=prompt_cache is not None)
+        return
+    yield from _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose, quantize,
+                       stop_tokens, stats, kv_bits, quantized_kv_start, settle=prompt_cache is not None)
+
+
+def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose, quantize, stop_tokens,
+            stats, kv_bits, quantized_kv_start, settle):
+    # Between rounds the caches hold every delivered token but `pending`: the held tokens
+    # (accepted, left to lead the next forward) and the root (the last delivered token).
+    held, root, n = None, prompt[-1], 0
+
+    def land():  # put the pending tokens in the caches: a prompt cache's rule (see the docstring)
+        tokens = mx.array([root], mx.uint32) if root is not None else None
+        if held is not None:
+            tokens = held if tokens is None else mx.concatenate([held, tokens])
+        if settle and tokens is not None:
+            _forward(model, caches, tokens, quantize)
+            mx.eval([c.state for c in caches])
+
+    try:
+        if capture:
+            drafter.prefill(prompt, hidden)
+        else:
+            drafter.prefill(prompt)
+        while max_tokens < 0 or n < max_tokens:
+            room = float("inf") if max_tokens < 0 else max_tokens - n
+            t0 = time.perf_counter()
+            depth_cap, base = _depth_cap(caches, room, kv_bits, quantized_kv_start)
+            draft = drafter.draft(root, depth_cap)                                            # draft
+            if draft.size > MAX_NODES:
+                raise ValueError(f"the drafter proposed {draft.size} nodes; at most {MAX_NODES} fit")
+            mx.async_eval(draft.arrays())  # the device drafts while the host builds the verify
+            t1 = time.perf_counter()
+            rnd = TreeRound(model, caches, capture)
+            try:
+                logits, depths = rnd.verify(draft, held)                                      # verify
+                chosen = choose(logits, None if choose.greedy else base + depths)
+                ts = time.perf_counter()
+                mx.eval(draft.arrays(), chosen)
+                tw = time.perf_counter()
+                tree = DraftTree(np.array(draft.tokens).astype(np.int64), draft.layout.host_parents())
+                path, emitted = greedy_walk(tree, np.array(chosen).astype(np.int64),         # walk
+                                            max_emit=None if room == float("inf") else int(room))
+                emitted = [int(t) for t in emitted]
+                for i, t in enumerate(emitted):
+                    if t in stop_tokens:
+                        emitted = emitted[: i + 1]
+                        break
+                path = path[: len(emitted)]
+                accepted = len(path) - 1
+                logprobs = logits[cached_array(path.astype(np.int32))]
+                logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+            except BaseException:
+                rnd.abort()
+                raise
+            delivered = 0
+            try:
+                for i, t in enumerate(emitted):
+                    delivered = i + 1
+                    yield t, logprobs[i], i < accepted
+                held, root = rnd.commit(path, draft.tokens, rerun=kv_bits is None), emitted[-1]   # commit
+            except BaseException:  # the consumer stopped after `delivered` tokens, or the commit raised
+                held, root = _land_delivered(rnd, path, draft.tokens, emitted, delivered, accepted, held, root)
+                raise
+            quantize(caches)
+            if capture:
+                drafter.commit(draft, path, emitted, rnd.hidden[cached_array(path.astype(np.int32))])
+            else:
+                drafter.commit(draft, path, emitted)
+            n += len(emitted)
+            t2 = time.perf_counter()
+            stats.record(accepted=accepted, emitted=len(emitted), nodes=draft.size,
+                         depth=int(tree.max_depth), held=0 if held is None else int(held.shape[0]),
+                         budget=draft.budget, requested_depth=draft.depth, draft_ms=1e3 * (t1 - t0),
+                         verify_ms=1e3 * (t2 - t1), round_ms=1e3 * (t2 - t0), sync_ms=1e3 * (tw - ts),
+                         walk_ms=1e3 * (t2 - tw), draft_forwards=draft.forwards)
+            if root in stop_tokens:
+                break
+    finally:
+        land()
+
+
+def _land_delivered(rnd, path, tokens, emitted, delivered, accepted, held, root):
+    """A round cut short after `delivered` of its tokens: keep what the target verified of them
+    (the root and up to `delivered` accepted nodes); returns (held, root), the delivered tokens
+    still to forward. If even that commit fails, the round's caches are as before it and every
+    delivered token is pending."""
+    keep = min(delivered, accepted)
+    try:
+        rnd.commit(path[: keep + 1], tokens, rerun=False)
+    except BaseException:
+        lead = mx.array([root] + emitted[: delivered - 1], mx.uint32)
+        return (lead if held is None else mx.concatenate([held, lead])), emitted[delivered - 1]
+    return None, (emitted[accepted] if delivered > accepted else None)
+
+
+def _plain_decode(model, caches, root, max_tokens, choose, quantize, stop_tokens, stats, settle):
+    """Decoding without a drafter, pipelined as mlx-lm's generate_step: the forward of token n
+    is queued before the host reads it, so the device never waits on Python, and the caches
+    hold every token when it is delivered (mlx-lm's rule)."""
+
+    def step(token, position):
+        logits, _ = _forward(model, caches, token.reshape(1), quantize)
+        logits = logits[0]
+        return choose(logits, None if choose.greedy else mx.array([position], mx.int32)), logits
+
+    position = committed_offset(caches)
+    pending = mx.array([root], mx.uint32)  # a token delivered (or the prompt's last) not in the caches
+    n = 0
+    try:
+        y, logits = step(pending, position)
+        pending = None
+        mx.async_eval(y)
+        tic = time.perf_counter()
+        while True:
+            n += 1
+            last = 0 <= max_tokens <= n
+            if last:
+                pending = y
+            else:  # queue the next forward before reading this token
+                next_y, next_logits = step(y, position + 1)
+                mx.async_eval(next_y)
+            ts = time.perf_counter()
+            token = y.item()
+            toc = time.perf_counter()
+            stats.record(accepted=0, emitted=1, nodes=1, depth=0, held=0, budget=0, requested_depth=0,
+                         draft_ms=0.0, verify_ms=1e3 * (toc - tic), round_ms=1e3 * (toc - tic),
+                         sync_ms=1e3 * (toc - ts), walk_ms=0.0)
+            tic = toc
+            yield token, logits[0] - mx.logsumexp(logits[0], keepdims=True), False
+            if last or token in stop_tokens:
+                break
+            y, logits, position = next_y, next_logits, position + 1
+    finally:
+        if settle:  # the caches end holding every delivered token
+            if pending is not None:
+                _forward(model, caches, pending.reshape(1), quantize)
+            mx.eval([c.state for c in caches])

@@ -1,0 +1,318 @@
+"""One draft configuration: what drafts, and the shape of its tree.
+
+`DraftSpec` is the one place where draft options are read, checked and defaulted. It comes from
+keyword arguments (`from_options`: the library's and the CLI's options, the same names) or from
+one arm string (`parse`: the sweep's and the benchmark's grammar), and builds the drafter
+(`build`). `spec.arm` writes the arm string back (`DraftSpec.parse(s.arm) == s`).
+
+Arm grammar:
+    plain                  no drafter
+    chain:K                the draft model's chain of K tokens
+    tree:K:S[:B[:L]]       EAGLE-2 over the draft model: K children per expanded node, S steps,
+                           B draft nodes (default: every candidate, at most 63), L lanes
+                           expanded per step (default K; 1 = a chain with siblings as leaves)
+    lookup:B:D / suffix:B:D  model-free drafters: B draft nodes, depth D
+    dflash:K               a DFlash block drafter's chain of K tokens (K < its block size)
+    ddtree:B               DDTree over a DFlash block drafter: B draft nodes (best-first)
+    ... +lookupN[@T]       (after chain or tree) a prompt-lookup chain of N nodes under the same
+                           root; with T, rounds whose lookup matched T tokens draft with it alone
+"""
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .tree import MAX_NODES, chain_parents
+
+__all__ = ["DraftSpec", "check_int", "DEFAULT_TREE", "DRAFTERS"]
+
+# The draft model's shape when no shape option is given: a spine of 8 with each step's two
+# runners-up as leaves (K=3, one lane, S=8): the fastest tree of the draft model alone on the
+# H200 with the demo pair (bench/RESULTS.md).
+DEFAULT_TREE = dict(topk=3, lanes=1, depth=8)
+# The depth of any tree or chain whose depth is not given, and the budget of a model-free
+# drafter's tree whose budget is not given.
+DEFAULT_DEPTH = 8
+DEFAULT_FREE_BUDGET = 16
+MAX_TOPK = 16
+MAX_TRUST = 4  # the lookup's longest n-gram
+DRAFTERS = ("model", "lookup", "suffix", "dflash", "mtp", "eagle3", "none")
+HEADS = ("mtp", "eagle3")  # one-layer heads over the target's hidden states: a draft model's shapes
+
+
+def check_int(value, name, low=None, high=None):
+    """An int option (numpy integers accepted); bools, floats and strings refused by name."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if low is not None and value < low or high is not None and value > high:
+        span = f"{low}..{high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be in {span}, got {value}")
+    return value
+
+
+def _opt(value, name, low, high):
+    return None if value is None else check_int(value, name, low, high)
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """What drafts (`drafter`) and its tree: `topk` children per expanded node, `lanes` nodes
+    expanded per step, `depth` steps, `budget` draft nodes (root excluded), plus `lookup` nodes
+    of a prompt-lookup chain under the same root and its `trust` match length. A chain is
+    `topk = 1`, `budget = depth`. Build instances with `from_options` or `parse`: they check and
+    default every field.
+
+    A DFlash drafter (`drafter='dflash'`) proposes every block position in one forward; its tree
+    is DDTree's best-first tree over the per-position marginals with `topk` candidates per
+    position (1: the argmax chain), at most `depth` deep, `budget` nodes; 0 for depth or budget
+    means the drafter's own (its block size), resolved when it is built."""
+
+    drafter: str = "none"
+    topk: int = 1
+    lanes: int = 1
+    depth: int = 0
+    budget: int = 0
+    lookup: int = 0
+    trust: int = 0
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_options(cls, drafter=None, draft_block_size=None, tree_topk=None, tree_depth=None,
+                     tree_budget=None, tree_lanes=None, draft_lookup=None, draft_lookup_trust=None,
+                     *, has_draft_model=True):
+        """The library's and the CLI's draft options (None: not given). `drafter` defaults to
+        'model' when a draft model is at hand, else 'none'."""
+        if drafter is None:
+            if draft_lookup and not has_draft_model:
+                raise ValueError("--draft-lookup adds lookup nodes to a draft model's tree: give --draft-model")
+            drafter = "model" if has_draft_model else "none"
+        if drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {', '.join(DRAFTERS)}, got {drafter!r}")
+        block = _opt(draft_block_size, "--draft-block-size (a chain's depth)", 1, MAX_NODES - 1)
+        topk = _opt(tree_topk, "--tree-topk", 1, MAX_TOPK)
+        depth = _opt(tree_depth, "--tree-depth", 1, MAX_NODES - 1)
+        budget = _opt(tree_budget, "--tree-budget", 1, MAX_NODES - 1)
+        lanes = _opt(tree_lanes, "--tree-lanes", 1, MAX_TOPK)
+        lookup = _opt(draft_lookup, "--draft-lookup", 0, MAX_NODES - 2) or 0
+        trust = _opt(draft_lookup_trust, "--draft-lookup-trust", 0, MAX_TRUST) or 0
+        if trust and not lookup:
+            raise ValueError("--draft-lookup-trust needs --draft-lookup N (the lookup it trusts)")
+        if lookup and drafter not in ("model",) + HEADS:
+            raise ValueError("--draft-lookup adds lookup nodes to a draft model's tree; --drafter "
+                             f"{drafter} drafts without one: drop --draft-lookup or use --drafter model")
+        if drafter == "none":
+            return cls("none")
+        if block is not None and (depth is not None or (topk or 1) > 1 or lanes is not None):
+            raise ValueError("give either --draft-block-size (a chain) or --tree-topk/--tree-depth "
+                             "(a tree), not both")
+        if drafter in ("lookup", "suffix"):
+            if topk is not None or lanes is not None:
+                raise ValueError(f"--drafter {drafter} builds its own tree: give --tree-budget and "
+                                 "--tree-depth, not --tree-topk or --tree-lanes")
+            depth = block if block is not None else depth
+            return cls(drafter, depth=depth or DEFAULT_DEPTH, budget=budget or DEFAULT_FREE_BUDGET)
+        if drafter == "dflash":
+            if topk is not None or lanes is not None or depth is not None:
+                raise ValueError("--drafter dflash drafts a block: give --draft-block-size k (its "
+                                 "chain) or --tree-budget N (a DDTree of N nodes), not --tree-topk, "
+                                 "--tree-lanes or --tree-depth")
+            if block is not None and budget is not None:
+                raise ValueError("give either --draft-block-size (a DFlash chain) or --tree-budget "
+                                 "(a DDTree), not both")
+            if block is not None:
+                return cls("dflash", topk=1, depth=block, budget=block)
+            return cls("dflash", topk=budget or 0, depth=0, budget=budget or 0)
+        # the draft model, or a head
+        if all(o is None for o in (block, topk, depth, budget, lanes)):
+            topk, lanes, depth = DEFAULT_TREE["topk"], DEFAULT_TREE["lanes"], DEFAULT_TREE["depth"]
+        topk = topk or 1
+        depth = block if block is not None else (depth or DEFAULT_DEPTH)
+        if topk == 1:
+            if budget is not None and budget != depth:
+                raise ValueError(f"--tree-budget {budget} counts a tree's nodes; a chain of {depth} "
+                                 f"drafts {depth}: drop --tree-budget, or give --tree-topk K > 1 for a tree")
+            if lanes not in (None, 1):
+                raise ValueError(f"--tree-lanes must be in 1..--tree-topk (1), got {lanes}")
+            return cls(drafter, topk=1, lanes=1, depth=depth, budget=depth, lookup=lookup, trust=trust)
+        lanes = topk if lanes is None else lanes
+        if not 1 <= lanes <= topk:
+            raise ValueError(f"--tree-lanes must be in 1..--tree-topk ({topk}), got {lanes}")
+        candidates = topk + (depth - 1) * lanes * topk
+        if budget is None:
+            # one lane: every candidate (the fixed layout); more lanes: EAGLE-2's 4 per step
+            budget = candidates if lanes == 1 else 4 * depth
+        budget = min(budget, candidates, MAX_NODES - 1)
+        return cls(drafter, topk=topk, lanes=lanes, depth=depth, budget=budget, lookup=lookup, trust=trust)
+
+    @classmethod
+    def parse(cls, arm):
+        """An arm string (module docstring) as a spec; ValueError naming the grammar if not."""
+        if not isinstance(arm, str):
+            raise ValueError(f"an arm is a string like 'chain:6' or 'tree:3:8:24:1', got {arm!r}")
+        text = arm.strip().lower()
+        base, plus, extra = text.partition("+")
+        lookup = trust = None
+        if plus:
+            if not extra.startswith("lookup"):
+                raise ValueError(f"cannot read arm {arm!r}: after '+' comes lookupN or lookupN@T")
+            n, _, t = extra[len("lookup"):].partition("@")
+            lookup, trust = _arm_int(n, arm), (_arm_int(t, arm) if t else None)
+            if lookup < 1:
+                raise ValueError(f"arm {arm!r}: +lookupN needs N in 1..{MAX_NODES - 2}")
+        parts = base.split(":")
+        kind, args = parts[0], [_arm_int(p, arm) for p in parts[1:]]
+        if kind.startswith("chain") and kind != "chain" and not args:  # 'chain6'
+            kind, args = "chain", [_arm_int(kind[5:], arm)]
+        drafter = "model"
+        for head in HEADS:  # 'mtp-chain:4', 'eagle3-tree:3:4:12:1'
+            if kind.startswith(head + "-"):
+                drafter, kind = head, kind[len(head) + 1:]
+        if plus and kind not in ("chain", "tree"):
+            raise ValueError(f"arm {arm!r}: +lookup goes after a chain:K or tree:K:S[:B[:L]] arm")
+        if kind == "plain" and not args:
+            return cls.from_options("none")
+        if kind == "chain" and len(args) == 1:
+            return cls.from_options(drafter, draft_block_size=args[0], draft_lookup=lookup,
+                                    draft_lookup_trust=trust)
+        if kind == "tree" and 2 <= len(args) <= 4:
+            K, S, B, L = (args + [None, None])[:4]
+            return cls.from_options(drafter, tree_topk=K, tree_depth=S, tree_budget=B, tree_lanes=L,
+                                    draft_lookup=lookup, draft_lookup_trust=trust)
+        if kind in ("lookup", "suffix") and len(args) == 2:
+            return cls.from_options(kind, tree_budget=args[0], tree_depth=args[1])
+        if kind == "dflash" and len(args) <= 1:
+            return cls.from_options("dflash", draft_block_size=args[0] if args else None)
+        if kind == "ddtree" and len(args) <= 1:
+            return cls.from_options("dflash", tree_budget=args[0] if args else None)
+        raise ValueError(f"cannot read arm {arm!r}: use plain, chain:K, tree:K:S[:B[:L]], lookup:B:D, "
+                         "suffix:B:D, dflash[:K], ddtree[:B], mtp-chain:K, mtp-tree:K:S[:B[:L]], "
+                         "eagle3-chain:K or eagle3-tree:K:S[:B[:L]] (a chain or tree may end in +lookupN[@T])")
+
+    # ------------------------------------------------------------------ what it is
+
+    @property
+    def is_chain(self):
+        return self.topk == 1
+
+    @property
+    def needs_draft_model(self):
+        return self.drafter in ("model", "dflash") + HEADS
+
+    @property
+    def arm(self):
+        """The arm string of this spec (`parse` reads it back)."""
+        if self.drafter == "none":
+            return "plain"
+        if self.drafter in ("lookup", "suffix"):
+            return f"{self.drafter}:{self.budget}:{self.depth}"
+        if self.drafter == "dflash":
+            return f"dflash:{self.depth}" if self.topk == 1 else (f"ddtree:{self.budget}" if self.budget else "ddtree")
+        # a model drafter or a head
+        base = f"chain:{self.depth}" if self.is_chain else f"tree:{self.topk}:{self.depth}:{self.budget}:{self.lanes}"
+        if self.drafter in HEADS:
+            base = f"{self.drafter}-{base}"
+        if self.lookup:
+            base += f"+lookup{self.lookup}" + (f"@{self.trust}" if self.trust else "")
+        return base
+
+    @property
+    def label(self):
+        """A short human name: 'chain k=6', 'tree K=3 L=1 S=8 B=24 + lookup 8 trust 3' (L only
+        where lanes differ from K)."""
+        if self.drafter == "none":
+            return "plain"
+        if self.drafter in ("lookup", "suffix"):
+            return f"{self.drafter} B={self.budget} D={self.depth}"
+        if self.drafter == "dflash":
+            return f"dflash chain k={self.depth}" if self.topk == 1 else f"ddtree B={self.budget or 'default'}"
+        lanes = "" if self.lanes == self.topk else f" L={self.lanes}"
+        base = f"chain k={self.depth}" if self.is_chain else f"tree K={self.topk}{lanes} S={self.depth} B={self.budget}"
+        if self.drafter in HEADS:
+            base = f"{self.drafter} {base}"
+        if self.lookup:
+            base += f" + lookup {self.lookup}" + (f" trust {self.trust}" if self.trust else "")
+        return base
+
+    @property
+    def series(self):
+        """Which curve an arm belongs to in a sweep plot."""
+        if self.drafter == "none":
+            return "plain"
+        if self.drafter == "model":
+            return "chain" if self.is_chain and not self.lookup else "tree"
+        if self.drafter in HEADS:
+            return f"{self.drafter} " + ("chain" if self.is_chain and not self.lookup else "tree")
+        return self.drafter
+
+    @property
+    def requested_nodes(self):
+        """Nodes a round of this shape verifies at most (root included)."""
+        return min(MAX_NODES, 1 + self.budget + self.lookup) if self.drafter != "none" else 1
+
+    # ------------------------------------------------------------------ building
+
+    def build(self, draft_model=None):
+        """The drafter (None for 'none'). `draft_model`: an mlx-lm model ('model'), a DFlash
+        drafter bound to its target ('dflash'; drafters.dflash.bind_dflash), a head bound to its
+        target ('mtp', 'eagle3'; drafters.mtp.load_mtp, drafters.eagle3.load_eagle3)."""
+        if self.drafter == "none":
+            return None
+        if self.needs_draft_model and draft_model is None:
+            raise ValueError(f"--drafter {self.drafter} needs --draft-model")
+        if self.drafter == "lookup":
+            from .drafters.lookup import LookupDrafter
+
+            return LookupDrafter(self.budget, self.depth)
+        if self.drafter == "suffix":
+            from .drafters.suffix import SuffixDrafter
+
+            return SuffixDrafter(self.budget, self.depth)
+        if self.drafter == "dflash":
+            from .drafters.dflash import DFlashDrafter
+
+            return DFlashDrafter(draft_model, topk=self.topk, depth=self.depth, budget=self.budget)
+        if self.drafter in HEADS:
+            from .drafters.head import HeadDrafter
+
+            base = HeadDrafter(draft_model, topk=self.topk, depth=self.depth, budget=self.budget,
+                               lanes=self.lanes)
+        else:
+            from .drafters.model import ModelDrafter
+
+            base = ModelDrafter(draft_model, topk=self.topk, depth=self.depth, budget=self.budget,
+                                lanes=self.lanes)
+        if not self.lookup:
+            return base
+        from .drafters.lookup import LookupDrafter
+        from .drafters.merged import MergedDrafter
+
+        return MergedDrafter(base, LookupDrafter(budget=self.lookup, max_depth=self.lookup, branches=1),
+                             trust=self.trust)
+
+    def probe_parents(self):
+        """The largest layout a round of this spec sends (what the GPU exactness probe verifies),
+        without building the drafter."""
+        from .probe import with_root_chain
+
+        if self.drafter == "none":
+            return chain_parents(1)
+        if self.drafter in ("lookup", "suffix"):
+            from .drafters import host_probe_parents
+
+            return host_probe_parents(None, self.budget, self.depth)
+        if self.drafter == "dflash":
+            from .drafters.dflash import probe_parents
+
+            return probe_parents(self.topk, self.depth, self.budget)
+        from .drafters.model import model_probe_parents
+
+        return with_root_chain(model_probe_parents(self.topk, self.lanes, self.depth, self.budget), self.lookup)
+
+
+def _arm_int(text, arm):
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"cannot read arm {arm!r}: {text!r} is not an integer") from None

@@ -1,0 +1,263 @@
+"""DFlash block drafters and DDTree trees: exact output, the capture contract, the budget rule,
+one draft forward per round, the published format and its errors (CPU, tiny models)."""
+import json
+
+import numpy as np
+import pytest
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import tiny
+from mlx_treespec import RoundStats, make_drafter, tree_generate_step
+from mlx_treespec.builders import best_first_tree
+from mlx_treespec.drafters.dflash import DFlashDrafter, DFlashModel, bind_dflash, load_dflash
+from mlx_treespec.verify import capturing
+
+N = 64
+
+
+def dflash_config(target_cfg, layers=2, block=8, layer_ids=None, mask=5):
+    H = target_cfg["hidden_size"]
+    n = target_cfg["num_hidden_layers"]
+    return dict(model_type="qwen3", architectures=["DFlashDraftModel"], hidden_size=H, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=H // 4, intermediate_size=2 * H,
+                rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=target_cfg["vocab_size"],
+                max_position_embeddings=4096, tie_word_embeddings=False, block_size=block,
+                num_target_layers=n,
+                dflash_config=dict(target_layer_ids=layer_ids or list(range(n)), mask_token_id=mask))
+
+
+def save_random(folder, cfg, seed=3, scale=3.0):
+    """A DFlash drafter with random weights, in the published layout."""
+    mx.random.seed(seed)
+    m = DFlashModel(cfg)
+    m.update(tree_map(lambda p: p * scale if p.ndim >= 2 else p, m.parameters()))
+    folder.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(m.parameters())))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+class OracleDFlash(DFlashDrafter):
+    """A DFlash drafter whose block logits are replaced by the target's own greedy continuation
+    at some positions (noise elsewhere), so rounds accept drafts: the whole path (capture, one
+    forward, context writes) still runs, and exactness is tested with real acceptance."""
+
+    def __init__(self, bound, target, seed=0, **kw):
+        super().__init__(bound, **kw)
+        self.target, self.rng, self.text = target, np.random.default_rng(seed), []
+
+    def prefill(self, prompt, hidden=None):
+        super().prefill(prompt, hidden)
+        self.text = list(prompt)
+
+    def commit(self, draft, path, emitted, hidden=None):
+        super().commit(draft, path, emitted, hidden)
+        self.text += list(emitted)
+
+    def _block_logits(self, root):
+        logits = super()._block_logits(root)
+        cache = make_prompt_cache(self.target)
+        out = self.target(mx.array(self.text)[None], cache=cache)[0, -1]
+        truth = []
+        for _ in range(self.block - 1):
+            truth.append(int(mx.argmax(out)))
+            out = self.target(mx.array([[truth[-1]]]), cache=cache)[0, -1]
+        boost = np.zeros(logits.shape, np.float32)
+        for k, t in enumerate(truth, start=1):  # right at a random prefix, then as often wrong
+            if self.rng.random() < 0.8:
+                boost[k, t] = 50.0
+        return logits + mx.array(boost)
+
+
+@pytest.fixture(scope="module")
+def targets():
+    cache = {}
+
+    def get(family):
+        if family not in cache:  # "qwen3-kv32": head_dim 32, a group size KV quantization takes
+            cfg = dict(tiny.CONFIGS["qwen3"], head_dim=32) if family == "qwen3-kv32" else tiny.CONFIGS[family]
+            cache[family] = tiny.build(cfg)
+        return cache[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    cache = {}
+
+    def get(family, **kw):
+        key = (family, tuple(sorted(kw.items())))
+        if key not in cache:
+            cfg = dflash_config(tiny.CONFIGS[family], **kw)
+            cache[key] = save_random(tmp_path_factory.mktemp(f"dflash_{family}"), cfg)
+        return cache[key]
+
+    return get
+
+
+def prompt_tokens(seed=0, n=12):
+    return np.random.default_rng(seed).integers(0, tiny.VOCAB, n).tolist()
+
+
+def plain(model, prompt, n=N, **kw):
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, **kw)]
+
+
+def speculative(target, drafter, prompt, n=N, **kw):
+    stats = RoundStats()
+    out = [t for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=n, stats=stats, **kw)]
+    return out, stats
+
+
+SHAPES = {"chain7": dict(topk=1, depth=7), "chain3": dict(topk=1, depth=3), "ddtree12": dict(budget=12),
+          "ddtree31": dict(budget=31)}
+FAMILIES = ["qwen3", "llama", "mistral", "qwen2", "qwen3_moe", "phi3", "gemma3", "gemma4", "qwen3_5",
+            "qwen3_next"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("shape", ["chain7", "ddtree31"])
+def test_greedy_identical_to_mlx_lm(targets, folders, family, shape):
+    target = targets(family)
+    bound = bind_dflash(folders(family), target)
+    prompt = prompt_tokens()
+    ref = plain(target, prompt)
+    out, stats = speculative(target, OracleDFlash(bound, target, **SHAPES[shape]), prompt)
+    assert out == ref
+    assert sum(stats.accepted) > 0 and any(a < d for a, d in zip(stats.accepted, stats.depth))
+    # one draft forward per round that drafts, whatever the tree (the last round may draft none)
+    assert {f for f, d in zip(stats.draft_forwards, stats.requested_depth) if d} == {1}
+
+
+@pytest.mark.parametrize("variant", ["rotating", "kv8", "random-weights"])
+@pytest.mark.parametrize("shape", ["chain3", "ddtree12"])
+def test_greedy_identical_caches_and_published_weights(targets, folders, variant, shape):
+    target = targets("qwen3-kv32" if variant == "kv8" else "qwen3")
+    prompt = prompt_tokens(1, n=20)
+    kw = dict(max_kv_size=16) if variant == "rotating" else (
+        dict(kv_bits=8, kv_group_size=32, quantized_kv_start=30) if variant == "kv8" else {})
+    ref = plain(target, prompt, **kw)
+    if variant == "random-weights":  # the loader's own drafter, no oracle: little is accepted
+        drafter = make_drafter(folders("qwen3"), drafter="dflash", target=target,
+                               **({"draft_block_size": 3} if shape == "chain3" else {"tree_budget": 12}))
+    else:
+        drafter = OracleDFlash(bind_dflash(folders("qwen3"), target), target, **SHAPES[shape])
+    out, stats = speculative(target, drafter, prompt, **kw)
+    assert out == ref
+    if variant != "random-weights":
+        assert sum(stats.accepted) > 0
+
+
+def test_sampled_equals_plain_sampled(targets, folders):
+    target = targets("qwen3")
+    prompt = prompt_tokens(2)
+    for seed in (0, 1):
+        kw = dict(temp=0.8, top_p=0.95, seed=seed)
+        ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **kw)]
+        out, stats = speculative(target, OracleDFlash(bind_dflash(folders("qwen3"), target), target, budget=12),
+                                 prompt, **kw)
+        assert out == ref and sum(stats.accepted) > 0
+
+
+class Recorder(DFlashDrafter):
+    """Keeps every hidden row the loop hands over (prefill, then each commit's path rows)."""
+
+    def prefill(self, prompt, hidden=None):
+        super().prefill(prompt, hidden)
+        self.rows, self.text = [hidden], list(prompt[:-1])
+
+    def commit(self, draft, path, emitted, hidden=None):
+        super().commit(draft, path, emitted, hidden)
+        self.rows.append(hidden)
+        self.text += [int(t) for t in np.array(draft.tokens)[path]]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma3"])
+def test_capture_rows_are_the_target_layer_outputs_of_the_accepted_tokens(targets, folders, family):
+    # the capture contract: prefill hands the rows of every prompt token but the last; each
+    # commit the rows of the path's nodes (root first); together they are, bitwise, the layer
+    # outputs plain decoding computes for the same tokens (the prompt: its prefill forward)
+    target = targets(family)
+    d = Recorder(bind_dflash(folders(family), target), budget=12)
+    prompt = prompt_tokens(3, n=15)
+    out = [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=40)]
+    got = mx.concatenate(d.rows)
+    assert d.text == (prompt + out)[: len(d.text)] and len(d.text) == got.shape[0]
+    cache, want = make_prompt_cache(target), []
+    with capturing(target, d.capture) as cap:
+        target(mx.array(prompt[:-1])[None], cache=cache)
+        want.append(cap.take())
+        for t in d.text[len(prompt) - 1 :]:
+            target(mx.array([[t]]), cache=cache)
+            want.append(cap.take())
+    assert mx.array_equal(got, mx.concatenate(want))
+
+
+def test_cached_block_equals_the_reference_forward(targets, folders):
+    # the drafter's whole-buffer cache with padded context rows computes what one forward of
+    # the whole context computes (the published semantics)
+    target = targets("qwen3")
+    bound = bind_dflash(folders("qwen3"), target)
+    d = DFlashDrafter(bound, topk=1, depth=7)
+    rng = np.random.default_rng(0)
+    width = len(bound.model.target_layer_ids) * 64
+    feats = [mx.array(rng.standard_normal((11, width)).astype(np.float32))]
+    d.prefill(prompt_tokens(n=12), feats[0])
+    for n_new, root in ((3, 7), (8, 9), (1, 4), (5, 2)):
+        got = d._block_logits(root)
+        want = bound.model.block_logits(target, mx.concatenate(feats), root)
+        assert mx.allclose(got, want, atol=1e-4).item()
+        feats.append(mx.array(rng.standard_normal((n_new, width)).astype(np.float32)))
+        d.commit(None, None, None, feats[-1])
+
+
+def test_ddtree_is_the_best_first_tree_of_the_block(targets, folders):
+    # the budget rule: the tree is the `budget` most probable prefixes of the block's marginals
+    # (best_first_tree), at most B - 1 deep, exactly budget + 1 nodes
+    target = targets("qwen3")
+    bound = bind_dflash(folders("qwen3"), target)
+    for budget in (5, 12, 31):
+        d = DFlashDrafter(bound, budget=budget)
+        d.prefill(prompt_tokens(n=9), mx.zeros((8, len(bound.model.target_layer_ids) * 64)))
+        length = d.length
+        draft = d.draft(17, 63)
+        d.length, d.pending = length, None
+        logits = d._block_logits(17)[1:].astype(mx.float32)
+        lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        want = best_first_tree(17, lp, budget)
+        assert draft.size == budget + 1 == want.size
+        assert np.array_equal(draft.layout.parents, want.parents)
+        assert np.array_equal(np.array(draft.tokens), want.tokens)
+        assert want.max_depth <= bound.model.block_size - 1
+
+
+def test_loader_errors_name_the_fix(tmp_path, targets, folders):
+    target = targets("qwen3")
+    cfg = dflash_config(tiny.CONFIGS["qwen3"])
+    cases = [
+        (dict(cfg, hidden_size=32, head_dim=8), "hidden size"),
+        (dict(cfg, vocab_size=tiny.VOCAB + 1), "vocabulary"),
+        (dict(cfg, dflash_config=dict(target_layer_ids=[0, 5], mask_token_id=5)), "target layers"),
+        (dict(cfg, dflash_config=dict(target_layer_ids=[0, 1])), "mask_token_id"),
+        (dict(cfg, dflash_config=dict(target_layer_ids=[0, 1], mask_token_id=tiny.VOCAB)), "mask token"),
+    ]
+    for i, (bad, needle) in enumerate(cases):
+        folder = tmp_path / f"bad{i}"
+        if "mask_token_id" in bad["dflash_config"]:
+            save_random(folder, bad)
+        else:
+            folder.mkdir()
+            (folder / "config.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=needle) as e:
+            bind_dflash(str(folder), target)
+        assert len(str(e.value).splitlines()) == 1
+    with pytest.raises(ValueError, match="config.json"):
+        load_dflash(str(tmp_path))
+    with pytest.raises(ValueError, match="not both"):
+        make_drafter(folders("qwen3"), drafter="dflash", target=target, draft_block_size=3, tree_budget=8)
+    with pytest.raises(ValueError, match="--tree-topk"):
+        make_drafter(folders("qwen3"), drafter="dflash", target=target, tree_topk=3)

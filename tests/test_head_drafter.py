@@ -1,0 +1,106 @@
+"""MTP and EAGLE-3 heads as drafters: exact output for chains, one-lane and EAGLE-2 trees, on the
+heads' published layouts, hybrid targets included (CPU, tiny random heads)."""
+import numpy as np
+import pytest
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import tiny
+from test_heads import make_eagle3, make_mtp
+from mlx_treespec import RoundStats, make_drafter, tree_generate_step
+from mlx_treespec.drafters.head import HeadDrafter
+
+N = 48
+
+
+class OracleHead(HeadDrafter):
+    """A head drafter whose spine tokens are replaced by the target's own greedy continuation at
+    random steps (its logits, siblings and hidden states are the head's): rounds accept drafts,
+    so commits of accepted paths and the pending slots' target rows are exercised."""
+
+    def __init__(self, head, target, seed=0, **kw):
+        super().__init__(head, **kw)
+        self.target, self.rng, self.text = target, np.random.default_rng(seed), []
+
+    def prefill(self, prompt, hidden=None):
+        super().prefill(prompt, hidden)
+        self.text = list(prompt)
+
+    def commit(self, draft, path, emitted, hidden=None):
+        super().commit(draft, path, emitted, hidden)
+        self.text += list(emitted)
+
+    def _spine(self, logits, rnd, depth):
+        rows, toks = super()._spine(logits, rnd, depth)
+        cache = make_prompt_cache(self.target)
+        out = self.target(mx.array(self.text)[None], cache=cache)[0, -1]
+        for s in range(depth):
+            t = int(mx.argmax(out))
+            if self.rng.random() < 0.8:
+                toks[s] = mx.array([t], mx.uint32)
+            out = self.target(mx.array([[int(toks[s].item())]]), cache=cache)[0, -1]
+        return rows, toks
+
+
+def plain(model, prompt, n=N, **kw):
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, **kw)]
+
+
+SHAPES = {"chain4": dict(topk=1, depth=4), "k3l1s4": dict(topk=3, lanes=1, depth=4, budget=12),
+          "k3s3b9": dict(topk=3, lanes=3, depth=3, budget=9)}
+
+
+@pytest.mark.parametrize("kind", ["mtp-qwen3_5_tied", "mtp-qwen3_next_moe", "eagle3-safeailab", "eagle3-speculators"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_greedy_identical_to_mlx_lm(tmp_path, kind, shape):
+    family, name = kind.split("-", 1)
+    head, target = (make_mtp(tmp_path, name)[:2] if family == "mtp" else make_eagle3(tmp_path, name)[:2])
+    prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
+    ref = plain(target, prompt)
+    oracle = shape != "k3s3b9"  # the lanes' own tokens: random heads accept little there
+    drafter = OracleHead(head, target, **SHAPES[shape]) if oracle else HeadDrafter(head, **SHAPES[shape])
+    stats = RoundStats()
+    out = [t for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=N, stats=stats)]
+    assert out == ref
+    if oracle:
+        assert sum(stats.accepted) > 0 and any(a < d for a, d in zip(stats.accepted, stats.depth))
+
+
+@pytest.mark.parametrize("opts", [dict(max_kv_size=16), dict(kv_bits=8, kv_group_size=32, quantized_kv_start=20)])
+def test_greedy_identical_rotating_and_quantized(tmp_path, opts):
+    from test_heads import EAGLE_TARGET
+
+    head, target = make_eagle3(tmp_path, "safeailab")[:2]
+    if "kv_bits" in opts:  # KV quantization takes groups of 32: a target of head_dim 32, same width
+        target = tiny.build(dict(EAGLE_TARGET, head_dim=32))
+        head.bind(target)
+    prompt = np.random.default_rng(1).integers(0, tiny.VOCAB, 20).tolist()
+    ref = plain(target, prompt, **opts)
+    stats = RoundStats()
+    out = [t for t, _, _ in tree_generate_step(prompt, target, OracleHead(head, target, topk=2, lanes=1, depth=3),
+                                               max_tokens=N, stats=stats, **opts)]
+    assert out == ref and sum(stats.accepted) > 0
+
+
+def test_make_drafter_loads_heads_and_merges_lookup(tmp_path):
+    head, target = make_mtp(tmp_path, "qwen3_5_tied")[:2]
+    folder = str(tmp_path / "qwen3_5_tied")
+    prompt = np.random.default_rng(2).integers(0, tiny.VOCAB, 8).tolist() * 2
+    ref = plain(target, prompt)
+    for opts in (dict(draft_block_size=3), dict(tree_topk=3, tree_lanes=1, tree_depth=3),
+                 dict(draft_block_size=3, draft_lookup=4)):
+        d = make_drafter(folder, drafter="mtp", target=target, **opts)
+        assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N)] == ref
+    with pytest.raises(ValueError, match="target="):
+        make_drafter(folder, drafter="mtp")
+
+
+def test_one_token_prompt(tmp_path):
+    # nothing to continue from in the first round: root only, then the head drafts
+    head, target = make_mtp(tmp_path, "qwen3_5_tied")[:2]
+    ref = plain(target, [7])
+    stats = RoundStats()
+    out = [t for t, _, _ in tree_generate_step([7], target, OracleHead(head, target, topk=1, depth=3),
+                                               max_tokens=N, stats=stats)]
+    assert out == ref and stats.depth[0] == 0 and sum(stats.accepted) > 0

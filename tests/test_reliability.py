@@ -1,0 +1,357 @@
+"""A round is a transaction, and an abandoned stream leaves mlx-lm's cache: after a consumer
+stops early or any stage of a round raises, a prompt cache holds the prompt and every token
+delivered, every layer at one offset, and a next turn from it is exact (CPU, tiny models)."""
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import tiny
+import mlx_treespec.loop as loop
+import mlx_treespec.verify as verify
+from mlx_treespec import RoundStats, make_drafter, tree_generate_step
+from mlx_treespec.cache import cache_kind
+from mlx_treespec.drafters.lookup import LookupDrafter
+
+N = 48
+
+
+@pytest.fixture(scope="module")
+def models():
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cfg = dict(tiny.CONFIGS["qwen3"], head_dim=32) if name == "qwen3-kv32" else tiny.CONFIGS[name]
+            target = tiny.build(cfg)
+            cache[name] = (target, tiny.perturbed(target))
+        return cache[name]
+
+    return get
+
+
+# (target, cache options, drafter maker)
+CASES = {
+    "chain": ("qwen3", {}, lambda d: make_drafter(d, draft_block_size=4)),
+    "tree": ("qwen3", {}, lambda d: make_drafter(d, tree_topk=4, tree_lanes=1, tree_depth=6)),
+    "eagle2": ("qwen3", {}, lambda d: make_drafter(d, tree_topk=3, tree_depth=4, tree_budget=12)),
+    "lookup": ("qwen3", {}, lambda d: LookupDrafter(budget=8, max_depth=8)),
+    "merged": ("qwen3", {}, lambda d: make_drafter(d, draft_block_size=4, draft_lookup=4)),
+    "rotating": ("qwen3", dict(max_kv_size=16), lambda d: make_drafter(d, tree_topk=2, tree_depth=3, tree_budget=6)),
+    "quantized": ("qwen3-kv32", dict(kv_bits=8, kv_group_size=32, quantized_kv_start=20),
+                  lambda d: make_drafter(d, draft_block_size=4)),
+    "hybrid": ("qwen3_5", {}, lambda d: tiny.SiblingDrafter(d, depth=3)),
+    "plain": ("qwen3", {}, lambda d: None),
+}
+
+
+def repetitive(n=6, seed=0):
+    motif = np.random.default_rng(seed).integers(1, tiny.VOCAB, n).tolist()
+    return motif * 3
+
+
+def mlx_cache_after(target, prompt, delivered, opts):
+    """The cache mlx-lm's own loop leaves after delivering `delivered` tokens from `prompt`."""
+    cache = make_prompt_cache(target, max_kv_size=opts.get("max_kv_size"))
+    out = [t for t, _ in generate_step(mx.array(prompt), target, max_tokens=len(delivered), prompt_cache=cache,
+                                       **_mlx(opts))]
+    assert out == delivered
+    return cache
+
+
+def check_cache_holds(target, cache, prompt, delivered, opts, follow=(3, 5, 7)):
+    """Every layer at one offset, that of prompt + delivered, and a next turn from the cache
+    emits what mlx-lm emits from the cache its own loop leaves after the same tokens."""
+    offsets = {c.offset for c in cache if cache_kind(c) in ("append", "rotating")}
+    assert offsets == {len(prompt) + len(delivered)}, (offsets, len(prompt) + len(delivered))
+    ref_cache = mlx_cache_after(target, prompt, delivered, opts)
+    ours = [t for t, _ in generate_step(mx.array(list(follow)), target, max_tokens=12, prompt_cache=cache,
+                                        **_mlx(opts))]
+    ref = [t for t, _ in generate_step(mx.array(list(follow)), target, max_tokens=12, prompt_cache=ref_cache,
+                                       **_mlx(opts))]
+    assert ours == ref
+
+
+def _mlx(opts):
+    return {k: v for k, v in opts.items() if k != "max_kv_size"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("k", [1, 3, 10])
+def test_abandoned_stream_leaves_prompt_plus_delivered(models, case, k):
+    name, opts, make = CASES[case]
+    target, draft = models(name)
+    prompt = repetitive()
+    cache = make_prompt_cache(target, max_kv_size=opts.get("max_kv_size"))
+    steps = tree_generate_step(prompt, target, make(draft), max_tokens=N, prompt_cache=cache, **opts)
+    got = []
+    for t, _, _ in steps:
+        got.append(t)
+        if len(got) == k:
+            break
+    steps.close()
+    check_cache_holds(target, cache, prompt, got, opts)
+
+
+class Fault(Exception):
+    pass
+
+
+FIRED = []
+
+
+def _raise_on(n, exc=Fault):
+    calls = {"n": 0}
+
+    def maybe():
+        calls["n"] += 1
+        if calls["n"] == n:
+            FIRED.append(exc)
+            raise exc("injected")
+
+    return maybe
+
+
+class BoomLayer:
+    """Stands in for a target layer: raises on its n-th call after arming, else delegates."""
+
+    def __init__(self, inner, n, exc):
+        self.inner, self.maybe, self.armed = inner, _raise_on(n, exc), False
+
+    def __call__(self, *a, **kw):
+        if self.armed:
+            self.maybe()
+        return self.inner(*a, **kw)
+
+    def __getattr__(self, name):  # is_linear & co.
+        return getattr(self.inner, name)
+
+
+def layer_list(target):
+    """The list the model iterates (qwen3_5's `layers` property returns a fresh slice)."""
+    return getattr(target, "language_model", target).model.layers
+
+
+STAGES = ["prefill", "draft", "drafter_commit", "forward", "interrupt", "walk", "commit"]
+
+
+@pytest.mark.parametrize("case,stage", [(c, s) for c in CASES for s in STAGES
+                                        if c != "plain" or s in ("forward", "interrupt")])
+def test_a_round_that_raises_lands_nowhere(models, monkeypatch, case, stage):
+    name, opts, make = CASES[case]
+    FIRED.clear()
+    target, draft = models(name)
+    drafter = make(draft)
+    prompt = repetitive(seed=1)
+    cache = make_prompt_cache(target, max_kv_size=opts.get("max_kv_size"))
+    layers = layer_list(target)
+    boom = None
+    if stage == "prefill":
+        monkeypatch.setattr(drafter, "prefill", lambda *a, **kw: _raise_on(1)())
+    elif stage == "draft":
+        real, maybe = drafter.draft, _raise_on(4)
+        monkeypatch.setattr(drafter, "draft", lambda *a: (maybe(), real(*a))[1])
+    elif stage == "drafter_commit":
+        real, maybe = drafter.commit, _raise_on(3)
+        monkeypatch.setattr(drafter, "commit", lambda *a: (real(*a), maybe())[0])
+    elif stage in ("forward", "interrupt"):
+        boom = BoomLayer(layers[-1], 3, KeyboardInterrupt if stage == "interrupt" else Fault)
+        layers[-1] = boom
+    elif stage == "walk":
+        real_walk, maybe = loop.greedy_walk, _raise_on(3)
+        monkeypatch.setattr(loop, "greedy_walk", lambda *a, **kw: (maybe(), real_walk(*a, **kw))[1])
+    elif stage == "commit":
+        # inside a commit, after some layers were written: the round is put back whole
+        maybe = _raise_on(5)
+        for name in ("commit_appended", "commit_rotating"):
+            real = getattr(verify, name)
+            monkeypatch.setattr(verify, name, lambda *a, real=real: (real(*a), maybe())[0])
+    got = []
+    try:
+        steps = tree_generate_step(prompt, target, drafter, max_tokens=N, prompt_cache=cache, **opts)
+        for t, _, _ in steps:
+            got.append(t)
+            if boom is not None:
+                boom.armed = True
+    except (Fault, KeyboardInterrupt):
+        pass
+    finally:
+        if boom is not None:
+            layers[-1] = boom.inner
+        monkeypatch.undo()
+    assert len(FIRED) == 1, "the fault never fired"
+    check_cache_holds(target, cache, prompt, got, opts)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("prompt_len", [1, 5])
+def test_quantized_kv_from_the_first_token(models, bits, prompt_len):
+    target, draft = models("qwen3-kv32")
+    prompt = repetitive()[:prompt_len]
+    kw = dict(kv_bits=bits, kv_group_size=32, quantized_kv_start=0)
+    ref = [t for t, _ in generate_step(mx.array(prompt), target, max_tokens=N, **kw)]
+    out = [t for t, _, _ in tree_generate_step(prompt, target, make_drafter(draft, tree_topk=2, tree_depth=3),
+                                               max_tokens=N, **kw)]
+    assert out == ref
+
+
+def test_quantized_kv_over_a_prefilled_cache_past_the_start(models):
+    # a cache already past quantized_kv_start but not yet quantized: the first round verifies
+    # nothing past the root (plain decoding quantizes after its first step)
+    target, draft = models("qwen3-kv32")
+    prompt = repetitive()
+    kw = dict(kv_bits=4, kv_group_size=32, quantized_kv_start=8)
+    outs = []
+    for drafter in (None, make_drafter(draft, draft_block_size=4)):
+        cache = make_prompt_cache(target)
+        target(mx.array(prompt[:12])[None], cache=cache)
+        outs.append([t for t, _, _ in tree_generate_step(prompt[12:], target, drafter, max_tokens=N,
+                                                         prompt_cache=cache, **kw)])
+    cache = make_prompt_cache(target)
+    target(mx.array(prompt[:12])[None], cache=cache)
+    ref = [t for t, _ in generate_step(mx.array(prompt[12:]), target, max_tokens=N, prompt_cache=cache, **kw)]
+    assert outs[0] == outs[1] == ref
+
+
+def test_layer_skip_self_speculation_is_exact():
+    # a draft model that shares modules with its target (its first layer): the rope modules
+    # are re-classed once and read the forward that is running
+    import copy
+
+    target = tiny.build(dict(tiny.CONFIGS["qwen3"], num_hidden_layers=4))
+    draft = copy.copy(target)
+    draft.model = copy.copy(target.model)
+    draft.model.layers = target.model.layers[:1]
+    prompt = repetitive()
+    ref = [t for t, _ in generate_step(mx.array(prompt), target, max_tokens=N)]
+    for shape in (dict(draft_block_size=3), dict(tree_topk=3, tree_depth=3, tree_budget=9)):
+        stats = RoundStats()
+        out = [t for t, _, _ in tree_generate_step(prompt, target, make_drafter(draft, **shape), max_tokens=N,
+                                                   stats=stats)]
+        assert out == ref and sum(stats.accepted) > 0
+
+
+@pytest.mark.parametrize("max_kv", [5, 6, 8])
+def test_windows_smaller_than_a_round(models, max_kv):
+    # a round cannot reach past the window plain decoding keeps: the round shrinks to fit
+    target, draft = models("qwen3")
+    prompt = repetitive()[:3]
+    ref = [t for t, _ in generate_step(mx.array(prompt), target, max_tokens=40, max_kv_size=max_kv)]
+    stats = RoundStats()
+    out = [t for t, _, _ in tree_generate_step(prompt, target, make_drafter(draft, tree_topk=2, tree_depth=6),
+                                               max_tokens=40, max_kv_size=max_kv, stats=stats)]
+    assert out == ref and max(stats.depth) <= max_kv - 4 - 1
+
+
+def test_a_window_with_no_room_for_a_draft_is_a_clear_error(models):
+    # mlx-lm keeps the first 4 tokens of a rotating cache: max_kv_size 4 leaves no window
+    target, draft = models("qwen3")
+    with pytest.raises(ValueError, match="raise --max-kv-size above 4") as e:
+        next(tree_generate_step([1, 2, 3], target, make_drafter(draft, draft_block_size=2), max_kv_size=4))
+    assert len(str(e.value).splitlines()) == 1
+    ref = [t for t, _ in generate_step(mx.array([1, 2, 3]), target, max_tokens=20, max_kv_size=4)]
+    assert [t for t, _, _ in tree_generate_step([1, 2, 3], target, None, max_tokens=20, max_kv_size=4)] == ref
+
+
+def test_low_level_api_refuses_an_unsupported_target():
+    from test_support import MAMBA2, build
+
+    target = build(dict(MAMBA2, vocab_size=tiny.VOCAB))
+    draft = tiny.build(tiny.CONFIGS["qwen3"])
+    steps = tree_generate_step([1, 2, 3], target, make_drafter(draft, draft_block_size=2), max_tokens=4)
+    with pytest.raises(ValueError, match="cannot verify draft trees"):
+        next(steps)
+
+
+@pytest.mark.parametrize("prompt,needle", [
+    ([1, tiny.VOCAB], "outside the vocabulary"), ([-1, 2], "outside the vocabulary"),
+    ([10 ** 6], "outside the vocabulary"), ([1.0, 2.0], "integers"),
+    (mx.array([[1, 2, 3]]), "1-D"), (np.array([[1, 2]]), "1-D"), ([], "empty"), ([[1, 2]], "flat"),
+    (mx.array([1.5, 2.0]), "integers"),
+])
+def test_bad_prompts_are_one_line_errors(models, prompt, needle):
+    target, draft = models("qwen3")
+    for drafter in (None, make_drafter(draft, draft_block_size=2)):
+        with pytest.raises(ValueError, match=needle) as e:
+            next(tree_generate_step(prompt, target, drafter, max_tokens=4))
+        assert len(str(e.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(max_tokens=10.5), "max_tokens"), (dict(max_tokens=-2), "max_tokens"), (dict(max_tokens=True), "max_tokens"),
+    (dict(stop_tokens=5), "stop_tokens"), (dict(top_k="3"), "top_k"), (dict(seed=1.0), "seed"),
+])
+def test_options_of_the_wrong_type(models, kw, needle):
+    target, _ = models("qwen3")
+    with pytest.raises(ValueError, match=needle):
+        next(tree_generate_step([1, 2, 3], target, None, **kw))
+
+
+def test_numpy_integers_are_options(models):
+    target, draft = models("qwen3")
+    d = make_drafter(draft, tree_topk=np.int64(2), tree_depth=np.int32(3), tree_budget=np.int64(6))
+    out = [t for t, _, _ in tree_generate_step(np.array([1, 2, 3]), target, d, max_tokens=np.int64(8),
+                                               stop_tokens=[np.int64(7)])]
+    assert 1 <= len(out) <= 8
+    for bad, needle in ((dict(tree_depth="4"), "--tree-depth"), (dict(tree_topk=2.0), "--tree-topk"),
+                        (dict(tree_topk=3, tree_depth=0), "--tree-depth"),
+                        (dict(draft_block_size=4, tree_budget=1000), "--tree-budget"),
+                        (dict(tree_depth=4, tree_budget=8), "--tree-budget")):
+        with pytest.raises(ValueError, match=needle):
+            make_drafter(draft, **bad)
+
+
+def test_a_reused_drafter_starts_fresh(models):
+    target, draft = models("qwen3")
+    prompt = repetitive()
+    drafter = make_drafter(draft, draft_block_size=4)
+    accepted = []
+    for _ in range(3):
+        stats = RoundStats()
+        list(tree_generate_step(prompt, target, drafter, max_tokens=N, stats=stats))
+        accepted.append(sum(stats.accepted))
+    assert accepted[0] == accepted[1] == accepted[2] > 0
+
+
+def test_no_reference_cycle_keeps_a_round_alive(models, monkeypatch):
+    target, draft = models("qwen3")
+    rounds = []
+    real_init = verify.TreeRound.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        rounds.append(weakref.ref(self))
+
+    monkeypatch.setattr(verify.TreeRound, "__init__", init)
+    gc.disable()
+    try:
+        for drafter in (make_drafter(draft, draft_block_size=4), make_drafter(draft, tree_topk=3, tree_depth=4),
+                        LookupDrafter(8, 8)):
+            list(tree_generate_step(repetitive(), target, drafter, max_tokens=N))
+        del drafter
+        alive = sum(r() is not None for r in rounds)
+    finally:
+        gc.enable()
+    assert len(rounds) > 10 and alive <= 2  # the last round of the last drafter may still be referenced
+
+
+def test_long_run_memory_is_bounded(models):
+    # 4000 tokens with a tree drafter over a rotating target cache: active memory grows by the
+    # draft model's own KV cache (plain, as mlx-lm's drafter's) and nothing else per round; the
+    # figures are printed for bench/RESULTS.md
+    target, draft = models("qwen3")
+    drafter = make_drafter(draft, tree_topk=3, tree_lanes=1, tree_depth=6)
+    marks = {}
+    for i, _ in enumerate(tree_generate_step(repetitive(), target, drafter, max_tokens=4000, max_kv_size=64)):
+        if i + 1 in (1000, 4000):
+            mx.eval()
+            marks[i + 1] = (mx.get_active_memory(), drafter.cache[0].keys.shape[2])
+    (m1, rows1), (m4, rows4) = marks[1000], marks[4000]
+    kv_row = sum(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes for c in drafter.cache)
+    print(f"active memory after 1000 tokens {m1 / 1e6:.3f} MB, after 4000 {m4 / 1e6:.3f} MB "
+          f"(draft KV buffers grew {(rows4 - rows1) * kv_row / 1e6:.3f} MB)")
+    assert m4 - m1 <= (rows4 - rows1) * kv_row + 128 * 1024
