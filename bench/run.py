@@ -226,6 +226,8 @@ def run_acceptance(args):
             rows.append(dict(arm=a, emitted_per_verify=emitted / max(rounds, 1), rounds=rounds,
                              tokens=emitted, identical=f"{same}/{len(outs)}"))
             log(f"{pset} {a}: {emitted / max(rounds, 1):.3f} emitted/verify, {same}/{len(outs)} identical")
+            report["sets"][pset] = dict(prompts=len(prompts), arms=rows, partial=a != names[-1])
+            write(args, report, md + [f"(partial: {pset}, {len(rows)} of {len(names)} arms)"], echo=False)
         chainlike = {r["arm"]: r["emitted_per_verify"] for r in rows}
         report["sets"][pset] = dict(prompts=len(prompts), arms=rows)
         md += [f"## {pset} prompts ({len(prompts)} x {args.max_tokens} tokens, temp 0, pooled)", "",
@@ -249,6 +251,8 @@ def run_proj(args):
     pset = args.prompt_set or next(iter(acc["sets"]))
     tau = {r["arm"]: (r.get("pooled_emitted_per_verify") or r.get("emitted_per_verify"))
            for r in acc["sets"][pset]["arms"]}
+    if args.costs:
+        return proj_from_costs(args, tau, pset)
     family = args.family
     prefix = {"dflash": ("dflash", "ddtree"), "mtp": ("mtp-",), "eagle3": ("eagle3-",)}[family]
     arms = {a: t for a, t in tau.items() if a.startswith(prefix) and t}
@@ -263,7 +267,7 @@ def run_proj(args):
     for q in [None if b in ("0", "") else int(b) for b in args.q_bits.split(",")]:
         label = args.dtype + (f", {q}-bit" if q else "")
         target = costmodel.build_from_config(cfg, args.dtype, q)
-        plain = costmodel.time_plain(target, history=args.history)
+        plain = time_plain(target, history=args.history)
         verify = costmodel.time_verify(target, Ts=(8, 16, 32, 64), history=args.history)
         draft_cost = _draft_cost(family, target, cfg, head_cfg, args, q)
         out = dict(variant=label, plain_ms=plain, verify_ms=verify, draft=draft_cost["timed"], arms=[])
@@ -288,6 +292,38 @@ def run_proj(args):
     write(args, report, md)
 
 
+def proj_from_costs(args, tau, pset):
+    """The projection from round costs measured elsewhere (a JSON of plain ms/token, verify ms by
+    T and the DFlash draft forward ms per variant) instead of timing them here; with
+    --overhead-ms the host work per round measured on the demo pair is added."""
+    costs = json.loads(Path(args.costs).read_text())
+    report = dict(meta=run_meta(section=args.section, acceptance=args.acceptance, prompt_set=pset,
+                                costs=args.costs, overhead_ms=args.overhead_ms), variants=[])
+    md = [f"# {args.section}: DFlash / DDTree projected from measured round costs (commit {report['meta']['commit']})",
+          "", f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
+          f"Acceptance (emitted per verify): {args.acceptance}, {pset} prompts. Costs: {args.costs} "
+          f"({costs.get('_about', '')}). **Projections.**", ""]
+    for label, c in costs["variants"].items():
+        verify = {int(T): ms for T, ms in c["verify_ms"].items()}
+        out = dict(variant=label, **c, arms=[])
+        md += [f"## {label}: plain {c['plain_ms']:.2f} ms/token, draft forward {c['dflash_draft_ms']:.2f} ms, "
+               f"host overhead {args.overhead_ms:.2f} ms/round", "",
+               "| arm | emitted/verify (measured) | round ms | x plain (projected) |", "|---|---|---|---|"]
+        for a, t in tau.items():
+            if not (a.startswith("dflash") or a.startswith("ddtree")) or not t:
+                continue
+            spec = DraftSpec.parse(a)
+            nodes = min(spec.budget or 31, 63) + 1
+            T = min(x for x in verify if nodes <= x)
+            round_ms = verify[T] + c["dflash_draft_ms"] + args.overhead_ms
+            x = t * c["plain_ms"] / round_ms
+            out["arms"].append(dict(arm=a, tau=t, round_ms=round_ms, x_plain=x))
+            md.append(f"| {a} | {t:.2f} | {round_ms:.2f} | {x:.2f} |")
+        md.append("")
+        report["variants"].append(out)
+    write(args, report, md)
+
+
 def _draft_cost(family, target, cfg, head_cfg, args, q):
     """Time the family's drafter at this shape; returns the figures and draft ms per arm."""
     import mlx.nn as nn
@@ -303,7 +339,7 @@ def _draft_cost(family, target, cfg, head_cfg, args, q):
         from mlx_treespec.drafters.dflash import DFlashModel, bind_dflash
 
         drafter = quantize(DFlashModel(dict(head_cfg, vocab_size=cfg["vocab_size"])))
-        ms = costmodel.time_dflash(bind_dflash(drafter, target), target, history=args.history)
+        ms = time_dflash(bind_dflash(drafter, target), target, history=args.history)
         return dict(timed=dict(forward_ms=ms), text=f"DFlash draft forward {ms:.2f} ms",
                     per_arm=lambda spec: ms)
     if family == "mtp":
@@ -317,7 +353,7 @@ def _draft_cost(family, target, cfg, head_cfg, args, q):
         c.update(n_aux=len(ids), vocab_size=cfg["vocab_size"])
         head = quantize(Eagle3Head(c, ids)).bind(target)
         head.set_vocab_map(mx.zeros((c["draft_vocab_size"],), mx.int32))
-    step = {L: costmodel.time_head(head, history=args.history, rows=L) for L in (1, 2, 4)}
+    step = {L: time_head(head, history=args.history, rows=L) for L in (1, 2, 4)}
 
     def per_arm(spec):  # the spine's one-token steps; EAGLE-2 lanes step L rows after the first
         S, L = spec.depth, spec.lanes
@@ -325,6 +361,71 @@ def _draft_cost(family, target, cfg, head_cfg, args, q):
 
     return dict(timed=dict(step_ms=step), text="head step (1/2/4 rows) " + "/".join(f"{step[L]:.2f}" for L in (1, 2, 4))
                 + " ms", per_arm=per_arm)
+
+
+def time_plain(model, history=256, tokens=64, seed=0):
+    """ms per token of mlx-lm's own pipelined plain decoding after `history` prompt tokens."""
+    from mlx_lm.generate import generate_step
+
+    vocab = int(model(mx.array([[0]]))[0, -1].shape[-1])
+    prompt = mx.array(np.random.default_rng(seed).integers(0, vocab, history + 1).tolist())
+    for n in (8, tokens):  # the first run warms up
+        t_first = None
+        for i, _ in enumerate(generate_step(prompt, model, max_tokens=n)):
+            if t_first is None:
+                t_first = time.perf_counter()
+    return 1e3 * (time.perf_counter() - t_first) / (tokens - 1)
+
+
+def time_dflash(bound, target, history=256, new_rows=8, repeats=5, warmup=2, seed=0):
+    """Median ms of one DFlash draft forward (its block and `new_rows` new context rows) over a
+    context of `history` rows, as a round runs it (the chain's argmax read back)."""
+    from mlx_treespec.drafters.dflash import DFlashDrafter
+
+    m = bound.model
+    width = len(m.target_layer_ids) * m.config["hidden_size"]
+    rng = np.random.default_rng(seed)
+    feats = lambda n: mx.array(rng.standard_normal((n, width)).astype(np.float32)).astype(m.norm.weight.dtype)  # noqa: E731
+    d = DFlashDrafter(bound, topk=1)
+    d.prefill([0] * (history + 1), feats(history))
+    times = []
+    for r in range(warmup + repeats):
+        d.commit(None, None, None, feats(new_rows))
+        length = d.length
+        t0 = time.perf_counter()
+        mx.eval(d.draft(1, d.depth).tokens)
+        t1 = time.perf_counter()
+        d.length = length  # the next repeat drafts at the same context length
+        if r >= warmup:
+            times.append(1e3 * (t1 - t0))
+    return statistics.median(times)
+
+
+def time_head(head, history=256, rows=1, repeats=5, warmup=2, seed=0):
+    """Median ms of one drafting-head step of `rows` tokens (1: a chain step; L: a lane step)
+    over `history` cached slots (random tokens and hidden states)."""
+    rng = np.random.default_rng(seed)
+    eagle = type(head).__name__ == "Eagle3Head"
+    H = head.hidden_size if eagle else head.args.hidden_size
+    width = head.config["n_aux"] * head.config["target_hidden_size"] if eagle else H  # first-pass rows
+    vocab = int(head._embed.weight.shape[0])
+    dtype = head.norm.weight.dtype
+    cache = head.make_cache()
+    toks = lambda n: mx.array(rng.integers(0, vocab, n).astype(np.uint32))[None]  # noqa: E731
+    hid = lambda n, w: mx.array(rng.standard_normal((1, n, w)).astype(np.float32)).astype(dtype)  # noqa: E731
+    kw = {"first": True} if eagle else {}
+    mx.eval(head(toks(history), cache=cache, hidden=hid(history, width), **kw))
+    kw = {"first": False} if kw else {}
+    times = []
+    for r in range(warmup + repeats):
+        t0 = time.perf_counter()
+        mx.eval(head(toks(rows), cache=cache, hidden=hid(rows, H), **kw))
+        t1 = time.perf_counter()
+        for c in cache:
+            c.trim(rows)
+        if r >= warmup:
+            times.append(1e3 * (t1 - t0))
+    return statistics.median(times)
 
 
 def make_unseen_prompts(args):
@@ -350,9 +451,10 @@ def make_unseen_prompts(args):
     print(f"wrote {len(doc['prompts'])} prompts to {path}")
 
 
-def write(args, report, md):
+def write(args, report, md, echo=True):
     text = "\n".join(md) + "\n"
-    print(text)
+    if echo:
+        print(text)
     if args.out:
         out = Path(args.out)
     else:
@@ -395,6 +497,7 @@ def main(argv=None):
                    help="proj: the drafter's config (DFlash or EAGLE-3 JSON; MTP: built from the target's)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--q-bits", default="0,4")
+    p.add_argument("--costs", default=None, help="proj: round costs measured elsewhere (JSON) instead of timing here")
     p.add_argument("--history", type=int, default=512)
     p.add_argument("--overhead-ms", type=float, default=0.5)
     p.add_argument("--out", default=None, help="write OUT.md and OUT.json instead of bench/results/")

@@ -35,9 +35,6 @@ __all__ = [
     "fit_curve",
     "time_verify",
     "time_draft",
-    "time_plain",
-    "time_dflash",
-    "time_head",
     "build_from_config",
     "load_config",
     "draft_plan",
@@ -170,71 +167,6 @@ def time_draft(model, lanes: Sequence[int] = DRAFT_LANES, history=256, repeats=5
         if progress:
             progress(f"draft lanes={L}: {out[int(L)]:.3f} ms")
     return out
-
-
-def time_plain(model, history=256, tokens=64, seed=0):
-    """ms per token of mlx-lm's own pipelined plain decoding after `history` prompt tokens."""
-    from mlx_lm.generate import generate_step
-
-    vocab = int(model(mx.array([[0]]))[0, -1].shape[-1])
-    prompt = mx.array(np.random.default_rng(seed).integers(0, vocab, history + 1).tolist())
-    for n in (8, tokens):  # the first run warms up
-        t_first = None
-        for i, _ in enumerate(generate_step(prompt, model, max_tokens=n)):
-            if t_first is None:
-                t_first = time.perf_counter()
-    return 1e3 * (time.perf_counter() - t_first) / (tokens - 1)
-
-
-def time_dflash(bound, target, history=256, new_rows=8, repeats=5, warmup=2, seed=0):
-    """Median ms of one DFlash draft forward (its block and `new_rows` new context rows) over a
-    context of `history` rows, as a round runs it (the chain's argmax read back)."""
-    from .drafters.dflash import DFlashDrafter
-
-    m = bound.model
-    width = len(m.target_layer_ids) * m.config["hidden_size"]
-    rng = np.random.default_rng(seed)
-    feats = lambda n: mx.array(rng.standard_normal((n, width)).astype(np.float32)).astype(m.norm.weight.dtype)  # noqa: E731
-    d = DFlashDrafter(bound, topk=1)
-    d.prefill([0] * (history + 1), feats(history))
-    times = []
-    for r in range(warmup + repeats):
-        d.commit(None, None, None, feats(new_rows))
-        length = d.length
-        t0 = time.perf_counter()
-        mx.eval(d.draft(1, d.depth).tokens)
-        t1 = time.perf_counter()
-        d.length = length  # the next repeat drafts at the same context length
-        if r >= warmup:
-            times.append(1e3 * (t1 - t0))
-    return statistics.median(times)
-
-
-def time_head(head, history=256, rows=1, repeats=5, warmup=2, seed=0):
-    """Median ms of one drafting-head step of `rows` tokens (1: a chain step; L: a lane step)
-    over `history` cached slots (random tokens and hidden states)."""
-    rng = np.random.default_rng(seed)
-    eagle = type(head).__name__ == "Eagle3Head"
-    H = head.hidden_size if eagle else head.args.hidden_size
-    width = head.config["n_aux"] * head.config["target_hidden_size"] if eagle else H  # first-pass rows
-    vocab = int(head._embed.weight.shape[0])
-    dtype = head.norm.weight.dtype
-    cache = head.make_cache()
-    toks = lambda n: mx.array(rng.integers(0, vocab, n).astype(np.uint32))[None]  # noqa: E731
-    hid = lambda n, w: mx.array(rng.standard_normal((1, n, w)).astype(np.float32)).astype(dtype)  # noqa: E731
-    kw = {"first": True} if eagle else {}
-    mx.eval(head(toks(history), cache=cache, hidden=hid(history, width), **kw))
-    kw = {"first": False} if kw else {}
-    times = []
-    for r in range(warmup + repeats):
-        t0 = time.perf_counter()
-        mx.eval(head(toks(rows), cache=cache, hidden=hid(rows, H), **kw))
-        t1 = time.perf_counter()
-        for c in cache:
-            c.trim(rows)
-        if r >= warmup:
-            times.append(1e3 * (t1 - t0))
-    return statistics.median(times)
 
 
 # ---------------------------------------------------------------------------- models from configs

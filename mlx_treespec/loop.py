@@ -327,15 +327,7 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
                 ts = time.perf_counter()
                 mx.eval(draft.arrays(), chosen)
                 tw = time.perf_counter()
-                tree = DraftTree(np.array(draft.tokens).astype(np.int64), draft.layout.host_parents())
-                path, emitted = greedy_walk(tree, np.array(chosen).astype(np.int64),         # walk
-                                            max_emit=None if room == float("inf") else int(room))
-                emitted = [int(t) for t in emitted]
-                for i, t in enumerate(emitted):
-                    if t in stop_tokens:
-                        emitted = emitted[: i + 1]
-                        break
-                path = path[: len(emitted)]
+                tree, path, emitted = _walk(draft, chosen, room, stop_tokens)                     # walk
                 accepted = len(path) - 1
                 logprobs = logits[cached_array(path.astype(np.int32))]
                 logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
@@ -367,6 +359,21 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
                 break
     finally:
         land()
+
+
+def _walk(draft, chosen, room, stop_tokens):
+    """The walk over the fetched draft: (tree, accepted path, emitted tokens), the emission cut
+    at the tokens left and after the first stop token (the path with it: commits keep what was
+    emitted)."""
+    tree = DraftTree(np.array(draft.tokens).astype(np.int64), draft.layout.host_parents())
+    path, emitted = greedy_walk(tree, np.array(chosen).astype(np.int64),
+                                max_emit=None if room == float("inf") else int(room))
+    emitted = [int(t) for t in emitted]
+    for i, t in enumerate(emitted):
+        if t in stop_tokens:
+            emitted = emitted[: i + 1]
+            break
+    return tree, path[: len(emitted)], emitted
 
 
 def _land_delivered(rnd, path, tokens, emitted, delivered, accepted, held, root):

@@ -89,3 +89,24 @@ def test_generate_is_the_function_after_importing_the_submodule():
     r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "mlx_treespec.generate", "--help"],
                        capture_output=True, text=True)
     assert r.returncode == 0 and "RuntimeWarning" not in r.stderr and "--draft-block-size" in r.stdout
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_abandoned_stream_generate_leaves_mlx_lm_s_cache(pair, k):
+    # a chat UI stops at a stop string: break after k responses. mlx-lm's cache then holds the
+    # prompt and k tokens; ours holds the same, and the next turn from it is the same
+    target, drafter, tok = pair
+    caches = []
+    for fn, extra in ((mlx_stream_generate, {}), (stream_generate, dict(draft_model=drafter, tree_topk=3, tree_depth=4))):
+        cache = make_prompt_cache(target)
+        got = []
+        for r in fn(target, tok, "def parse(", max_tokens=40, prompt_cache=cache, **extra):
+            got.append(r.token)
+            if len(got) == k:
+                break
+        caches.append((cache, got))
+    (theirs, a), (ours, b) = caches
+    assert a == b and theirs[0].offset == ours[0].offset
+    nxt = [[r.token for r in mlx_stream_generate(target, tok, "\nclass A:\n", max_tokens=12, prompt_cache=c)]
+           for c in (theirs, ours)]
+    assert nxt[0] == nxt[1]

@@ -28,7 +28,7 @@ def test_loop_section_tiny(tmp_path):
         for name, r in rows.items():  # CPU verifies are bitwise: no arm diverges
             assert r["identical"] == "2/2" and all(d is None for d in r["first_divergence"]), name
         assert rows["mlx-plain"]["x_plain"]["median"] == 1.0
-        assert rows["ddtree:12"]["draft_forwards"]["median"] == 1.0
+        assert 0.9 <= rows["ddtree:12"]["draft_forwards"]["median"] <= 1.0  # one a round (none in a last, empty one)
     assert (tmp_path / "loop.md").read_text().startswith("# loop: demo")
 
 

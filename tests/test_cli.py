@@ -132,3 +132,52 @@ def test_default_draft_shape_is_the_fixed_one_lane_tree():
     r = cli("--prompt", "def parse(", "--max-tokens", "24", "--verbose")
     assert r.returncode == 0, r.stderr
     assert "budget requested 24" in r.stdout and "depth requested 8" in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--max-tokens", "-5"], "-1 for no limit"),
+    (["--draft-block-size", "4", "--tree-budget", "1000"], "--tree-budget"),
+    (["--tree-depth", "4", "--tree-budget", "8"], "--tree-budget"),
+    (["--tree-topk", "3", "--tree-depth", "0"], "--tree-depth"),
+    (["--drafter", "dflash", "--tree-topk", "3"], "--tree-topk"),
+    (["--drafter", "mtp"], "MTP heads are for"),  # the demo target is a qwen3: no MTP layer
+    (["--model", "nonexistent-org/nonexistent-model"], "download it first"),
+])
+def test_more_bad_input_is_one_line_exit_2(args, needle):
+    r = subprocess.run([sys.executable, "-m", "mlx_treespec.generate", *args], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert r.returncode == 2, r.stderr
+    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
+
+
+def test_non_utf8_prompts_are_one_line_errors():
+    r = subprocess.run([sys.executable, "-m", "mlx_treespec.generate", "--prompt", "-"], input=b"def f(\xff\xfe):",
+                       capture_output=True, timeout=300)
+    assert r.returncode == 2 and b"not UTF-8" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = subprocess.run([sys.executable, "-m", "mlx_treespec.generate", "--prompt", b"def f(\xff):".decode(
+        "utf-8", "surrogateescape")], capture_output=True, timeout=300)
+    assert r.returncode == 2 and b"not UTF-8" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_prefill_progress_ends_its_line():
+    r = subprocess.run([sys.executable, "-m", "mlx_treespec.generate", "--prompt", "def parse(value):\n    return value\n" * 8,
+                        "--prefill-step-size", "16", "--max-tokens", "4"], capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    err = r.stderr.decode()
+    assert "\rPrefill:" in err and err.endswith("\n")
+    done, total = err.split("\r")[-1].split()[1].split("/")
+    assert done == total  # the line ends at the whole prompt, then a newline
+
+
+@pytest.mark.parametrize("model,drafter", [("demo", "dflash"), ("demo", "eagle3"), ("demo-hybrid", "mtp"),
+                                           ("demo-hybrid", "dflash")])
+def test_shipped_heads_run_out_of_the_box_and_equal_plain(model, drafter):
+    spec = cli("--model", model, "--drafter", drafter, "--prompt", "import os\n", "--max-tokens", "40", "--verbose")
+    plain = cli("--model", model, "--drafter", "none", "--prompt", "import os\n", "--max-tokens", "40", "--verbose", "F")
+    assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
+    text = spec.stdout.split("==========")[1].strip()
+    assert text == plain.stdout.strip() and text
+    assert "emitted/verify" in spec.stdout
+    rate = float(spec.stdout.split("emitted/verify: ")[1].split(",")[0])
+    assert rate > 1.0  # the trained head's drafts are accepted

@@ -8,6 +8,10 @@ tokenizer, each an mlx-lm folder that ``mlx_lm.load`` opens offline:
 * ``hybrid``: Qwen3.5 text model (mlx-lm ``qwen3_5``): GatedDeltaNet linear attention
   with full attention every 4th layer, 8 layers, hidden 256, ~4.1M parameters.
 
+and drafting heads trained on the targets' hidden states (bench/DEMO_PAIR.md, "The drafting
+heads"): ``dflash`` (a DFlash block drafter for the target), ``hybrid_dflash`` (for the hybrid),
+``eagle3`` (an EAGLE-3 head for the target); the hybrid's MTP layer lives in its own folder.
+
     >>> import mlx_lm
     >>> from mlx_treespec.demo import demo_path
     >>> model, tokenizer = mlx_lm.load(demo_path("target"))
@@ -15,17 +19,18 @@ tokenizer, each an mlx-lm folder that ``mlx_lm.load`` opens offline:
 
 from pathlib import Path
 
-NAMES = ("target", "drafter", "hybrid")
+NAMES = ("target", "drafter", "hybrid")  # mlx-lm model folders
+HEADS = ("dflash", "hybrid_dflash", "eagle3")  # drafting heads (no tokenizer: they use the target's)
 
 
 def demo_path(name: str) -> str:
-    """Folder of the shipped demo model ``name`` ("target", "drafter" or "hybrid")."""
-    if name not in NAMES:
-        raise ValueError(f"unknown demo model {name!r}; expected one of {NAMES}")
+    """Folder of the shipped demo model or head ``name`` (NAMES, HEADS)."""
+    if name not in NAMES + HEADS:
+        raise ValueError(f"unknown demo model {name!r}; expected one of {NAMES + HEADS}")
     path = Path(__file__).resolve().parent / name
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"demo model folder missing or incomplete: {path}")
     return str(path)
 
 
-__all__ = ["NAMES", "demo_path"]
+__all__ = ["NAMES", "HEADS", "demo_path"]

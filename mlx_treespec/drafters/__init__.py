@@ -54,3 +54,26 @@ def dequantize_linears(module):
             lin.set_dtype(floats[0] if floats else mx.float16)
         mx.eval(module.parameters())
     return module
+
+
+def target_io(target):
+    """(text model args, embedding module, lm_head callable) of an mlx-lm model: the text
+    model is `target.language_model` where there is one (qwen3_5, VLM wrappers), else the
+    model itself; lm_head is its `lm_head`, or the embedding as a linear map when tied."""
+    lm = getattr(target, "language_model", None)
+    import mlx.nn as nn
+
+    lm = lm if isinstance(lm, nn.Module) else target
+    inner = getattr(lm, "model", None)
+    embed = getattr(inner, "embed_tokens", None) if inner is not None else None
+    if embed is None:
+        embed = getattr(lm, "embed_tokens", None)
+    if embed is None:
+        raise ValueError(f"cannot find the token embedding of {type(target).__name__} "
+                         "(looked for .model.embed_tokens): pass an mlx-lm model")
+    args = getattr(lm, "args", None) or getattr(target, "args", None)
+    tied = bool(getattr(args, "tie_word_embeddings", False)) if args is not None else False
+    head = getattr(lm, "lm_head", None)
+    if head is None or tied:
+        head = embed.as_linear
+    return args, embed, head

@@ -34,10 +34,9 @@ from mlx_lm.models.rope_utils import initialize_rope
 from ..builders import best_first_tree
 from ..draft import Draft, Layout
 from ..tree import MAX_NODES, chain_parents
-from . import dequantize_linears
+from . import dequantize_linears, target_io
 
-__all__ = ["DFlashModel", "DFlashDrafter", "load_dflash", "bind_dflash", "probe_parents",
-           "default_layer_ids", "target_io"]
+__all__ = ["DFlashModel", "DFlashDrafter", "load_dflash", "bind_dflash", "probe_parents", "default_layer_ids"]
 
 GROW = 256  # rows a context buffer grows by
 
@@ -128,7 +127,7 @@ class DFlashModel(nn.Module):
     def block_logits(self, target, ctx_feats, root):
         """One block over a whole context, no cache (reference semantics, for checks):
         ctx_feats [L, n*H] at positions 0..L-1, block at L..L+B-1; logits [B, V]."""
-        embed, lm_head = target_io(target)
+        _, embed, lm_head = target_io(target)
         L, B = ctx_feats.shape[0], self.block_size
         ctx = self.context(ctx_feats)
         x = embed(mx.array([[int(root)] + [self.mask_token_id] * (B - 1)]))
@@ -143,15 +142,6 @@ class DFlashModel(nn.Module):
             x = x + at.o_proj(o.transpose(0, 2, 1, 3).reshape(1, B, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return lm_head(self.norm(x))[0]
-
-
-def target_io(target):
-    """The target's token embedding and output head (tied: the embedding as a linear map)."""
-    inner = getattr(target, "language_model", target)  # qwen3_5 & co. wrap the text model
-    body = inner.model
-    embed = body.embed_tokens
-    head = getattr(inner, "lm_head", None)
-    return embed, (head if head is not None else embed.as_linear)
 
 
 def load_dflash(path):
@@ -207,7 +197,7 @@ def bind_dflash(drafter, target):
     if target is None:
         raise ValueError("a DFlash drafter reads the target's embedding and hidden states: pass target=")
     model = drafter if isinstance(drafter, DFlashModel) else load_dflash(drafter)
-    embed, lm_head = target_io(target)
+    _, embed, lm_head = target_io(target)
     V, H = embed.weight.shape[0], model.config["hidden_size"]
     t_args = getattr(target, "args", None)
     t_hidden = getattr(t_args, "hidden_size", None) or (getattr(t_args, "text_config", None) or {}).get("hidden_size")

@@ -46,7 +46,7 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .mtp import _one_line, load_checked, quantize_like, read_tensors, target_io
+from .mtp import _one_line, load_checked, quantize_like, read_tensors, step_rows, target_io
 from . import dequantize_linears
 
 __all__ = ["Eagle3Head", "load_eagle3", "default_capture"]
@@ -206,13 +206,7 @@ class Eagle3Head(nn.Module):
         if hidden is None:
             hidden, first = self.pending_hidden, (self.pending_first if first is None else first)
             self.pending_hidden, self.pending_first = None, None
-            if hidden is None:
-                raise ValueError("Eagle3Head needs a hidden: pass hidden= or set head.pending_hidden")
-        if hidden.ndim == 2:
-            hidden = hidden[None]
-        L = inputs.shape[1]
-        if hidden.shape[1] < L:  # filler rows of a padded tree forward: their output is discarded
-            hidden = mx.pad(hidden, ((0, 0), (0, L - hidden.shape[1]), (0, 0)))
+        hidden = step_rows(hidden, inputs.shape[1], "Eagle3Head")
         if first is None:
             first = hidden.shape[-1] != self.hidden_size
         g = self.project(hidden) if first else hidden

@@ -38,7 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
-from . import dequantize_linears
+from . import dequantize_linears, target_io  # noqa: F401 (eagle3.py imports it from here)
 
 __all__ = ["MTPHead", "load_mtp", "target_io", "read_tensors", "quantize_like"]
 
@@ -63,25 +63,16 @@ def _one_line(msg):
     return " ".join(str(msg).split())
 
 
-def target_io(target):
-    """(text model args, embedding module, lm_head callable) of an mlx-lm model: the text
-    model is `target.language_model` where there is one (qwen3_5, VLM wrappers), else the
-    model itself; lm_head is its `lm_head`, or the embedding as a linear map when tied."""
-    lm = getattr(target, "language_model", None)
-    lm = lm if isinstance(lm, nn.Module) else target
-    inner = getattr(lm, "model", None)
-    embed = getattr(inner, "embed_tokens", None) if inner is not None else None
-    if embed is None:
-        embed = getattr(lm, "embed_tokens", None)
-    if embed is None:
-        raise ValueError(f"cannot find the token embedding of {type(target).__name__} "
-                         "(looked for .model.embed_tokens): pass an mlx-lm model")
-    args = getattr(lm, "args", None) or getattr(target, "args", None)
-    tied = bool(getattr(args, "tie_word_embeddings", False)) if args is not None else False
-    head = getattr(lm, "lm_head", None)
-    if head is None or tied:
-        head = embed.as_linear
-    return args, embed, head
+def step_rows(hidden, L, who):
+    """A head step's hidden rows as [1, L, H]: padded with zero rows to the step's L tokens
+    (the filler rows of a padded GPU tree forward, whose output is discarded)."""
+    if hidden is None:
+        raise ValueError(f"{who} needs a hidden state: pass hidden= or set head.pending_hidden")
+    if hidden.ndim == 2:
+        hidden = hidden[None]
+    if hidden.shape[1] < L:
+        hidden = mx.pad(hidden, ((0, 0), (0, L - hidden.shape[1]), (0, 0)))
+    return hidden
 
 
 def _safetensors_keys(path):
@@ -271,13 +262,7 @@ class MTPHead(nn.Module):
             raise ValueError("MTPHead is not bound to a target: call head.bind(target)")
         if hidden is None:
             hidden, self.pending_hidden = self.pending_hidden, None
-            if hidden is None:
-                raise ValueError("MTPHead needs the target hidden: pass hidden= or set head.pending_hidden")
-        if hidden.ndim == 2:
-            hidden = hidden[None]
-        L = inputs.shape[1]
-        if hidden.shape[1] < L:  # filler rows of a padded tree forward: their output is discarded
-            hidden = mx.pad(hidden, ((0, 0), (0, L - hidden.shape[1]), (0, 0)))
+        hidden = step_rows(hidden, inputs.shape[1], "MTPHead")
         e = self._embed(inputs)
         u = self.fc(mx.concatenate([self.pre_fc_norm_embedding(e), self.pre_fc_norm_hidden(hidden)], axis=-1))
         c = cache[0] if cache is not None else None

@@ -38,6 +38,9 @@ def make_drafter(draft_model=None, *, drafter=None, target=None, **options):
     (plain decoding)."""
     if drafter is not None and not isinstance(drafter, str):
         given = [k for k, v in options.items() if v is not None]
+        if options.get("draft_lookup"):
+            raise ValueError("--draft-lookup adds lookup nodes to a draft model's tree: use it with "
+                             "--draft-model, not --drafter")
         if given:
             raise ValueError(f"drafter= is a drafter object: its shape is its own; drop {', '.join(given)} "
                              "(or pass drafter='model' with a draft model)")
