@@ -4,6 +4,8 @@
 #   target   demo target: plain vs draft-model chain/tree vs DFlash/DDTree vs EAGLE-3, unseen and held-out prompts
 #   hybrid   demo hybrid (GatedDeltaNet): plain vs draft model vs DFlash/DDTree vs MTP
 #   proj     8B-shape projections (DFlash bf16 and 4-bit, EAGLE-3, MTP) from the measured acceptance
+#            (PROJ="dflash eagle3 mtp" picks which)
+#   long     tree verify vs causal forward at 1k/8k/32k context: qwen3-8B shape (bf16, 4-bit), demo target
 #   gdn      GatedDeltaNet tree kernel (CUDA twin) vs the ops reference
 # DFLASH, HYBRID_DFLASH, EAGLE3 override the shipped demo drafters (folders).
 set -u
@@ -16,19 +18,23 @@ for section in "$@"; do
   case $section in
     target) timeout ${TARGET_TIMEOUT:-170} python3 bench/run.py loop --section target --target demo \
               ${DFLASH:+--dflash $DFLASH} ${EAGLE3:+--eagle3 $EAGLE3} \
-              --arms plain,chain:6,tree:3:8,dflash:7,dflash:15,ddtree:15,ddtree:31,eagle3-chain:5,eagle3-tree:3:5 \
+              --arms plain,chain:6,tree:3:8,dflash:15,ddtree:31,ddtree:63,eagle3-tree:3:5 \
               --prompts unseen,heldout --n $N --max-tokens $TOKENS --seconds ${TARGET_SECONDS:-120} --out "$OUT/target" ;;
     hybrid) timeout ${HYBRID_TIMEOUT:-170} python3 bench/run.py loop --section hybrid --target demo-hybrid \
               ${HYBRID_DFLASH:+--dflash $HYBRID_DFLASH} \
-              --arms plain,chain:6,tree:3:8,dflash:7,dflash:15,ddtree:15,ddtree:31,mtp-chain:3,mtp-chain:5,mtp-tree:3:5 \
+              --arms plain,tree:3:8,dflash:15,ddtree:31,mtp-chain:5,mtp-tree:3:5 \
               --prompts unseen,heldout --n $N --max-tokens $TOKENS --seconds ${HYBRID_SECONDS:-120} --out "$OUT/hybrid" ;;
     proj) for f in "dflash qwen3_8b qwen3_8b_dflash target 0,4" "eagle3 llama3_8b llama3_8b_eagle3 target 0" \
                    "mtp qwen3_5_9b - hybrid 0"; do
             set -- $f
+            case " ${PROJ:-dflash eagle3 mtp} " in *" $1 "*) ;; *) continue ;; esac
             timeout ${PROJ_TIMEOUT:-100} python3 bench/run.py proj --family $1 --config bench/configs/$2.json \
               $([ "$3" = - ] || echo --head-config bench/configs/$3.json) --acceptance "$OUT/$4.json" \
               --prompt-set unseen --q-bits $5 --out "$OUT/proj_$1"
           done ;;
+    long) timeout ${LONG_TIMEOUT:-150} python3 bench/run.py long --config bench/configs/qwen3_8b.json \
+            --contexts 1024,8192,32768 --q-bits 0,4 --repeats 5 --out "$OUT/long_8b"
+          timeout 60 python3 bench/run.py long --config demo --contexts 1024,8192,32768 --repeats 5 --out "$OUT/long_demo" ;;
     gdn) timeout 150 python3 bench/gdn_kernel_bench.py --out "$OUT/gdn.json" 2>&1 | tee "$OUT/gdn.md" ;;
   esac
 done

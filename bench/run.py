@@ -5,6 +5,7 @@
     python bench/run.py acceptance --target demo --arms tree:3:8,ddtree:31 --prompts unseen --n 12
     python bench/run.py proj --acceptance FILE.json --family dflash --config bench/configs/qwen3_8b.json \\
         --head-config bench/configs/qwen3_8b_dflash.json --q-bits 0,4
+    python bench/run.py long --config bench/configs/qwen3_8b.json --contexts 1024,8192,32768 --q-bits 0,4
     python bench/run.py unseen-prompts        # (re)writes bench/unseen_prompts.json
 
 Arms use mlx_treespec.spec's grammar (plain, chain:K, tree:K:S[:B[:L]], lookup:B:D,
@@ -428,6 +429,185 @@ def time_head(head, history=256, rows=1, repeats=5, warmup=2, seed=0):
     return statistics.median(times)
 
 
+def _filled_caches(model, context, room=512, seed=0):
+    """The target's caches holding `context` random K/V rows (costs do not depend on the values;
+    a 32k-token prefill of an 8B model would cost more than the measurement)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    caches = make_prompt_cache(model)
+    mx.random.seed(seed)
+    cap = -(-(context + room) // 256) * 256
+    for c in caches:
+        if type(c) is not KVCache:
+            raise SystemExit(f"long: attention-only targets ({type(c).__name__} found)")
+    layer = model.layers[0].self_attn
+    n_kv = getattr(layer, "n_kv_heads", None) or getattr(layer, "num_key_value_heads")
+    head_dim = layer.k_proj.weight.shape[0] // n_kv if not hasattr(layer, "head_dim") else layer.head_dim
+    dtype = model.layers[0].input_layernorm.weight.dtype
+    for c in caches:
+        c.keys = (0.5 * mx.random.normal((1, n_kv, cap, head_dim))).astype(dtype)
+        c.values = (0.5 * mx.random.normal((1, n_kv, cap, head_dim))).astype(dtype)
+        c.offset = context
+    mx.eval([c.state for c in caches])
+    return caches, n_kv, head_dim, dtype
+
+
+def run_long(args):
+    """A tree verify of T nodes against mlx-lm's own causal forward of T tokens and plain
+    decoding, at each context length, arms interleaved per repeat; then the attention alone in
+    each mask form, one layer's shape, to show where a verify's time goes."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_treespec import costmodel
+    from mlx_treespec.draft import Draft, Layout
+    from mlx_treespec.probe import representative_tree_parents
+    from mlx_treespec.tree import depths_of
+    from mlx_treespec.verify import TreeRound
+
+    contexts = [int(c) for c in args.contexts.split(",")]
+    T = args.nodes
+    parents = representative_tree_parents(2, min(T - 1, 12), T - 1)
+    report = dict(meta=run_meta(section=args.section, config=args.config, contexts=contexts, nodes=T), variants=[])
+    md = [f"# {args.section}: tree verify vs causal forward at long context (commit {report['meta']['commit']})", "",
+          f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
+          f"T = {T} nodes (a two-wide tree of depth {int(max(depths_of(parents)))}); median ms of {args.repeats} repeats, arms interleaved; K/V rows random (values do not change costs).", ""]
+    targets = []
+    if args.config == "demo":
+        targets.append(("demo target", lambda: load_target("demo")[0]))
+    else:
+        cfg = costmodel.load_config(args.config)
+        for q in [None if b in ("0", "") else int(b) for b in args.q_bits.split(",")]:
+            targets.append((f"{Path(args.config).stem} {args.dtype}" + (f" {q}-bit" if q else ""),
+                            lambda q=q: costmodel.build_from_config(cfg, args.dtype, q)))
+    for label, build in targets:
+        model = build()
+        rows = []
+        for ctx in contexts:
+            caches, n_kv, head_dim, dtype = _filled_caches(model, ctx)
+            rng = np.random.default_rng(ctx)
+            tokens = mx.array(rng.integers(0, 1000, T).astype(np.uint32))
+            one = mx.array([[7]], mx.uint32)
+
+            def plain():
+                for c in caches:
+                    c.offset = ctx
+                t0 = time.perf_counter()
+                y = None
+                for _ in range(8):  # pipelined like generate_step: queue the next before reading
+                    logits = model(one, cache=caches)
+                    nxt = mx.argmax(logits[0, -1])
+                    mx.async_eval(nxt)
+                    if y is not None:
+                        y.item()
+                    y = nxt
+                y.item()
+                dt = (time.perf_counter() - t0) / 8
+                for c in caches:
+                    c.offset = ctx
+                return dt
+
+            def causal():
+                t0 = time.perf_counter()
+                mx.eval(model(tokens[None], cache=caches))
+                dt = time.perf_counter() - t0
+                for c in caches:
+                    c.offset = ctx
+                return dt
+
+            def tree():
+                rnd = TreeRound(model, caches)
+                t0 = time.perf_counter()
+                logits, _ = rnd.verify(Draft(tokens, Layout.fixed(parents)))
+                mx.eval(logits)
+                dt = time.perf_counter() - t0
+                rnd.abort()
+                return dt
+
+            arms = dict(plain=plain, causal=causal, tree=tree)
+            times = {a: [] for a in arms}
+            for r in range(args.repeats + 2):
+                for a, f in arms.items():
+                    dt = f()
+                    if r >= 2:
+                        times[a].append(1e3 * dt)
+            med = {a: statistics.median(v) for a, v in times.items()}
+            attn = _attention_forms(model, ctx, T, n_kv, head_dim, dtype, caches[0].keys.shape[2], args.repeats)
+            rows.append(dict(context=ctx, **{f"{a}_ms": m for a, m in med.items()},
+                             tree_over_causal=med["tree"] / med["causal"], attention_ms=attn))
+            log(f"{label} ctx {ctx}: plain {med['plain']:.2f} causal {med['causal']:.2f} tree {med['tree']:.2f} "
+                f"ms; attention " + ", ".join(f"{k} {v:.3f}" for k, v in attn.items()))
+            del caches
+            mx.clear_cache()
+        forms = list(rows[0]["attention_ms"])
+        md += [f"## {label}", "", "| context | plain ms/token | causal forward T ms | tree verify T ms | tree / causal | "
+               + " | ".join(f"attn {f} ms" for f in forms) + " |", "|---" * (5 + len(forms)) + "|"]
+        md += [f"| {r['context']} | {r['plain_ms']:.2f} | {r['causal_ms']:.2f} | {r['tree_ms']:.2f} | "
+               f"{r['tree_over_causal']:.2f} | " + " | ".join(f"{r['attention_ms'][f]:.3f}" for f in forms) + " |"
+               for r in rows]
+        md.append("")
+        report["variants"].append(dict(target=label, rows=rows))
+        write(args, report, md, echo=False)
+        del model
+        mx.clear_cache()
+    write(args, report, md)
+
+
+def _attention_forms(model, ctx, T, n_kv, head_dim, dtype, width, repeats):
+    """ms of one layer's attention (all layers' worth: x n_layers) in each mask form."""
+    layer = model.layers[0].self_attn
+    n_q = getattr(layer, "n_heads", None) or getattr(layer, "num_attention_heads")
+    n_layers = len(model.layers)
+    scale = head_dim ** -0.5
+    q = mx.random.normal((1, n_q, T, head_dim)).astype(dtype)
+    k = mx.random.normal((1, n_kv, width, head_dim)).astype(dtype)
+    v = mx.random.normal((1, n_kv, width, head_dim)).astype(dtype)
+    used = ctx + T
+    tree = np.tril(np.ones((T, T), bool))
+    tree[T // 2 :, : T // 4] = False  # some rows miss some nodes: not a causal mask
+    rows = np.concatenate([np.ones((T, ctx), bool), tree, np.zeros((T, width - used), bool)], axis=1)
+    bool_full = mx.array(rows)
+    add_full = mx.where(bool_full, mx.array(0, dtype), mx.array(-np.inf, dtype))
+    bool_used, add_used = bool_full[:, :used], add_full[:, :used]
+    ku, vu = k[:, :, :used], v[:, :, :used]
+    forms = {
+        "causal": lambda: mx.fast.scaled_dot_product_attention(q, ku, vu, scale=scale, mask="causal"),
+        "bool": lambda: mx.fast.scaled_dot_product_attention(q, ku, vu, scale=scale, mask=bool_used),
+        "additive": lambda: mx.fast.scaled_dot_product_attention(q, ku, vu, scale=scale, mask=add_used),
+        "bool whole buffer": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=bool_full),
+        "additive whole buffer": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=add_full),
+        "cascade (fused history + tree ops)": lambda: _split_attention(q, ku, vu, scale, ctx, mx.array(tree)),
+    }
+    mx.eval(q, k, v, bool_full, add_full, ku, vu)
+    out = {}
+    for name, f in forms.items():
+        times = []
+        for r in range(repeats + 1):
+            t0 = time.perf_counter()
+            mx.eval([f() for _ in range(n_layers)])
+            if r:
+                times.append(1e3 * (time.perf_counter() - t0))
+        out[name] = statistics.median(times)
+    return out
+
+
+def _split_attention(q, k, v, scale, ctx, tree):
+    """The history by the fused kernel (no mask) and the tree window by ops, merged by their
+    log-sum-exps (the history's from one score matmul): what a cascade costs in MLX ops."""
+    kh, vh, kt, vt = k[:, :, :ctx], v[:, :, :ctx], k[:, :, ctx:], v[:, :, ctx:]
+    n_q, n_kv = q.shape[1], k.shape[1]
+    g = n_q // n_kv
+    qg = q.reshape(1, n_kv, g * q.shape[2], q.shape[3])
+    s_h = (qg * scale) @ kh.swapaxes(-1, -2)
+    lse_h = mx.logsumexp(s_h.astype(mx.float32), axis=-1, keepdims=True)
+    o_h = mx.fast.scaled_dot_product_attention(q, kh, vh, scale=scale).reshape(qg.shape)
+    s_t = ((qg * scale) @ kt.swapaxes(-1, -2)).astype(mx.float32)
+    s_t = mx.where(mx.tile(tree, (g, 1)), s_t, -np.inf)
+    lse_t = mx.logsumexp(s_t, axis=-1, keepdims=True)
+    o_t = (mx.softmax(s_t, axis=-1).astype(v.dtype) @ vt)
+    lse = mx.logaddexp(lse_h, lse_t)
+    o = mx.exp(lse_h - lse) * o_h + mx.exp(lse_t - lse) * o_t
+    return o.astype(q.dtype).reshape(q.shape)
+
+
 def make_unseen_prompts(args):
     """Prompts from text the demo models never saw: this project's own source files (written
     after the demo corpus was collected from a Python installation's stdlib and site-packages).
@@ -476,7 +656,7 @@ def _json(o):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=["loop", "acceptance", "proj", "unseen-prompts"])
+    p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "unseen-prompts"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
     p.add_argument("--target", default="demo")
     p.add_argument("--draft-model", default=None)
@@ -499,12 +679,15 @@ def main(argv=None):
     p.add_argument("--q-bits", default="0,4")
     p.add_argument("--costs", default=None, help="proj: round costs measured elsewhere (JSON) instead of timing here")
     p.add_argument("--history", type=int, default=512)
+    p.add_argument("--contexts", default="1024,8192,32768", help="long: committed tokens before the verify")
+    p.add_argument("--nodes", type=int, default=32, help="long: tree nodes (and causal tokens) per forward")
+    p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--overhead-ms", type=float, default=0.5)
     p.add_argument("--out", default=None, help="write OUT.md and OUT.json instead of bench/results/")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     args.section = args.section or args.command
-    {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj,
+    {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
      "unseen-prompts": make_unseen_prompts}[args.command](args)
 
 

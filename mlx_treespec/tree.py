@@ -340,6 +340,34 @@ def root_path(parents, i) -> np.ndarray:
     return np.array(out[::-1], dtype=np.int64)
 
 
+def preorder(parents) -> np.ndarray:
+    """A depth-first order of the nodes, each node's children in their id order: `order[j]` is
+    the old id of new node j (node 0 first). Where children come in rank order (best-first
+    trees), the best child's chain takes ids 1, 2, ... : the path a target most often accepts
+    sits at consecutive positions, so its commit is a trim (no K/V row moves, nothing re-run)."""
+    p = check_parents(parents).tolist()
+    children = [[] for _ in p]
+    roots = []
+    for i, q in enumerate(p):
+        (children[q] if q >= 0 else roots).append(i)
+    order, stack = [], roots[::-1]
+    while stack:
+        i = stack.pop()
+        order.append(i)
+        stack.extend(children[i][::-1])
+    return np.array(order, dtype=np.int64)
+
+
+def relabel(parents, order) -> np.ndarray:
+    """The parents of the same tree with node `order[j]` renamed j (order puts parents first)."""
+    p = check_parents(parents)
+    order = np.asarray(order, np.int64)
+    new_id = np.empty(len(order), np.int64)
+    new_id[order] = np.arange(len(order))
+    old = p[order]
+    return np.where(old < 0, -1, new_id[np.maximum(old, 0)])
+
+
 def chain_parents(n) -> np.ndarray:
     """The parents of a chain of n nodes: [-1, 0, 1, ..., n - 2] (int64)."""
     return np.arange(-1, int(n) - 1, dtype=np.int64)

@@ -524,8 +524,26 @@ class TreeRound:
                 # filler rows sit at the committed offset: the window never hides their keys
                 near = mx.pad(near, ((0, p), (0, mask.shape[1] - near.shape[1])), constant_values=True)
                 mask = mask & near
+            dtype = self._additive_dtype()
+            if dtype is not None:
+                mask = mx.where(mask, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
             self._masks[window] = mask
         return mask
+
+    def _additive_dtype(self):
+        """The dtype of an additive mask, where the verify should get one (else None).
+
+        On a GPU, MLX's fused attention takes additive masks only: each layer would convert a
+        boolean mask again, and at long context the boolean form costs 2-3x the additive one
+        (bench/RESULTS.md, long context). One additive mask per round, in the keys' dtype, serves
+        every layer. On CPU the boolean mask stays: its arithmetic is plain decoding's, bitwise.
+        """
+        if not self.pad_keys:
+            return None
+        for c, kind in zip(self.caches, self.kinds):
+            if kind == "append" and type(c).__name__ == "KVCache" and c.keys is not None:
+                return c.keys.dtype
+        return None
 
     @staticmethod
     def _rotating_state(inner):

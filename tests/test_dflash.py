@@ -12,6 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import tiny
 from mlx_treespec import RoundStats, make_drafter, tree_generate_step
 from mlx_treespec.builders import best_first_tree
+from mlx_treespec.tree import preorder, root_path
 from mlx_treespec.drafters.dflash import DFlashDrafter, DFlashModel, bind_dflash, load_dflash
 from mlx_treespec.verify import capturing
 
@@ -230,9 +231,25 @@ def test_ddtree_is_the_best_first_tree_of_the_block(targets, folders):
         lp = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
         want = best_first_tree(17, lp, budget)
         assert draft.size == budget + 1 == want.size
-        assert np.array_equal(draft.layout.parents, want.parents)
-        assert np.array_equal(np.array(draft.tokens), want.tokens)
+        assert paths(draft.layout.parents, np.array(draft.tokens)) == paths(want.parents, want.tokens)
         assert want.max_depth <= bound.model.block_size - 1
+        # numbered depth-first, children best first: the most probable chain is nodes 0, 1, 2, ...
+        parents, tokens = draft.layout.parents, np.array(draft.tokens)
+        assert np.array_equal(preorder(parents), np.arange(draft.size))
+        chain, d = [0], 0
+        while (parents == chain[-1]).any():
+            kids = np.flatnonzero(parents == chain[-1])
+            chain.append(int(kids[np.argmax(lp[d, tokens[kids]])]))
+            d += 1
+        assert chain == list(range(len(chain)))
+
+
+def paths(parents, tokens):
+    """A tree as the set of its root paths' token tuples (the same tree in any numbering)."""
+    out = set()
+    for i in range(len(parents)):
+        out.add(tuple(int(tokens[j]) for j in root_path(parents, i)))
+    return out
 
 
 def test_loader_errors_name_the_fix(tmp_path, targets, folders):

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_treespec.tree import MAX_NODES, DraftTree
+from mlx_treespec.tree import MAX_NODES, DraftTree, preorder, relabel, root_path
 
 FAST = settings(max_examples=100, deadline=None)
 
@@ -237,3 +237,17 @@ def test_siblings_never_ancestors_of_each_other(tree):
             for b in kids:
                 if a != b:
                     assert not mask[a, b]
+
+
+@given(random_trees())
+@FAST
+def test_preorder_renumbers_the_same_tree_depth_first(tree):
+    order = preorder(tree.parents)
+    parents = relabel(tree.parents, order)
+    assert sorted(order.tolist()) == list(range(tree.size))
+    assert (parents[1:] < np.arange(1, tree.size)).all() and parents[0] == -1  # parents first
+    # the same tree: every node's root path maps to the old node's root path
+    for j, i in enumerate(order):
+        assert order[root_path(parents, j)].tolist() == root_path(tree.parents, i).tolist()
+    # depth first, children in their old id order: a node's subtree is a run of ids after it
+    assert np.array_equal(preorder(parents), np.arange(tree.size))

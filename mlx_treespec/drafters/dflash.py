@@ -33,7 +33,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ..builders import best_first_tree
 from ..draft import Draft, Layout
-from ..tree import MAX_NODES, chain_parents
+from ..tree import MAX_NODES, chain_parents, preorder, relabel
 from . import dequantize_linears, target_io
 
 __all__ = ["DFlashModel", "DFlashDrafter", "load_dflash", "bind_dflash", "probe_parents", "default_layer_ids"]
@@ -253,6 +253,7 @@ class DFlashDrafter:
         else:
             self.budget = budget or default_budget(self.block)
             self.topk = topk or self.budget
+        self._forward = self._compile()
         self.reset()
 
     # ------------------------------------------------------------------ the context cache
@@ -310,7 +311,7 @@ class DFlashDrafter:
     # ------------------------------------------------------------------ drafting
 
     def _block_logits(self, root):
-        """One forward: the pending context rows (padded to B) and the block [1, B, V]."""
+        """One forward: the pending context rows (padded to B) and the block [B, V]."""
         m, B = self.bound.model, self.block
         n = 0 if self.pending is None else self.pending.shape[0]
         self.forwards = 1
@@ -318,39 +319,52 @@ class DFlashDrafter:
             self._write_context(self.pending[: n - B])
             self.pending, n = self.pending[n - B :], B
             self.forwards += 1
-        P, L0 = B, self.length
-        root_pos = L0 + n
-        self._room(L0 + P + B)
-        width = self.keys[0].shape[2]
-        feats = self.pending if n else None
-        if feats is not None and n < P:
-            feats = mx.concatenate([feats, mx.zeros((P - n, feats.shape[1]), feats.dtype)])
-        ctx = m.context(feats) if feats is not None else None
+        L0 = self.length
+        self._room(L0 + 2 * B)
+        width = len(m.target_layer_ids) * m.config["hidden_size"]
+        dtype = m.hidden_norm.weight.dtype
+        feats = self.pending if n else mx.zeros((0, width), dtype)
+        if n < B:  # padded rows: written after the context, hidden by the mask, overwritten next round
+            feats = mx.concatenate([feats.astype(dtype), mx.zeros((B - n, width), dtype)])
         root = root if isinstance(root, mx.array) else mx.array([int(root)], mx.uint32)
-        tokens = mx.concatenate([root.reshape(1).astype(mx.uint32),
-                                 mx.full((B - 1,), int(m.mask_token_id), mx.uint32)])
-        x = self.bound.embed(tokens[None])
-        cols = mx.arange(width)
-        mask = (cols < root_pos) | ((cols >= L0 + P) & (cols < L0 + P + B))
-        for i, layer in enumerate(m.layers):
-            at = layer.self_attn
-            xn = layer.input_layernorm(x)
-            q = at.rope(at.heads(xn, at.q_proj, at.n_heads, at.q_norm), offset=root_pos)
-            kb, vb = at.kv(xn, root_pos)
-            if ctx is not None:
+        logits, self.keys, self.values = self._forward(feats, root.reshape(1).astype(mx.uint32),
+                                                       mx.array(L0, mx.int32), mx.array(n, mx.int32),
+                                                       self.keys, self.values)
+        self.length, self.pending = L0 + n, None
+        return logits
+
+    def _compile(self):
+        """The block forward as one compiled function: the graph is traced once per buffer
+        width, so a round spends no Python per op and the device runs fused kernels."""
+        m, embed, lm_head, B = self.bound.model, self.bound.embed, self.bound.lm_head, self.block
+        mask_tokens = mx.full((B - 1,), int(m.mask_token_id), mx.uint32)
+
+        def forward(feats, root, L0, n, keys, values):
+            # context rows go to [L0, L0 + B), the block to [L0 + B, L0 + 2B); the block sits at
+            # positions L0 + n.. (right after the real context rows)
+            ctx = m.context(feats)
+            x = embed(mx.concatenate([root, mask_tokens])[None])
+            pos = L0 + n
+            cols = mx.arange(keys[0].shape[2])
+            mask = (cols < pos) | ((cols >= L0 + B) & (cols < L0 + 2 * B))
+            start = L0.reshape(1)
+            new_keys, new_values = [], []
+            for layer, kbuf, vbuf in zip(m.layers, keys, values):
+                at = layer.self_attn
+                xn = layer.input_layernorm(x)
+                q = at.rope(at.heads(xn, at.q_proj, at.n_heads, at.q_norm), offset=pos)
+                kb, vb = at.kv(xn, pos)
                 kc, vc = at.kv(ctx, L0)
-                kb, vb = mx.concatenate([kc, kb], axis=2), mx.concatenate([vc, vb], axis=2)
-                self.keys[i][..., L0 : L0 + P + B, :] = kb
-                self.values[i][..., L0 : L0 + P + B, :] = vb
-            else:
-                self.keys[i][..., L0 + P : L0 + P + B, :] = kb
-                self.values[i][..., L0 + P : L0 + P + B, :] = vb
-            o = mx.fast.scaled_dot_product_attention(q, self.keys[i], self.values[i], scale=at.scale,
-                                                     mask=mask)
-            x = x + at.o_proj(o.transpose(0, 2, 1, 3).reshape(1, B, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        self.length, self.pending = root_pos, None
-        return self.bound.lm_head(m.norm(x))[0]
+                kbuf = mx.slice_update(kbuf, mx.concatenate([kc, kb], axis=2), start, axes=(2,))
+                vbuf = mx.slice_update(vbuf, mx.concatenate([vc, vb], axis=2), start, axes=(2,))
+                new_keys.append(kbuf)
+                new_values.append(vbuf)
+                o = mx.fast.scaled_dot_product_attention(q, kbuf, vbuf, scale=at.scale, mask=mask)
+                x = x + at.o_proj(o.transpose(0, 2, 1, 3).reshape(1, B, -1))
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+            return lm_head(m.norm(x))[0], new_keys, new_values
+
+        return mx.compile(forward)
 
     def draft(self, root, max_depth):
         depth = min(self.depth, max_depth)
@@ -369,11 +383,14 @@ class DFlashDrafter:
         top = mx.take_along_axis(logprobs, ids, axis=-1)
         mx.eval(ids, top)  # the tree is built on the host: the round's extra sync
         ids, top = np.array(ids), np.array(top)
-        # best-first over column ranks (a column is a rank: its token is ids[position, column])
+        # best-first over column ranks (a column is a rank: its token is ids[position, column]);
+        # renumbered depth-first so the most probable chain takes ids 1, 2, ... (see tree.preorder)
         tree = best_first_tree(0, top, self.budget)
-        cols, depths = tree.tokens[1:], tree.depths[1:]
+        order = preorder(tree.parents)
+        parents = relabel(tree.parents, order)
+        cols, depths = tree.tokens[order][1:], tree.depths[order][1:]
         tokens = np.concatenate([[int(root)], ids[depths - 1, cols]]).astype(np.uint32)
-        return Draft(mx.array(tokens), Layout.host(tree.parents), budget=self.budget, depth=depth,
+        return Draft(mx.array(tokens), Layout.host(parents), budget=self.budget, depth=depth,
                      forwards=self.forwards)
 
     def probe_parents(self):
