@@ -41,6 +41,11 @@ DEMO_DRAFTERS = {"demo": {"model": "demo-drafter", "dflash": "demo-dflash", "eag
                  "demo-hybrid": {"model": "demo-drafter", "dflash": "demo-hybrid-dflash", "mtp": "demo-hybrid"}}
 
 
+def _commit(meta):
+    """The commit a run names, marked where the files run were not that commit's."""
+    return f"{meta['commit']}" + (", files differing from it" if meta.get("tree_differs_from_commit") else "")
+
+
 def log(msg):
     print(msg, file=sys.stderr, flush=True)
 
@@ -126,7 +131,7 @@ def run_loop(args):
     names = ["mlx-plain"] + [a for a in args.arms.split(",") if a and a != "mlx-plain"]
     report = dict(meta=run_meta(section=args.section, target=args.target, arms=names,
                                 max_tokens=args.max_tokens), sets={})
-    md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {report['meta']['commit']})", "",
+    md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", ""]
     budget = args.seconds / max(len(args.prompts.split(",")), 1) if args.seconds else None
     for pset in args.prompts.split(","):
@@ -205,7 +210,7 @@ def run_acceptance(args):
     names = ["plain"] + [a for a in args.arms.split(",") if a and a != "plain"]
     report = dict(meta=run_meta(section=args.section, target=args.target, arms=names,
                                 max_tokens=args.max_tokens), sets={})
-    md = [f"# {args.section}: {args.target} (commit {report['meta']['commit']})", "",
+    md = [f"# {args.section}: {args.target} (commit {_commit(report['meta'])})", "",
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", ""]
     for pset in args.prompts.split(","):
         texts = load_prompts(pset)[: args.n]
@@ -261,7 +266,7 @@ def run_proj(args):
     head_cfg = json.loads(Path(args.head_config).read_text()) if args.head_config else None
     report = dict(meta=run_meta(section=args.section, acceptance=args.acceptance, prompt_set=pset,
                                 config=args.config, head_config=args.head_config, family=family), variants=[])
-    md = [f"# {args.section}: {family} projection over {Path(args.config).stem} (commit {report['meta']['commit']})", "",
+    md = [f"# {args.section}: {family} projection over {Path(args.config).stem} (commit {_commit(report['meta'])})", "",
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
           f"Acceptance (emitted per verify) measured on the demo pair, {pset} prompts, from "
           f"{args.acceptance}; round costs timed here with random weights: **projections**.", ""]
@@ -300,7 +305,7 @@ def proj_from_costs(args, tau, pset):
     costs = json.loads(Path(args.costs).read_text())
     report = dict(meta=run_meta(section=args.section, acceptance=args.acceptance, prompt_set=pset,
                                 costs=args.costs, overhead_ms=args.overhead_ms), variants=[])
-    md = [f"# {args.section}: DFlash / DDTree projected from measured round costs (commit {report['meta']['commit']})",
+    md = [f"# {args.section}: DFlash / DDTree projected from measured round costs (commit {_commit(report['meta'])})",
           "", f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
           f"Acceptance (emitted per verify): {args.acceptance}, {pset} prompts. Costs: {args.costs} "
           f"({costs.get('_about', '')}). **Projections.**", ""]
@@ -378,7 +383,7 @@ def time_plain(model, history=256, tokens=64, seed=0):
     return 1e3 * (time.perf_counter() - t_first) / (tokens - 1)
 
 
-def time_dflash(bound, target, history=256, new_rows=8, repeats=5, warmup=2, seed=0):
+def time_dflash(bound, target, history=256, new_rows=8, repeats=7, warmup=6, seed=0):
     """Median ms of one DFlash draft forward (its block and `new_rows` new context rows) over a
     context of `history` rows, as a round runs it (the chain's argmax read back)."""
     from mlx_treespec.drafters.dflash import DFlashDrafter
@@ -467,7 +472,7 @@ def run_long(args):
     T = args.nodes
     parents = representative_tree_parents(2, min(T - 1, 12), T - 1)
     report = dict(meta=run_meta(section=args.section, config=args.config, contexts=contexts, nodes=T), variants=[])
-    md = [f"# {args.section}: tree verify vs causal forward at long context (commit {report['meta']['commit']})", "",
+    md = [f"# {args.section}: tree verify vs causal forward at long context (commit {_commit(report['meta'])})", "",
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
           f"T = {T} nodes (a two-wide tree of depth {int(max(depths_of(parents)))}); median ms of {args.repeats} repeats, arms interleaved; K/V rows random (values do not change costs).", ""]
     targets = []

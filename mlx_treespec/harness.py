@@ -138,17 +138,21 @@ def run_meta(**kw):
         except Exception:
             return None
 
+    root = Path(__file__).resolve().parents[1]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parents[1], timeout=10).stdout.strip() or None
+                                cwd=root, timeout=10).stdout.strip() or None
+        # a copy of the tree (a device run) may carry an older .git: then the files differ from it
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                    capture_output=True, text=True, cwd=root, timeout=10).stdout.strip())
     except Exception:
-        commit = None
+        commit, dirty = None, None
     info = {}
     try:
         info = {k: str(v) for k, v in mx.device_info().items() if isinstance(v, (str, int, float))}
     except Exception:
         pass
-    return dict(time=time.strftime("%Y-%m-%d %H:%M:%S"), commit=commit,
+    return dict(time=time.strftime("%Y-%m-%d %H:%M:%S"), commit=commit, tree_differs_from_commit=dirty,
                 device=str(mx.default_device().type).split(".")[-1], device_info=info,
                 mlx=version("mlx"), mlx_lm=version("mlx-lm"), python=platform.python_version(),
                 argv=sys.argv[1:], **kw)

@@ -322,6 +322,7 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
             t1 = time.perf_counter()
             rnd = TreeRound(model, caches, capture)
             try:
+                draft = rnd.fit(draft, held)
                 logits, depths = rnd.verify(draft, held)                                      # verify
                 chosen = choose(logits, None if choose.greedy else base + depths)
                 ts = time.perf_counter()

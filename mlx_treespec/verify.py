@@ -16,6 +16,7 @@ tree's mask and key layout.
 - Hidden-state capture: a round made with `capture` (target layer indices) records those layers'
   outputs for every node of each forward (`TreeRound.hidden`); nothing is recorded otherwise.
 """
+import dataclasses
 import weakref
 
 import numpy as np
@@ -32,6 +33,7 @@ from .cache import (
     rotating_layout,
     snapshot,
 )
+from .draft import Layout
 from .tree import ancestors_of, depths_of
 
 __all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "forward_capturing"]
@@ -367,6 +369,23 @@ class TreeRound:
         self.depths = depths_of(self.parents)
         self._masks, self._layouts = {}, {}
         return m0
+
+    def fit(self, draft, held=None):
+        """The draft as this round's verify runs it. On GPUs a forward's rows are padded to a
+        power of two (`_bucket`): where the held tokens would push the draft into the next
+        bucket, its last nodes are dropped instead (a prefix of a parents-first numbering is a
+        tree: fewer candidates, the same tokens out). Drafts whose commit reads their nodes
+        (`state`, `fetch`) and layouts without host parents stay whole."""
+        p, n = (0 if held is None else held.shape[0]), draft.size
+        if not (p and self.pad_keys and self.all_append) or draft.state is not None or draft.fetch \
+                or draft.layout.parents is None:
+            return draft
+        rows = _bucket(n)
+        if p + n <= rows or p >= rows:
+            return draft
+        parents = draft.layout.parents[: rows - p]
+        layout = Layout.fixed(parents) if draft.layout.device is not None else Layout.host(parents)
+        return dataclasses.replace(draft, tokens=draft.tokens[: rows - p], layout=layout)
 
     def verify(self, draft, held=None):
         """The target's forward of a round: `held` (mx tokens accepted earlier and not in the

@@ -244,6 +244,23 @@ def test_ddtree_is_the_best_first_tree_of_the_block(targets, folders):
         assert chain == list(range(len(chain)))
 
 
+def test_held_tokens_never_push_a_tree_into_the_next_row_bucket(targets, folders, monkeypatch):
+    # the GPU path (whole buffers, power-of-two rows): a DDTree of 31 nodes + root fills its 32
+    # rows, so a round with held tokens drops the tree's last nodes rather than run 64 rows; the
+    # tokens stay plain decoding's
+    import mlx_treespec.verify as verify
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    target = targets("qwen3")
+    bound = bind_dflash(folders("qwen3"), target)
+    prompt = prompt_tokens(seed=4)
+    out, stats = speculative(target, OracleDFlash(bound, target, seed=2, budget=31), prompt)
+    assert out == plain(target, prompt)
+    rows = [h + n for h, n in zip([0] + stats.held[:-1], stats.nodes)]
+    assert max(rows) <= 32
+    assert any(h and n < 32 for h, n in zip([0] + stats.held[:-1], stats.nodes)), "no round held a token"
+
+
 def paths(parents, tokens):
     """A tree as the set of its root paths' token tuples (the same tree in any numbering)."""
     out = set()
