@@ -647,7 +647,7 @@ def write(args, report, md, echo=True):
         out = ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}_{meta['commit']}_{args.section}"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=_json) + "\n")
+    out.with_suffix(".json").write_text(json.dumps(report, separators=(",", ":"), default=_json) + "\n")
     log(f"wrote {out}.md and {out}.json")
 
 

@@ -13,13 +13,24 @@ from mlx_lm.models.cache import make_prompt_cache
 from .cache import cache_kind
 from .verify import GDN_CLASSES
 
-# Families whose attention, masks and caches are verified (tests/test_generate.py) to run trees.
-ATTENTION_FAMILIES = {
+# Families whose trees the test suite pins byte-identical to mlx-lm's decoding on CPU
+# (tests/test_support.py::test_every_pinned_family_verifies_exactly and the drafter tests). A
+# family outside this set that passes the structural checks is probed at start-up instead: a
+# verify of a small tree against one-token decoding of each path, on its own weights.
+VERIFIED_FAMILIES = {
     "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3", "gemma3_text", "gemma4",
-    "gemma4_text", "phi3",
+    "gemma4_text", "phi3", "qwen3_5", "qwen3_5_moe", "qwen3_next",
+    "cohere", "cohere2", "deepseek_v3", "ernie4_5", "exaone4", "gemma", "gemma2", "glm4",
+    "gpt_oss", "granite", "helium", "hunyuan", "hunyuan_v1_dense", "internlm3", "llama4_text",
+    "minicpm", "mixtral", "olmo2", "olmo3", "seed_oss", "smollm3", "stablelm", "starcoder2",
 }
-# Hybrid families whose recurrent layers fork over a tree (mlx_treespec.gdn).
-RECURRENT_FAMILIES = {"qwen3_5", "qwen3_5_moe", "qwen3_next"}
+
+# Rope modules whose frequencies depend on the sequence length of the call, so a forward of
+# several tokens at per-token positions cannot reproduce one-token decoding's rotation.
+_NO_TOKEN_OFFSETS = {
+    "DynamicNTKScalingRoPE": "dynamic NTK scaling recomputes the rope base from each call's "
+                             "sequence length, which per-token positions do not give it",
+}
 
 # Layer classes known to carry state that cannot fork over a tree, with the reason.
 _RECURRENT_CLASSES = {
@@ -50,11 +61,12 @@ class Blocker:
 
 
 class UnsupportedTarget(ValueError):
-    def __init__(self, blockers):
+    def __init__(self, blockers, model_type=None):
         self.blockers = list(blockers)
         lines = "\n".join(f"  - {b}" for b in self.blockers)
+        what = f"this target (model type {model_type!r})" if model_type else "this target"
         super().__init__(
-            f"this target cannot verify draft trees ({len(self.blockers)} blocker(s)):\n{lines}\n"
+            f"{what} cannot verify draft trees ({len(self.blockers)} blocker(s)):\n{lines}\n"
             "use a supported family or run plain decoding (no --draft-model / --drafter)"
         )
 
@@ -73,14 +85,16 @@ def _gdn_ready():
         return False
 
 
+def _is_attention(module):
+    name = type(module).__name__.lower()
+    return "attention" in name or "attn" in name
+
+
 def tree_support(model) -> List[Blocker]:
-    """Every reason this model cannot run tree verify; empty when it can."""
+    """Every reason this model cannot run tree verify, read from its layers and caches (not from
+    its family's name); empty when it can."""
     blockers = []
-    mtype = _model_type(model)
-    known = ATTENTION_FAMILIES | (RECURRENT_FAMILIES if _gdn_ready() else set())
-    if mtype not in known:
-        blockers.append(Blocker(None, f"model type {mtype!r} is not a family verified to run trees "
-                                      f"(supported: {', '.join(sorted(known))})"))
+    has_any_gdn = False
     layers = list(getattr(model, "layers", []))
     for i, layer in enumerate(layers):
         names = {type(m).__name__ for _, m in layer.named_modules()}
@@ -91,14 +105,24 @@ def tree_support(model) -> List[Blocker]:
         else:
             base_names = {c.__name__ for _, m in layer.named_modules() for c in type(m).__mro__}
             has_gdn = bool(base_names & GDN_CLASSES)
-            has_rope = any(isinstance(m.get("rope"), nn.Module) for _, m in layer.named_modules()
-                           if isinstance(m, dict))
-            if has_gdn and not _gdn_ready():
-                blockers.append(Blocker(i, "GatedDeltaNet recurrence: tree-forking scan not available"))
-            elif not has_gdn and not has_rope:
+            ropes = [m.get("rope") for _, m in layer.named_modules() if isinstance(m, dict)]
+            ropes = [r for r in ropes if isinstance(r, nn.Module)]
+            attention = any(_is_attention(m) for _, m in layer.named_modules())
+            if has_gdn:
+                has_any_gdn = True
+                if not _gdn_ready():
+                    blockers.append(Blocker(i, "GatedDeltaNet recurrence: tree-forking scan not available"))
+            elif not ropes and not attention:
                 mixers = sorted(n for n in names if n not in _PLAIN_MODULES)
-                blockers.append(Blocker(i, "neither an attention with a rope module nor a "
-                                           f"tree-forking recurrence (found: {', '.join(mixers)})"))
+                blockers.append(Blocker(i, "neither an attention nor a tree-forking recurrence "
+                                           f"(found: {', '.join(mixers)})"))
+            for rope in ropes:
+                why = next((w for c, w in _NO_TOKEN_OFFSETS.items()
+                            if c in {k.__name__ for k in type(rope).__mro__}), None)
+                if why:
+                    blockers.append(Blocker(i, f"its rope ({type(rope).__name__}) takes no per-token "
+                                               f"positions: {why}"))
+                    break
     try:
         caches = make_prompt_cache(model)
     except Exception as e:  # a model that cannot even make its caches cannot be verified
@@ -108,7 +132,7 @@ def tree_support(model) -> List[Blocker]:
         kind = cache_kind(c)
         if kind is None:
             blockers.append(Blocker(i, f"cache type {type(c).__name__} has no tree implementation"))
-        elif kind == "arrays" and not (mtype in RECURRENT_FAMILIES and _gdn_ready()):
+        elif kind == "arrays" and not (has_any_gdn and _gdn_ready()):
             if not any(b.layer == i for b in blockers):
                 blockers.append(Blocker(i, "recurrent state (ArraysCache) of a layer with no "
                                            "tree-forking implementation"))
@@ -116,10 +140,23 @@ def tree_support(model) -> List[Blocker]:
 
 
 def require_tree_support(model):
-    """Raise UnsupportedTarget naming every blocker; a model that passes is remembered."""
+    """Raise UnsupportedTarget naming every blocker; a family the tests do not pin must also
+    pass the exactness probe on its own weights (bitwise on CPU, no argmax flip on a GPU). A
+    model that passes is remembered."""
     if getattr(model, "_treespec_supported", False):
         return
     blockers = tree_support(model)
+    mtype = _model_type(model)
     if blockers:
-        raise UnsupportedTarget(blockers)
+        raise UnsupportedTarget(blockers, mtype)
+    if mtype not in VERIFIED_FAMILIES:
+        from .probe import probe_exactness, representative_tree_parents
+        from .tree import chain_parents
+
+        report = probe_exactness(model, [chain_parents(4), representative_tree_parents(2, 4, 10)],
+                                 n_inputs=1, history=12)
+        if not all(t.exact for t in report.topologies):
+            raise UnsupportedTarget([Blocker(None, f"model type {mtype!r} is new to the gate and its "
+                                                   f"tree verify differs from one-token decoding: "
+                                                   f"{report.message()}")], mtype)
     model._treespec_supported = True

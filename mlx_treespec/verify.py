@@ -553,9 +553,9 @@ class TreeRound:
         """The dtype of an additive mask, where the verify should get one (else None).
 
         On a GPU, MLX's fused attention takes additive masks only: each layer would convert a
-        boolean mask again, and at long context the boolean form costs 2-3x the additive one
-        (bench/RESULTS.md, long context). One additive mask per round, in the keys' dtype, serves
-        every layer. On CPU the boolean mask stays: its arithmetic is plain decoding's, bitwise.
+        boolean mask again, which at long context costs more than the attention itself
+        (bench/RESULTS.md, 1d). One additive mask per round, in the keys' dtype, serves every
+        layer. On CPU the boolean mask stays: its arithmetic is plain decoding's, bitwise.
         """
         if not self.pad_keys:
             return None

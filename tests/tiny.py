@@ -55,9 +55,48 @@ CONFIGS["qwen3_next_dense"] = dict(CONFIGS["qwen3_next"], num_experts=0, num_exp
                                    shared_expert_intermediate_size=0, moe_intermediate_size=0)
 ATTENTION = [k for k in CONFIGS if not k.startswith("qwen3_5") and not k.startswith("qwen3_next")]
 
+# More mlx-lm families, each pinned by tests/test_support.py (trees byte-identical to mlx-lm);
+# support.VERIFIED_FAMILIES lists them.
+COVERAGE = {f: dict(BASE, model_type=f, **extra) for f, extra in {
+    "cohere": dict(layer_norm_eps=1e-5, logit_scale=0.5),
+    "cohere2": dict(layer_norm_eps=1e-5, logit_scale=0.5, sliding_window=8, sliding_window_pattern=2),
+    "deepseek_v3": dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16,
+                        qk_nope_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                        n_group=1, topk_group=1, routed_scaling_factor=1.0),  # MLA
+    "ernie4_5": dict(use_bias=False),
+    "exaone4": dict(sliding_window=8, sliding_window_pattern="LG", rope_scaling=None),
+    "gemma": dict(),
+    "gemma2": dict(query_pre_attn_scalar=16, sliding_window=8, final_logit_softcapping=30.0,
+                   attn_logit_softcapping=50.0),
+    "glm4": dict(partial_rotary_factor=0.5, attention_bias=False),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"]),  # sinks
+    "granite": dict(logits_scaling=1.0, attention_multiplier=0.25, embedding_multiplier=1.0,
+                    residual_multiplier=1.0, attention_bias=False, mlp_bias=False),
+    "helium": dict(attention_bias=False, mlp_bias=False),
+    "hunyuan": dict(num_experts=4, moe_topk=2, use_qk_norm=True, use_cla=False, cla_share_factor=1, attention_bias=False,
+                    moe_intermediate_size=32, num_shared_expert=1, use_mixed_mlp_moe=True,
+                    rope_scaling={"alpha": 1.0, "factor": 1.0, "type": "dynamic"}),
+    "hunyuan_v1_dense": dict(use_qk_norm=True, rope_scaling={"alpha": 1.0, "factor": 1.0, "type": "dynamic"}),
+    "internlm3": dict(bias=False, qkv_bias=False),
+    "llama4_text": dict(intermediate_size_mlp=128, num_local_experts=2, num_experts_per_tok=1,
+                        interleave_moe_layer_step=2, no_rope_layers=[1, 0], attention_chunk_size=64,
+                        use_qk_norm=True, floor_scale=8192, attn_scale=0.1,
+                        attn_temperature_tuning=True),  # a no-rope layer
+    "minicpm": dict(dim_model_base=64, scale_depth=1.0, scale_emb=1.0),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "olmo2": dict(),
+    "olmo3": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "seed_oss": dict(attention_bias=False, attention_out_bias=False, mlp_bias=False),
+    "smollm3": dict(no_rope_layer_interval=2),
+    "stablelm": dict(partial_rotary_factor=0.25, layer_norm_eps=1e-5, use_qkv_bias=False),
+    "starcoder2": dict(norm_epsilon=1e-5),
+}.items()}
+
 
 # gemma4's logit soft-capping and embedding scale saturate at x3; x1 already varies
-SCALES = {"gemma4_text": 1.0}
+SCALES = {"gemma4_text": 1.0, "gemma2": 1.0}
 
 
 def build(cfg, seed=0, scale=None):
