@@ -5,6 +5,7 @@ ids), the gate and the exactness probe, then `generate`. Bad input is one line o
 the fix, exit code 2.
 """
 import argparse
+import json
 import os
 import sys
 
@@ -49,12 +50,15 @@ def resolve_model_path(name):
     return name
 
 
-def _load(path):
+def _load(path, adapter_path=None, tokenizer_config=None):
     """mlx-lm's load, with a failure to fetch a repo id said in one line."""
     from mlx_lm.utils import load
 
+    if adapter_path is not None and not os.path.exists(os.path.expanduser(adapter_path)):
+        raise FileNotFoundError(f"--adapter-path {adapter_path} does not exist: pass the folder "
+                                "mlx_lm.lora wrote (adapters.safetensors and adapter_config.json)")
     try:
-        return load(path)
+        return load(path, adapter_path=adapter_path, tokenizer_config=tokenizer_config or {})
     except (OSError, ValueError) as e:
         if os.path.isdir(path):
             raise
@@ -68,8 +72,11 @@ def setup_arg_parser():
         prog="python -m mlx_treespec.generate",
         description="Generate text with draft-tree speculative decoding (mlx-lm's flags plus tree flags).",
     )
-    p.add_argument("--model", default="demo",
-                   help="target: an mlx-lm folder or repo id, 'demo' (default) or 'demo-hybrid'")
+    p.add_argument("--model", default=None,
+                   help="target: an mlx-lm folder or repo id, 'demo' (the default without a "
+                        "--prompt-cache-file) or 'demo-hybrid'")
+    p.add_argument("--adapter-path", default=None, help="LoRA adapters to apply to the target (mlx_lm.lora's output)")
+    p.add_argument("--trust-remote-code", action="store_true", help="let the tokenizer run the repo's own code")
     p.add_argument("--draft-model", default=None,
                    help="draft model, or a DFlash drafter folder with --drafter dflash (default: the "
                         "shipped demo drafter when --model is a demo)")
@@ -82,7 +89,22 @@ def setup_arg_parser():
     p.add_argument("--top-p", type=float, default=1.0, help="sampling top-p")
     p.add_argument("--min-p", type=float, default=0.0, help="sampling min-p")
     p.add_argument("--top-k", type=int, default=0, help="sampling top-k")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (the draw at each position depends on it)")
+    p.add_argument("--min-tokens-to-keep", type=int, default=1, help="minimum tokens to keep for min-p sampling")
+    p.add_argument("--extra-eos-token", type=str, nargs="+", default=[],
+                   help="more tokens that end generation (as mlx-lm's flag)")
+    p.add_argument("--chat-template-config", default=None,
+                   help="more arguments for apply_chat_template, as a JSON object")
+    p.add_argument("--prompt-cache-file", default=None,
+                   help="a KV cache saved by mlx_lm.cache_prompt (or --save-prompt-cache): the prompt "
+                        "continues it; drafters see only the new prompt")
+    p.add_argument("--save-prompt-cache", default=None,
+                   help="after generating, save the target's cache (prompt and response) to this "
+                        ".safetensors file, for --prompt-cache-file or mlx-lm")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: a fresh one each run, as mlx-lm). The draw at each "
+                        "position is keyed by the seed and the position, so sampled output is the "
+                        "same for every drafter and tree shape (and plain decoding) under one seed; "
+                        "it is not mlx-lm's sampled output for the same seed")
     p.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
     p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
     p.add_argument("--max-kv-size", type=int, default=None, help="maximum key-value cache size")
@@ -97,7 +119,8 @@ def setup_arg_parser():
                    help="print round statistics too (--verbose F prints only the response)")
     t = p.add_argument_group("tree", "with a draft model and none of these: --tree-topk 3 "
                                      "--tree-lanes 1 --tree-depth 8")
-    t.add_argument("--draft-block-size", type=int, default=None, help="draft a chain of this many tokens")
+    t.add_argument("--draft-block-size", "--num-draft-tokens", dest="draft_block_size", type=int, default=None,
+                   help="draft a chain of this many tokens (--num-draft-tokens: mlx-lm's name)")
     t.add_argument("--tree-topk", type=int, default=None,
                    help="EAGLE-2: children per expanded node, and lanes per step (1, the default "
                         "when other tree flags are given: a chain)")
@@ -150,6 +173,16 @@ def _run(args):
         raise ValueError("--max-tokens must be non-zero (use -1 for no limit)")
     if args.max_tokens < -1:
         raise ValueError(f"--max-tokens must be positive, or -1 for no limit, got {args.max_tokens}")
+    if args.min_tokens_to_keep < 1:
+        raise ValueError(f"--min-tokens-to-keep must be >= 1, got {args.min_tokens_to_keep}")
+    template_kwargs = _template_kwargs(args.chat_template_config)
+    prompt_cache, metadata = _read_prompt_cache(args)
+    if args.model is None:
+        args.model = metadata.get("model", "demo")
+    elif metadata and os.path.abspath(os.path.expanduser(resolve_model_path(args.model))) != \
+            os.path.abspath(os.path.expanduser(resolve_model_path(metadata["model"]))):
+        raise ValueError(f"--model {args.model} is not the model the prompt cache was made with "
+                         f"({metadata['model']}): drop --model or pass that one")
     draft_name = args.draft_model
     kind = args.drafter or ("model" if draft_name is not None or args.model in DEMO_MODELS else "none")
     if draft_name is None:
@@ -160,7 +193,11 @@ def _run(args):
     model_path = resolve_model_path(args.model)
     draft_path = resolve_model_path(draft_name) if draft_name and spec.needs_draft_model else None
     prompt = _read_prompt(args)
-    model, tokenizer = _load(model_path)
+    tokenizer_config = json.loads(metadata.get("tokenizer_config", "{}"))
+    tokenizer_config["trust_remote_code"] = args.trust_remote_code
+    model, tokenizer = _load(model_path, args.adapter_path, tokenizer_config)
+    for token in args.extra_eos_token:
+        tokenizer.add_eos_token(token)
     draft_model = None
     if draft_path is not None and spec.drafter == "model":
         draft_model = _load(draft_path)[0]
@@ -171,17 +208,31 @@ def _run(args):
     if drafter is not None:
         require_tree_support(model)
         _probe(args, model, drafter)
+    elif args.drafter is None and args.verbose is not False:
+        print("note: no --draft-model or --drafter given: decoding without speculation (--drafter "
+              "lookup or suffix drafts without a model)", file=sys.stderr)
 
     if not args.ignore_chat_template and tokenizer.chat_template is not None:
         messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else [])
         messages.append({"role": "user", "content": prompt})
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                               **template_kwargs)
+        if prompt_cache is not None:  # the cache holds the conversation so far: keep the new part
+            messages[-1]["content"] = "<query>"
+            probe = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                  **template_kwargs)
+            prompt = prompt[probe.index("<query>"):]
         tokens = tokenizer.encode(prompt, add_special_tokens=False)
     else:
         tokens = tokenizer.encode(prompt)
     if args.max_kv_size is not None and len(tokens) > args.max_kv_size:
         raise ValueError(f"the prompt has {len(tokens)} tokens but --max-kv-size is {args.max_kv_size}: "
                          "raise --max-kv-size or shorten the prompt")
+    if prompt_cache is None and args.save_prompt_cache:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        prompt_cache = make_prompt_cache(model, max_kv_size=args.max_kv_size)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
 
     def progress(done, total):
         if total > args.prefill_step_size and args.verbose is not False:
@@ -190,15 +241,54 @@ def _run(args):
     stats = RoundStats()
     text = generate(model, tokenizer, tokens, verbose=args.verbose is not False, drafter=drafter,
                     max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
-                    top_k=args.top_k, seed=args.seed, max_kv_size=args.max_kv_size,
+                    top_k=args.top_k, min_tokens_to_keep=args.min_tokens_to_keep, seed=seed,
+                    prompt_cache=prompt_cache, max_kv_size=None if prompt_cache is not None else args.max_kv_size,
                     kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                     quantized_kv_start=args.quantized_kv_start,
                     prefill_step_size=args.prefill_step_size, prompt_progress_callback=progress,
                     stats=stats)
+    if args.save_prompt_cache:
+        from mlx_lm.models.cache import save_prompt_cache
+
+        save_prompt_cache(args.save_prompt_cache, prompt_cache,
+                          dict(model=args.model, tokenizer_config=json.dumps(tokenizer_config)))
     if args.verbose is False:
         print(text)
     elif args.verbose:
         print(stats.format())
+
+
+def _template_kwargs(text):
+    if text is None:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-config is not JSON ({e.msg}): pass an object, e.g. "
+                         "'{\"enable_thinking\": false}'") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError("--chat-template-config must be a JSON object of apply_chat_template arguments")
+    return kwargs
+
+
+def _read_prompt_cache(args):
+    """(cache, metadata) from --prompt-cache-file, checked against --kv-bits; (None, {}) without."""
+    if args.prompt_cache_file is None:
+        return None, {}
+    from mlx_lm.models.cache import QuantizedKVCache, load_prompt_cache
+
+    if not os.path.isfile(args.prompt_cache_file):
+        raise FileNotFoundError(f"--prompt-cache-file {args.prompt_cache_file} does not exist: make one "
+                                "with mlx_lm.cache_prompt or --save-prompt-cache")
+    cache, metadata = load_prompt_cache(args.prompt_cache_file, return_metadata=True)
+    if isinstance(cache[0], QuantizedKVCache) and (
+            (args.kv_bits is not None and args.kv_bits != cache[0].bits) or args.kv_group_size != cache[0].group_size):
+        raise ValueError("--kv-bits / --kv-group-size differ from the quantized cache in --prompt-cache-file: "
+                         "drop them or pass the cache's")
+    if "model" not in metadata:
+        raise ValueError(f"{args.prompt_cache_file} names no model in its metadata: make it with "
+                         "mlx_lm.cache_prompt or --save-prompt-cache")
+    return cache, metadata
 
 
 def _options(args, spec):

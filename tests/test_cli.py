@@ -181,3 +181,70 @@ def test_shipped_heads_run_out_of_the_box_and_equal_plain(model, drafter):
     assert "emitted/verify" in spec.stdout
     rate = float(spec.stdout.split("emitted/verify: ")[1].split(",")[0])
     assert rate > 1.0  # the trained head's drafts are accepted
+
+
+def _text(r):
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_mlx_lm_flags():
+    # --num-draft-tokens is mlx-lm's name for the chain's length
+    r = cli("--num-draft-tokens", "3", "--max-tokens", "24", "--verbose")
+    assert "depth requested 3" in _text(r)
+    plain = _text(cli("--drafter", "none", "--max-tokens", "24", "--verbose", "F")).strip()
+    assert r.stdout.split("==========")[1].strip() == plain
+    # --extra-eos-token ends generation at that token, as in mlx-lm
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from pathlib import Path
+
+    tok = load_tokenizer(Path(DEMO) / "target")
+    ids = tok.encode("def parse(" + plain, add_special_tokens=False)
+    stop = tok.convert_ids_to_tokens(ids[len(tok.encode("def parse(", add_special_tokens=False)) + 3])
+    cut = _text(cli("--max-tokens", "24", "--verbose", "F", "--extra-eos-token", stop)).strip()
+    assert plain.startswith(cut) and len(cut) < len(plain)
+    # --min-tokens-to-keep reaches the sampler; one seed gives one output
+    sampled = [_text(cli("--max-tokens", "16", "--verbose", "F", "--temp", "0.9", "--min-p", "0.6",
+                         "--min-tokens-to-keep", "3", "--seed", "5")) for _ in range(2)]
+    assert sampled[0] == sampled[1] and sampled[0].strip()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--adapter-path", "/nonexistent/adapters"], "--adapter-path"),
+    (["--chat-template-config", "{not json"], "--chat-template-config"),
+    (["--min-tokens-to-keep", "0"], "--min-tokens-to-keep"),
+    (["--prompt-cache-file", "/nonexistent/cache.safetensors"], "--prompt-cache-file"),
+])
+def test_parity_flags_bad_input_is_one_line_exit_2(args, needle):
+    r = cli(*args, "--max-tokens", "4")
+    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_prompt_cache_files_round_trip_with_mlx_lm(tmp_path):
+    # a cache made by mlx_lm.cache_prompt continues here as in mlx_lm.generate (speculating or
+    # not); --save-prompt-cache writes one mlx-lm reads, holding prompt and response
+    from mlx_lm.models.cache import load_prompt_cache
+
+    target = os.path.abspath(os.path.join(DEMO, "target"))
+    made = tmp_path / "mlx.safetensors"
+    r = subprocess.run([sys.executable, "-m", "mlx_lm", "cache_prompt", "--model", target, "--prompt",
+                        "def parse(value):", "--prompt-cache-file", str(made)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    theirs = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", "--model", target, "--prompt-cache-file",
+                             str(made), "--prompt", "    return", "--max-tokens", "24", "--verbose", "False"],
+                            capture_output=True, text=True, timeout=300)
+    assert theirs.returncode == 0, theirs.stderr
+    ours = cli("--prompt-cache-file", str(made), "--prompt", "    return", "--max-tokens", "24", "--verbose", "F",
+               "--draft-model", "demo-drafter")
+    assert _text(ours) == theirs.stdout
+    plain = cli("--prompt-cache-file", str(made), "--prompt", "    return", "--max-tokens", "24")
+    assert _text(plain).split("==========")[1].strip() == theirs.stdout.strip()
+    assert "decoding without speculation" in plain.stderr  # a non-demo model and no drafter: said
+    saved = tmp_path / "ours.safetensors"
+    r = cli("--prompt-cache-file", str(made), "--prompt", "    return", "--max-tokens", "24", "--verbose", "F",
+            "--draft-model", "demo-drafter", "--save-prompt-cache", str(saved))
+    cache, meta = load_prompt_cache(str(saved), return_metadata=True)
+    assert meta["model"] == target and cache[0].offset == load_prompt_cache(str(made))[0].offset + 2 + 24
+    assert _text(cli("--prompt-cache-file", str(saved), "--prompt", "\n", "--max-tokens", "8"))
