@@ -248,3 +248,40 @@ def test_prompt_cache_files_round_trip_with_mlx_lm(tmp_path):
     cache, meta = load_prompt_cache(str(saved), return_metadata=True)
     assert meta["model"] == target and cache[0].offset == load_prompt_cache(str(made))[0].offset + 2 + 24
     assert _text(cli("--prompt-cache-file", str(saved), "--prompt", "\n", "--max-tokens", "8"))
+
+
+def test_readme_real_model_commands_run_on_stand_ins(tmp_path):
+    # the README's real-model commands, each model swapped for a small stand-in of its family
+    # (random weights, the demo tokenizer): they run, and speculate to plain decoding's text
+    import shlex
+    from pathlib import Path
+
+    from test_dflash import dflash_config, save_random
+
+    vocab = json.load(open(os.path.join(DEMO, "target", "config.json")))["vocab_size"]
+    qwen3 = dict(tiny.CONFIGS["qwen3"], vocab_size=vocab)
+    gemma3 = dict(tiny.CONFIGS["gemma3"], vocab_size=vocab)
+    q_target, g_target = tiny.build(qwen3), tiny.build(gemma3)
+    stand_ins = {
+        "mlx-community/Qwen3-8B-4bit": _save_folder(tmp_path, "qwen3", q_target, qwen3),
+        "mlx-community/Qwen3-0.6B-4bit": _save_folder(tmp_path, "qwen3_draft", tiny.perturbed(q_target), qwen3),
+        "PATH/TO/Qwen3-8B-DFlash": save_random(tmp_path / "dflash", dflash_config(qwen3, block=8)),
+        "PATH/TO/Qwen3.5-folder": os.path.join(DEMO, "hybrid"),
+        "mlx-community/gemma-3-12b-it-4bit": _save_folder(tmp_path, "gemma3", g_target, gemma3),
+        "mlx-community/gemma-3-1b-it-4bit": _save_folder(tmp_path, "gemma3_draft", tiny.perturbed(g_target), gemma3),
+    }
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("<!-- real-models -->")[1].split("<!-- /real-models -->")[0]
+    commands = [l for l in block.splitlines() if l.startswith("python -m mlx_treespec.generate")]
+    assert len(commands) == 4
+    for line in commands:
+        args = shlex.split(line)[3:]
+        for i, a in enumerate(args[:-1]):
+            if a in ("--model", "--draft-model"):
+                assert args[i + 1] in stand_ins, args[i + 1]
+                args[i + 1] = stand_ins[args[i + 1]]
+        out = _text(cli(*args, "--max-tokens", "24", "--verbose", "F")).strip()
+        model = args[args.index("--model") + 1]
+        plain = _text(cli("--model", model, "--drafter", "none", "--prompt", args[args.index("--prompt") + 1],
+                          "--max-tokens", "24", "--verbose", "F")).strip()
+        assert out == plain and out, line
