@@ -90,6 +90,10 @@ def setup_arg_parser():
     p.add_argument("--min-p", type=float, default=0.0, help="sampling min-p")
     p.add_argument("--top-k", type=int, default=0, help="sampling top-k")
     p.add_argument("--min-tokens-to-keep", type=int, default=1, help="minimum tokens to keep for min-p sampling")
+    p.add_argument("--xtc-probability", type=float, default=0.0,
+                   help="XTC: the chance (per position, keyed by seed and position) of excluding the top choices")
+    p.add_argument("--xtc-threshold", type=float, default=0.1,
+                   help="XTC: tokens above this probability are excluded, but the least likely of them")
     p.add_argument("--extra-eos-token", type=str, nargs="+", default=[],
                    help="more tokens that end generation (as mlx-lm's flag)")
     p.add_argument("--chat-template-config", default=None,
@@ -242,6 +246,8 @@ def _run(args):
     text = generate(model, tokenizer, tokens, verbose=args.verbose is not False, drafter=drafter,
                     max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
                     top_k=args.top_k, min_tokens_to_keep=args.min_tokens_to_keep, seed=seed,
+                    xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
+                    xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
                     prompt_cache=prompt_cache, max_kv_size=None if prompt_cache is not None else args.max_kv_size,
                     kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
                     quantized_kv_start=args.quantized_kv_start,

@@ -226,6 +226,9 @@ def tree_generate_step(
     top_k: int = 0,
     min_tokens_to_keep: int = 1,
     seed: int = 0,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    xtc_special_tokens=(),
     prompt_cache: Optional[List[Any]] = None,
     max_kv_size: Optional[int] = None,
     kv_bits: Optional[int] = None,
@@ -276,7 +279,8 @@ def tree_generate_step(
             if cache_kind(c) == "rotating" and c.max_size <= c.keep:
                 raise ValueError(f"a rotating cache of {c.max_size} tokens holds only the {c.keep} it keeps "
                                  f"from the start, no window for a draft: raise --max-kv-size above {c.keep}")
-    choose = make_node_sampler(temp, top_p, min_p, top_k, min_tokens_to_keep, seed)
+    choose = make_node_sampler(temp, top_p, min_p, top_k, min_tokens_to_keep, seed, xtc_probability,
+                               xtc_threshold, tuple(xtc_special_tokens))
     stats = stats if stats is not None else RoundStats()
     quantize = _quantizer(kv_bits, kv_group_size, quantized_kv_start)
 

@@ -9,7 +9,7 @@ drawn in one vectorized call and no random state is carried between calls.
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-__all__ = ["make_node_sampler", "position_uniform"]
+__all__ = ["make_node_sampler", "position_uniform", "apply_xtc_rows"]
 
 
 def _mix(x):
@@ -30,28 +30,50 @@ def position_uniform(seed, positions, vocab):
     return ((x >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def make_node_sampler(temp=0.0, top_p=0.0, min_p=0.0, top_k=0, min_tokens_to_keep=1, seed=0):
+def apply_xtc_rows(logprobs, coin, probability, threshold, special_tokens=()):
+    """mlx-lm's XTC (exclude top choices) with its coin drawn per row: a row whose coin is at most
+    `probability` drops every token above `threshold` but the least likely of them (special
+    tokens always kept)."""
+    probs = mx.softmax(logprobs, axis=-1)
+    mask = probs > mx.where(probs > threshold, probs, mx.inf).min(axis=-1, keepdims=True)
+    if special_tokens:
+        mask[..., list(special_tokens)] = False
+    return mx.where(coin[:, None] > probability, logprobs, mx.where(mask, -mx.inf, logprobs))
+
+
+def make_node_sampler(temp=0.0, top_p=0.0, min_p=0.0, top_k=0, min_tokens_to_keep=1, seed=0,
+                      xtc_probability=0.0, xtc_threshold=0.1, xtc_special_tokens=()):
     """Returns choose(logits [n, V], positions mx int [n]) -> tokens mx uint32 [n].
 
     temp == 0 is mlx-lm's greedy sampler (argmax of the log-probabilities). Otherwise the
-    filters are mlx-lm's own (top-p, min-p, top-k, in make_sampler's order) and the draw is
-    Gumbel-max at temperature temp.
+    filters are mlx-lm's own (top-p, min-p, XTC, top-k, in make_sampler's order) and the draw is
+    Gumbel-max at temperature temp. XTC's coin is keyed by (seed, position) like the draw: it is
+    the noise of the token id one past the vocabulary, so the draw's noise stays as it was.
     """
+    if not 0 <= xtc_threshold <= 0.5:
+        raise ValueError(f"xtc_threshold must be in 0..0.5, got {xtc_threshold}")
+    if not 0 <= xtc_probability <= 1.0:
+        raise ValueError(f"xtc_probability must be in 0..1, got {xtc_probability}")
     filters = []
     if 0 < top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, top_p))
+        filters.append(lambda x, coin: apply_top_p(x, top_p))
     if min_p != 0.0:
-        filters.append(lambda x: apply_min_p(x, min_p, min_tokens_to_keep))
+        filters.append(lambda x, coin: apply_min_p(x, min_p, min_tokens_to_keep))
+    if xtc_probability > 0.0:
+        filters.append(lambda x, coin: apply_xtc_rows(x, coin, xtc_probability, xtc_threshold,
+                                                      xtc_special_tokens))
     if top_k > 0:
-        filters.append(lambda x: apply_top_k(x, top_k))
+        filters.append(lambda x, coin: apply_top_k(x, top_k))
 
     def choose(logits, positions):
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         if temp == 0:
             return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
+        V = logprobs.shape[-1]
+        u = position_uniform(seed, positions, V + (1 if xtc_probability > 0 else 0))
+        coin, u = (u[:, V], u[:, :V]) if xtc_probability > 0 else (None, u)
         for f in filters:
-            logprobs = f(logprobs)
-        u = position_uniform(seed, positions, logprobs.shape[-1])
+            logprobs = f(logprobs, coin)
         gumbel = -mx.log(-mx.log(u))
         return mx.argmax(logprobs * (1 / temp) + gumbel, axis=-1).astype(mx.uint32)
 

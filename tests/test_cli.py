@@ -207,12 +207,16 @@ def test_mlx_lm_flags():
     sampled = [_text(cli("--max-tokens", "16", "--verbose", "F", "--temp", "0.9", "--min-p", "0.6",
                          "--min-tokens-to-keep", "3", "--seed", "5")) for _ in range(2)]
     assert sampled[0] == sampled[1] and sampled[0].strip()
+    # XTC, keyed by position: the speculative text is plain sampled decoding's
+    xtc = ["--max-tokens", "24", "--verbose", "F", "--temp", "0.8", "--seed", "2", "--xtc-probability", "0.5"]
+    assert _text(cli(*xtc)) == _text(cli(*xtc, "--drafter", "none"))
 
 
 @pytest.mark.parametrize("args,needle", [
     (["--adapter-path", "/nonexistent/adapters"], "--adapter-path"),
     (["--chat-template-config", "{not json"], "--chat-template-config"),
     (["--min-tokens-to-keep", "0"], "--min-tokens-to-keep"),
+    (["--xtc-threshold", "0.9", "--temp", "0.5"], "xtc_threshold"),
     (["--prompt-cache-file", "/nonexistent/cache.safetensors"], "--prompt-cache-file"),
 ])
 def test_parity_flags_bad_input_is_one_line_exit_2(args, needle):

@@ -200,6 +200,29 @@ def test_sampled_tree_equals_plain_sampled(pairs, shape):
     assert len(seen) == 3, "different seeds must sample different text"
 
 
+def test_sampled_xtc_tree_equals_plain_sampled_xtc(pairs):
+    # XTC's coin is keyed by (seed, position) like the draw: trees stay plain sampled decoding's
+    # tokens, and the exclusion does change the text
+    from mlx_treespec.sampling import apply_xtc_rows
+
+    target, draft = pairs("qwen3")
+    prompt = prompt_tokens(5)
+    kw = dict(temp=0.7, seed=3, xtc_probability=0.6, xtc_threshold=0.1, xtc_special_tokens=[0])
+    ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=100, **kw)]
+    out, stats = speculative(target, draft, prompt, SHAPES["k2s3b6"], n=100, **kw)
+    assert out == ref and sum(stats.accepted) > 0
+    no_xtc = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=100, temp=0.7, seed=3)]
+    assert no_xtc != ref
+    # the rule itself: a row whose coin falls under the probability keeps the least likely token
+    # above the threshold and everything below it; special tokens are never dropped
+    lp = mx.log(mx.array([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    got = np.array(apply_xtc_rows(lp, mx.array([0.1, 0.9]), 0.5, 0.1, special_tokens=[0]))
+    assert np.isfinite(got[0]).tolist() == [True, False, True, True]
+    assert np.isfinite(got[1]).all()
+    with pytest.raises(ValueError, match="xtc_threshold"):
+        list(tree_generate_step(prompt, target, None, max_tokens=4, temp=0.7, xtc_threshold=0.9))
+
+
 def test_sampled_min_p(pairs):
     target, draft = pairs("gemma3")
     prompt = prompt_tokens(6)
