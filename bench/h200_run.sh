@@ -29,7 +29,7 @@ for section in "$@"; do
             set -- $f
             case " ${PROJ:-dflash eagle3 mtp} " in *" $1 "*) ;; *) continue ;; esac
             timeout ${PROJ_TIMEOUT:-100} python3 bench/run.py proj --family $1 --config bench/configs/$2.json \
-              $([ "$3" = - ] || echo --head-config bench/configs/$3.json) --acceptance "$OUT/$4.json" \
+              $([ "$3" = - ] || echo --head-config bench/configs/$3.json) --acceptance "$OUT/$4.json.gz" \
               --prompt-set unseen --q-bits $5 --out "$OUT/proj_$1"
           done ;;
     long) timeout ${LONG_TIMEOUT:-150} python3 bench/run.py long --config bench/configs/qwen3_8b.json \

@@ -3,7 +3,7 @@
     python bench/run.py loop --target demo --arms plain,chain:7,tree:3:8,dflash:15,ddtree:31 \\
         --prompts unseen,heldout --n 20 --max-tokens 256 --seconds 400
     python bench/run.py acceptance --target demo --arms tree:3:8,ddtree:31 --prompts unseen --n 12
-    python bench/run.py proj --acceptance FILE.json --family dflash --config bench/configs/qwen3_8b.json \\
+    python bench/run.py proj --acceptance FILE.json.gz --family dflash --config bench/configs/qwen3_8b.json \\
         --head-config bench/configs/qwen3_8b_dflash.json --q-bits 0,4
     python bench/run.py long --config bench/configs/qwen3_8b.json --contexts 1024,8192,32768 --q-bits 0,4
     python bench/run.py unseen-prompts        # (re)writes bench/unseen_prompts.json
@@ -12,10 +12,11 @@ Arms use mlx_treespec.spec's grammar (plain, chain:K, tree:K:S[:B[:L]], lookup:B
 suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselines:
 `mlx-plain` (generate_step) and `mlx-chain:K` (speculative_generate_step). Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
-bench/results/<date>_<commit>_<section>.{md,json} (commit, versions and device inside) unless
+bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
 --out names another place.
 """
 import argparse
+import gzip
 import json
 import os
 import random
@@ -253,7 +254,7 @@ def run_proj(args):
     tree depth, as the head drafter runs them)."""
     from mlx_treespec import costmodel
 
-    acc = json.loads(Path(args.acceptance).read_text())
+    acc = read_json(args.acceptance)
     pset = args.prompt_set or next(iter(acc["sets"]))
     tau = {r["arm"]: (r.get("pooled_emitted_per_verify") or r.get("emitted_per_verify"))
            for r in acc["sets"][pset]["arms"]}
@@ -646,9 +647,28 @@ def write(args, report, md, echo=True):
         meta = report["meta"]
         out = ROOT / "bench" / "results" / f"{time.strftime('%Y-%m-%d')}_{meta['commit']}_{args.section}"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(report, separators=(",", ":"), default=_json) + "\n")
-    log(f"wrote {out}.md and {out}.json")
+    Path(f"{out}.md").write_text(text)
+    raw = (json.dumps(compact(report), separators=(",", ":"), default=_json) + "\n").encode()
+    Path(f"{out}.json.gz").write_bytes(gzip.compress(raw, mtime=0))
+    log(f"wrote {out}.md and {out}.json.gz")
+
+
+def read_json(path):
+    """A JSON file, or one this harness wrote (.json.gz)."""
+    data = Path(path).read_bytes()
+    return json.loads(gzip.decompress(data) if str(path).endswith(".gz") else data)
+
+
+def compact(o, digits=5):
+    """The report with floats at `digits` significant digits (timings are not more precise than
+    that; the raw files stay small enough to travel with every device call)."""
+    if isinstance(o, dict):
+        return {k: compact(v, digits) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [compact(v, digits) for v in o]
+    if isinstance(o, (float, np.floating)) and np.isfinite(o):
+        return float(f"{float(o):.{digits}g}")
+    return o
 
 
 def _json(o):
