@@ -36,6 +36,7 @@ _NO_TOKEN_OFFSETS = {
 _RECURRENT_CLASSES = {
     "Mamba": "Mamba state-space recurrence",
     "MambaBlock": "Mamba state-space recurrence",
+    "JambaMambaMixer": "Mamba state-space recurrence",
     "Mamba2Block": "Mamba2 state-space recurrence",
     "Mamba2Mixer": "Mamba2 state-space recurrence",
     "Mamba2": "Mamba2 state-space recurrence",

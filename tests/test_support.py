@@ -105,6 +105,18 @@ def test_mamba2_refused_with_every_layer_named():
     assert all("Mamba2" in b.reason for b in blockers)
 
 
+JAMBA = dict(tiny.BASE, model_type="jamba", attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1,
+             expert_layer_period=2, num_experts=2, num_experts_per_tok=1, mamba_d_state=8, mamba_d_conv=4,
+             mamba_expand=2, mamba_dt_rank=8, mamba_proj_bias=False, mamba_conv_bias=True,
+             layers_block_type=["mamba", "attention"])
+
+
+def test_jamba_refused_by_its_mamba_layer_not_its_name():
+    # a hybrid whose attention layers verify (no rope) and whose Mamba layer cannot fork
+    blockers = tree_support(build(JAMBA))
+    assert [b.layer for b in blockers] == [0] and "Mamba" in blockers[0].reason
+
+
 def test_rwkv7_refused_with_every_layer_named():
     with pytest.raises(UnsupportedTarget) as e:
         require_tree_support(build(RWKV7))
