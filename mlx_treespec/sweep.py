@@ -99,6 +99,10 @@ class Arm:
 
     @property
     def series(self):
+        """Which curve the arm is on: a chain or tree with a lookup chain under its root is
+        plotted apart ("tree + lookup"), at the nodes it verifies."""
+        if self.kind == "tree" and self.spec.lookup:
+            return "tree + lookup"
         return {"plain": "plain", "chain": "chain", "tree": "tree"}.get(self.kind, "model-free")
 
     def params(self):
@@ -321,7 +325,7 @@ def _bar_rows(sweep):
     for a in sweep["arms"]:
         m = a["median"]
         rows.append(dict(name=a["name"], kind=a["kind"], block=a["params"]["block"],
-                         budget=a["params"]["budget"], nodes=m["nodes_per_round"],
+                         budget=a["requested_nodes"] - 1, nodes=m["nodes_per_round"],
                          E=m["emitted_per_verify"], R=m["round_ms"], tok_s=m["tok_s"],
                          draft_ms=m["draft_ms_per_round"], verify_ms=m["verify_ms_per_round"]))
     return rows
@@ -379,6 +383,18 @@ def compute_bar(rows, label="bar"):
             f"{note}"), info
 
 
+def _tag(arm):
+    """A point's label in the plot: k for a chain, K S [L] for a tree, + the lookup's nodes."""
+    p = arm["params"]
+    if arm["kind"] == "chain":
+        return f"k{p['block']}"
+    if arm["kind"] != "tree":
+        return arm["name"]
+    lanes = p.get("lanes") or p["topk"]
+    tag = f"K{p['topk']}S{p['depth']}" + ("" if lanes == p["topk"] else f"L{lanes}")
+    return tag + (f"+lu{p['lookup']}" if p.get("lookup") else "")
+
+
 def plot(sweep, path, title=""):
     """tok/s and emitted/verify against nodes verified per round; chain and tree series.
 
@@ -393,7 +409,7 @@ def plot(sweep, path, title=""):
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     styles = {"chain": dict(marker="o", linestyle="-"), "tree": dict(marker="^", linestyle="none"),
-              "model-free": dict(marker="s", linestyle="none")}
+              "tree + lookup": dict(marker="v", linestyle="none"), "model-free": dict(marker="s", linestyle="none")}
     for ax, metric, ylabel in ((axes[0], "tok_s", "tok/s"), (axes[1], "emitted_per_verify", "emitted per verify")):
         for series, style in styles.items():
             arms = sorted([a for a in sweep["arms"] if a["series"] == series],
@@ -405,13 +421,9 @@ def plot(sweep, path, title=""):
             lo = [a["spread"][metric]["median"] - a["spread"][metric]["min"] for a in arms]
             hi = [a["spread"][metric]["max"] - a["spread"][metric]["median"] for a in arms]
             ax.errorbar(xs, ys, yerr=[lo, hi], label=series, capsize=3, **style)
-            if series == "tree" and metric == "tok_s":
+            if metric == "tok_s":
                 for a, x, y in zip(arms, xs, ys):
-                    p = a["params"]
-                    lanes = p.get("lanes") or p["topk"]
-                    tag = f"K{p['topk']}S{p['depth']}" + ("" if lanes == p["topk"] else f"L{lanes}")
-                    ax.annotate(tag, (x, y), fontsize=6,
-                                textcoords="offset points", xytext=(3, 3))
+                    ax.annotate(_tag(a), (x, y), fontsize=6, textcoords="offset points", xytext=(3, 3))
         plain = [a for a in sweep["arms"] if a["kind"] == "plain"]
         if plain:
             ax.axhline(plain[0]["spread"][metric]["median"], color="gray", linestyle="--",
@@ -420,7 +432,8 @@ def plot(sweep, path, title=""):
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle((title + "\n" if title else "") + "points: medians over prompts; bars: their min-max",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -481,14 +494,15 @@ def project(sweep, verify_fit, draft_fit, overheads, label):
         ov = overheads.get(a["name"], 0.0)
         d, v, r = costmodel.round_cost(plan, nodes, verify_fit, draft_fit, ov)
         rows.append(dict(name=a["name"], kind=a["kind"], shape=a["shape"], params=a["params"],
-                         nodes=nodes, emitted_per_verify=E, plan=plan, overhead_ms=ov,
+                         requested_nodes=a["requested_nodes"], nodes=nodes, emitted_per_verify=E,
+                         plan=plan, overhead_ms=ov,
                          projection_draft_ms=d, projection_verify_ms=v, projection_round_ms=r,
                          projection_tok_s=1e3 * E / max(r, 1e-9)))
     plain = next((x for x in rows if x["kind"] == "plain"), None)
     for x in rows:
         x["projection_ratio_vs_plain"] = (x["projection_tok_s"] / plain["projection_tok_s"]) if plain else None
     bar_rows = [dict(name=x["name"], kind=x["kind"], block=x["params"]["block"],
-                     budget=x["params"]["budget"], nodes=x["nodes"], E=x["emitted_per_verify"],
+                     budget=x["requested_nodes"] - 1, nodes=x["nodes"], E=x["emitted_per_verify"],
                      R=x["projection_round_ms"], tok_s=x["projection_tok_s"],
                      draft_ms=x["projection_draft_ms"], verify_ms=x["projection_verify_ms"]) for x in rows]
     bar_text, bar = compute_bar(bar_rows, label=f"bar ({PROJECTION}, {label})")

@@ -224,7 +224,7 @@ def test_arms_grid_and_specs():
     # a chain or tree with a lookup chain under its root is a tree arm
     merged = parse_arm("chain:6+lookup8@3")
     assert merged == Arm(DraftSpec("model", topk=1, lanes=1, depth=6, budget=6, lookup=8, trust=3))
-    assert merged.series == "tree" and merged.requested_nodes == 15 and merged.name == "tree-k1-d6-b6+lu8@3"
+    assert merged.series == "tree + lookup" and merged.requested_nodes == 15 and merged.name == "tree-k1-d6-b6+lu8@3"
     assert len(merged.topology()) == 15 and merged.topology()[7] == 0  # the lookup's first node: a root child
     wide = parse_arm("tree:4:8:32:1+lookup40")
     assert wide.requested_nodes == MAX_NODES and len(wide.topology()) == MAX_NODES
@@ -278,7 +278,12 @@ def test_merged_lookup_arms_run_exact_as_trees():
     result = sweep.run_sweep(target, draft, [motif * 4], arms, max_tokens=16, warmup_tokens=4,
                              probe_inputs=1, progress=False)
     for a in result["arms"][1:]:
-        assert a["series"] == "tree" and a["kind"] == "tree" and a["params"]["lookup"] == 4
+        assert a["series"] == "tree + lookup" and a["kind"] == "tree" and a["params"]["lookup"] == 4
         assert all(r["same_as_plain"] for r in a["runs"])
         assert a["probe"]["flips"] == 0 and a["probe"]["nodes"] == a["requested_nodes"]
     assert "lookup 4 trust 2" in result["arms"][1]["shape"]
+    # the bar compares trees by the draft nodes they verify, the lookup's included
+    rows = {r["name"]: r for r in sweep._bar_rows(result)}
+    assert rows["tree-k1-d3-b3+lu4@2"]["budget"] == 3 + 4 and rows["tree-k2-l1-d3-b6+lu4"]["budget"] == 6 + 4
+    assert sweep._tag(result["arms"][1]) == "K1S3+lu4"
+    assert sweep._tag(dict(kind="chain", name="chain6", params=dict(block=6))) == "k6"
