@@ -111,6 +111,8 @@ def setup_arg_parser():
                         "it is not mlx-lm's sampled output for the same seed")
     p.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
     p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
+    p.add_argument("--use-default-chat-template", action="store_true",
+                   help="where the tokenizer has no chat template, use its default one (as mlx-lm did)")
     p.add_argument("--max-kv-size", type=int, default=None, help="maximum key-value cache size")
     p.add_argument("--kv-bits", type=int, default=None, choices=[2, 3, 4, 5, 6, 8],
                    help="bits for KV cache quantization (default: none)")
@@ -216,6 +218,12 @@ def _run(args):
         print("note: no --draft-model or --drafter given: decoding without speculation (--drafter "
               "lookup or suffix drafts without a model)", file=sys.stderr)
 
+    if args.use_default_chat_template and tokenizer.chat_template is None:
+        default = getattr(tokenizer, "default_chat_template", None)
+        if default is None:
+            raise ValueError("--use-default-chat-template: this tokenizer has neither a chat template nor a "
+                             "default one: drop the flag (the prompt is used raw) or pass a model that has one")
+        tokenizer.chat_template = default
     if not args.ignore_chat_template and tokenizer.chat_template is not None:
         messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else [])
         messages.append({"role": "user", "content": prompt})

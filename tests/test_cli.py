@@ -217,6 +217,7 @@ def test_mlx_lm_flags():
     (["--chat-template-config", "{not json"], "--chat-template-config"),
     (["--min-tokens-to-keep", "0"], "--min-tokens-to-keep"),
     (["--xtc-threshold", "0.9", "--temp", "0.5"], "xtc_threshold"),
+    (["--use-default-chat-template"], "--use-default-chat-template"),  # the demo tokenizer has none
     (["--prompt-cache-file", "/nonexistent/cache.safetensors"], "--prompt-cache-file"),
 ])
 def test_parity_flags_bad_input_is_one_line_exit_2(args, needle):
@@ -289,3 +290,26 @@ def test_readme_real_model_commands_run_on_stand_ins(tmp_path):
         plain = _text(cli("--model", model, "--drafter", "none", "--prompt", args[args.index("--prompt") + 1],
                           "--max-tokens", "24", "--verbose", "F")).strip()
         assert out == plain and out, line
+
+
+def test_use_default_chat_template_applies_the_tokenizers_default(monkeypatch, capsys):
+    # a tokenizer with no chat template but a default one: the flag renders the prompt with it
+    from mlx_lm.utils import load
+
+    from mlx_treespec import cli as cli_module
+
+    model, tok = load(os.path.join(DEMO, "target"))
+    tok._tokenizer.default_chat_template = "{% for m in messages %}>>> {{ m['content'] }}\n{% endfor %}"
+    seen = []
+    real_encode = tok._tokenizer.encode
+
+    def encode(text, **kw):
+        seen.append(text)
+        return real_encode(text, **kw)
+
+    tok._tokenizer.encode = encode  # this test's own tokenizer: nothing to undo
+    monkeypatch.setattr(cli_module, "_load", lambda *a, **k: (model, tok))
+    cli_module.main(["--use-default-chat-template", "--drafter", "none", "--prompt", "def f(",
+                     "--max-tokens", "4", "--verbose", "F"])
+    assert seen and seen[0].startswith(">>> def f(")
+    assert capsys.readouterr().out.strip()
