@@ -292,15 +292,18 @@ def test_readme_real_model_commands_run_on_stand_ins(tmp_path):
         assert out == plain and out, line
 
 
-def test_use_default_chat_template_applies_the_tokenizers_default(monkeypatch, capsys):
-    # a tokenizer with no chat template but a default one: the flag renders the prompt with it
+def test_use_default_chat_template_applies_the_tokenizers_default(monkeypatch, capsys, tmp_path):
+    # a tokenizer with no chat template but a default one: the flag renders the prompt with it,
+    # --chat-template-config reaches the template, and --adapter-path / --trust-remote-code
+    # reach mlx-lm's load
     from mlx_lm.utils import load
 
     from mlx_treespec import cli as cli_module
 
     model, tok = load(os.path.join(DEMO, "target"))
-    tok._tokenizer.default_chat_template = "{% for m in messages %}>>> {{ m['content'] }}\n{% endfor %}"
-    seen = []
+    tok._tokenizer.default_chat_template = ("{% for m in messages %}{{ greeting }}>>> {{ m['content'] }}\n"
+                                            "{% endfor %}")
+    seen, loads = [], []
     real_encode = tok._tokenizer.encode
 
     def encode(text, **kw):
@@ -308,8 +311,13 @@ def test_use_default_chat_template_applies_the_tokenizers_default(monkeypatch, c
         return real_encode(text, **kw)
 
     tok._tokenizer.encode = encode  # this test's own tokenizer: nothing to undo
-    monkeypatch.setattr(cli_module, "_load", lambda *a, **k: (model, tok))
-    cli_module.main(["--use-default-chat-template", "--drafter", "none", "--prompt", "def f(",
-                     "--max-tokens", "4", "--verbose", "F"])
-    assert seen and seen[0].startswith(">>> def f(")
+    monkeypatch.setattr(cli_module, "_load", lambda *a, **k: loads.append(a) or (model, tok))
+    adapters = tmp_path / "adapters"
+    adapters.mkdir()
+    cli_module.main(["--use-default-chat-template", "--chat-template-config", '{"greeting": "hi "}',
+                     "--adapter-path", str(adapters), "--trust-remote-code", "--drafter", "none",
+                     "--prompt", "def f(", "--max-tokens", "4", "--verbose", "F"])
+    assert seen and seen[0].startswith("hi >>> def f(")
     assert capsys.readouterr().out.strip()
+    _, adapter_path, tokenizer_config = loads[0]
+    assert adapter_path == str(adapters) and tokenizer_config["trust_remote_code"] is True
