@@ -18,7 +18,6 @@ bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and devic
 import argparse
 import gzip
 import json
-import os
 import random
 import statistics
 import sys
@@ -334,7 +333,6 @@ def proj_from_costs(args, tau, pset):
 def _draft_cost(family, target, cfg, head_cfg, args, q):
     """Time the family's drafter at this shape; returns the figures and draft ms per arm."""
     import mlx.nn as nn
-    from mlx_treespec import costmodel
 
     def quantize(m):
         m.set_dtype(getattr(mx, args.dtype))
@@ -462,7 +460,6 @@ def run_long(args):
     """A tree verify of T nodes against mlx-lm's own causal forward of T tokens and plain
     decoding, at each context length, arms interleaved per repeat; then the attention alone in
     each mask form, one layer's shape, to show where a verify's time goes."""
-    from mlx_lm.models.cache import make_prompt_cache
     from mlx_treespec import costmodel
     from mlx_treespec.draft import Draft, Layout
     from mlx_treespec.probe import representative_tree_parents
@@ -541,7 +538,7 @@ def run_long(args):
                              tree_over_causal=med["tree"] / med["causal"], attention_ms=attn))
             log(f"{label} ctx {ctx}: plain {med['plain']:.2f} causal {med['causal']:.2f} tree {med['tree']:.2f} "
                 f"ms; attention " + ", ".join(f"{k} {v:.3f}" for k, v in attn.items()))
-            del caches
+            caches = None  # free this context's K/V before the next one is filled
             mx.clear_cache()
         forms = list(rows[0]["attention_ms"])
         md += [f"## {label}", "", "| context | plain ms/token | causal forward T ms | tree verify T ms | tree / causal | "
@@ -552,7 +549,7 @@ def run_long(args):
         md.append("")
         report["variants"].append(dict(target=label, rows=rows))
         write(args, report, md, echo=False)
-        del model
+        model = None
         mx.clear_cache()
     write(args, report, md)
 

@@ -35,7 +35,6 @@ from .harness import (encode_prompts, generate_once, interleave, load_prompts, r
                       spread)
 from .probe import device_name, probe_exactness, weights_dtype
 from .spec import DraftSpec
-from .tree import MAX_NODES
 
 __all__ = ["Arm", "parse_arm", "grid_arms", "run_sweep", "summarize", "format_table", "compute_bar",
            "plot", "pair_cost_model", "project", "main", "BUILTIN_PROMPTS"]

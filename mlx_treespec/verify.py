@@ -36,7 +36,7 @@ from .cache import (
 from .draft import Layout
 from .tree import ancestors_of, depths_of
 
-__all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "forward_capturing"]
+__all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "capturing", "check_capture"]
 
 
 class _Context:

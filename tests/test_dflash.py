@@ -41,22 +41,10 @@ def save_random(folder, cfg, seed=3, scale=3.0):
     return str(folder)
 
 
-class OracleDFlash(DFlashDrafter):
+class OracleDFlash(tiny.FollowsText, DFlashDrafter):
     """A DFlash drafter whose block logits are replaced by the target's own greedy continuation
     at some positions (noise elsewhere), so rounds accept drafts: the whole path (capture, one
     forward, context writes) still runs, and exactness is tested with real acceptance."""
-
-    def __init__(self, bound, target, seed=0, **kw):
-        super().__init__(bound, **kw)
-        self.target, self.rng, self.text = target, np.random.default_rng(seed), []
-
-    def prefill(self, prompt, hidden=None):
-        super().prefill(prompt, hidden)
-        self.text = list(prompt)
-
-    def commit(self, draft, path, emitted, hidden=None):
-        super().commit(draft, path, emitted, hidden)
-        self.text += list(emitted)
 
     def _block_logits(self, root):
         logits = super()._block_logits(root)

@@ -14,22 +14,10 @@ from mlx_treespec.drafters.head import HeadDrafter
 N = 48
 
 
-class OracleHead(HeadDrafter):
+class OracleHead(tiny.FollowsText, HeadDrafter):
     """A head drafter whose spine tokens are replaced by the target's own greedy continuation at
     random steps (its logits, siblings and hidden states are the head's): rounds accept drafts,
     so commits of accepted paths and the pending slots' target rows are exercised."""
-
-    def __init__(self, head, target, seed=0, **kw):
-        super().__init__(head, **kw)
-        self.target, self.rng, self.text = target, np.random.default_rng(seed), []
-
-    def prefill(self, prompt, hidden=None):
-        super().prefill(prompt, hidden)
-        self.text = list(prompt)
-
-    def commit(self, draft, path, emitted, hidden=None):
-        super().commit(draft, path, emitted, hidden)
-        self.text += list(emitted)
 
     def _spine(self, logits, rnd, depth):
         rows, toks = super()._spine(logits, rnd, depth)

@@ -6,6 +6,7 @@ accepted and some rejected.
 """
 import copy
 
+import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
@@ -142,8 +143,6 @@ class SiblingDrafter:
         self.tokens = list(prompt)
 
     def probe_parents(self):
-        import numpy as np
-
         parents = [-1]
         for d in range(self.depth):
             spine = len(parents) - self.width if d else 0
@@ -151,7 +150,6 @@ class SiblingDrafter:
         return np.array(parents)
 
     def draft(self, root, max_depth):
-        import numpy as np
         from mlx_lm.models.cache import make_prompt_cache
         from mlx_treespec.draft import Draft, Layout
 
@@ -173,3 +171,21 @@ class SiblingDrafter:
 
     def commit(self, draft, path, emitted):
         self.tokens += list(emitted)
+
+
+class FollowsText:
+    """Mixin for oracle test drafters that read the target (first base: the drafter class):
+    keeps the generation's text, the prompt then every emitted token, for the oracle to
+    continue with the target's own greedy tokens."""
+
+    def __init__(self, source, target, seed=0, **kw):
+        super().__init__(source, **kw)
+        self.target, self.rng, self.text = target, np.random.default_rng(seed), []
+
+    def prefill(self, prompt, hidden=None):
+        super().prefill(prompt, hidden)
+        self.text = list(prompt)
+
+    def commit(self, draft, path, emitted, hidden=None):
+        super().commit(draft, path, emitted, hidden)
+        self.text += list(emitted)
