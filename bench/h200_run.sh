@@ -7,6 +7,8 @@
 #            (PROJ="dflash eagle3 mtp" picks which)
 #   long     tree verify vs causal forward at 1k/8k/32k context: qwen3-8B shape (bf16, 4-bit), demo target
 #   gdn      GatedDeltaNet tree kernel (CUDA twin) vs the ops reference
+#   adaptive the default (adaptive DFlash + lookup) vs plain and the fixed arms, demo target and
+#            hybrid, on unseen text and the repetitive editing workload
 # DFLASH, HYBRID_DFLASH, EAGLE3 override the shipped demo drafters (folders).
 set -u
 export PYTHONPATH=/root/mlx-site:$PWD PYTHONUNBUFFERED=1
@@ -35,6 +37,11 @@ for section in "$@"; do
     long) timeout ${LONG_TIMEOUT:-150} python3 bench/run.py long --config bench/configs/qwen3_8b.json \
             --contexts 1024,8192,32768 --q-bits 0,4 --repeats 5 --out "$OUT/long_8b"
           timeout 60 python3 bench/run.py long --config demo --contexts 1024,8192,32768 --repeats 5 --out "$OUT/long_demo" ;;
+    adaptive) for t in demo demo-hybrid; do
+            timeout ${ADAPTIVE_TIMEOUT:-250} python3 bench/run.py loop --section adaptive_$t --target $t \
+              --arms plain,auto:dflash,dflash:15,ddtree:31,lookup:16:8,tree:3:8 \
+              --prompts unseen,editing --n $N --max-tokens $TOKENS --seconds ${ADAPTIVE_SECONDS:-170} --out "$OUT/adaptive_$t"
+          done ;;
     gdn) timeout 150 python3 bench/gdn_kernel_bench.py --out "$OUT/gdn.json" 2>&1 | tee "$OUT/gdn.md" ;;
   esac
 done

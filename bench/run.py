@@ -105,7 +105,10 @@ class Arms:
         spec = DraftSpec.parse(arm)
         source = {"model": self.draft_model, "dflash": self.dflash, "mtp": lambda: self.head("mtp"),
                   "eagle3": lambda: self.head("eagle3")}.get(spec.drafter)
-        make = (lambda: spec.build(source())) if source else (lambda: spec.build(None))
+        # a fresh drafter per prompt, as each library call makes one (an adaptive one starts
+        # from the target's start-up costs, measured at the warm-up and then read from disk)
+        make = (lambda: spec.build(source(), target=self.target)) if source else \
+            (lambda: spec.build(None, target=self.target))
         return lambda p, n: generate_once(self.target, make(), p, n)
 
 
@@ -179,9 +182,19 @@ def summarize_arms(names, runs, outputs):
                          round_ms=spread([r["round_ms"] for r in rs if r["rounds"]]),
                          nodes=spread([r["nodes_per_round"] for r in rs if r["rounds"]]),
                          draft_forwards=spread([r["draft_forwards_per_round"] for r in rs if r["rounds"]]),
-                         identical=f"{same}/{len(rs)}", first_divergence=div,
+                         identical=f"{same}/{len(rs)}", first_divergence=div, used=_pooled_use(rs),
                          runs=[{k: v for k, v in r.items() if k != "acceptance_by_depth"} for r in rs]))
     return rows
+
+
+def _pooled_use(rs):
+    """Rounds per drafter over a run's prompts (adaptive arms; 'plain' counts tokens decoded
+    without a draft)."""
+    out = {}
+    for r in rs:
+        for k, v in (r.get("rounds_by_drafter") or {}).items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def _f(s, fmt="{:.2f}", spread_=True):
@@ -194,12 +207,14 @@ def _f(s, fmt="{:.2f}", spread_=True):
 
 def table(rows):
     lines = ["| arm | x plain (median, min-max) | tok/s | emitted/verify (pooled) | nodes/round | "
-             "draft forwards/round | round ms | identical to plain |", "|---|---|---|---|---|---|---|---|"]
+             "draft forwards/round | round ms | identical to plain | rounds by drafter |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        used = ", ".join(f"{k} {v}" for k, v in sorted((r.get("used") or {}).items())) or "-"
         lines.append(f"| {r['arm']} | {_f(r['x_plain'])} | {_f(r['tok_s'], '{:.1f}')} | "
                      f"{_f(r['pooled_emitted_per_verify'])} | {_f(r['nodes'], spread_=False)} | "
                      f"{_f(r['draft_forwards'], spread_=False)} | {_f(r['round_ms'], spread_=False)} | "
-                     f"{r['identical']} |")
+                     f"{r['identical']} | {used} |")
     return "\n".join(lines)
 
 

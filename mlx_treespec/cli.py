@@ -190,9 +190,15 @@ def _run(args):
         raise ValueError(f"--model {args.model} is not the model the prompt cache was made with "
                          f"({metadata['model']}): drop --model or pass that one")
     draft_name = args.draft_model
-    kind = args.drafter or ("model" if draft_name is not None or args.model in DEMO_MODELS else "none")
+    # With a demo target and nothing named: its DFlash drafter (adaptive unless a shape is
+    # given), or its draft model where the flags are a draft model's tree shape
+    model_shape = any(v is not None for v in (args.tree_topk, args.tree_depth, args.tree_lanes)) or args.draft_lookup
+    demo_kind = "model" if model_shape else "dflash"
+    kind = args.drafter or ("model" if draft_name is not None else
+                            demo_kind if (args.model, demo_kind) in DEMO_DRAFTERS else "none")
     if draft_name is None:
         draft_name = args.model if kind == "mtp" else DEMO_DRAFTERS.get((args.model, kind))
+    args.drafter = args.drafter or (kind if kind == "dflash" else None)
     spec = _spec(args, has_draft_model=draft_name is not None)  # bad options fail before loading
     if spec.needs_draft_model and draft_name is None:
         raise ValueError(f"--drafter {spec.drafter} needs --draft-model")

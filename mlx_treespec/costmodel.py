@@ -12,6 +12,9 @@
 - `build_from_config(cfg, dtype, q_bits)`: an mlx-lm model with random weights from a config
   dict, to price a pairing that cannot be trained here. Anything computed from such a model is a
   *projection* and is labelled so wherever it is shown.
+- `startup_costs(model)`: what the adaptive drafter (adaptive.py) starts from: plain decoding's
+  ms per token (`time_plain`, pipelined) and the verify curve, measured once per target shape,
+  device and MLX version and kept on disk (`cost_cache_dir`).
 """
 from __future__ import annotations
 
@@ -39,6 +42,9 @@ __all__ = [
     "load_config",
     "draft_plan",
     "round_cost",
+    "time_plain",
+    "startup_costs",
+    "cost_cache_dir",
     "VERIFY_TS",
     "DRAFT_LANES",
 ]
@@ -245,3 +251,71 @@ def round_cost(plan, nodes, verify_fit, draft_fit=None, overhead_ms=0.0):
     draft = sum(n * draft_fit(rows) for rows, n in plan) if plan and draft_fit is not None else 0.0
     verify = verify_fit(nodes)
     return draft, verify, draft + verify + overhead_ms
+
+
+# ---------------------------------------------------------------------------- start-up costs
+
+
+def time_plain(model, tokens=24, history=256, seed=0, warmup=4):
+    """ms per token of plain decoding pipelined as mlx-lm's generate_step (the next forward is
+    queued before the host reads a token), over `history` committed tokens."""
+    caches, vocab, rng = _prefilled(model, history, seed)
+    y = mx.array([int(rng.integers(0, vocab))], mx.uint32)
+
+    def step(tok):
+        return mx.argmax(model(tok.reshape(1, 1), cache=caches)[0, -1:], axis=-1).astype(mx.uint32)
+
+    y = step(y)
+    mx.async_eval(y)
+    for i in range(warmup + tokens):
+        if i == warmup:
+            tic = time.perf_counter()
+        nxt = step(y)
+        mx.async_eval(nxt)
+        y.item()
+        y = nxt
+    y.item()
+    return 1e3 * (time.perf_counter() - tic) / (tokens + 1)
+
+
+
+def _cost_key(model):
+    """What a cost fit depends on: the target's shape and dtypes, the device, MLX's version."""
+    import hashlib
+
+    args = getattr(model, "args", None)
+    cfg = {k: v for k, v in sorted(vars(args).items())} if args is not None else {}
+    dtypes = sorted({str(p.dtype) for _, p in tree_flatten(model.parameters())})
+    info = mx.device_info() if hasattr(mx, "device_info") else {}
+    text = json.dumps([type(model).__module__, cfg, dtypes, n_params(model), str(mx.default_device()),
+                       info.get("device_name", info.get("architecture", "")), mx.__version__],
+                      default=str, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def cost_cache_dir():
+    """Where start-up cost fits are kept: $MLX_TREESPEC_CACHE, else ~/.cache/mlx_treespec."""
+    import os
+
+    return Path(os.environ.get("MLX_TREESPEC_CACHE") or Path.home() / ".cache" / "mlx_treespec") / "costs"
+
+
+def startup_costs(model):
+    """(plain ms per token, verify CostFit over T nodes) of this target on this device: measured
+    once (a few dozen forwards) and kept on disk per model shape, device and MLX version."""
+    path = cost_cache_dir() / f"{_cost_key(model)}.json"
+    try:
+        d = json.loads(path.read_text())
+        return float(d["plain_ms"]), CostFit.from_dict(d["verify"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    verify = fit_curve(time_verify(model, VERIFY_TS, repeats=3, warmup=1))
+    plain = time_plain(model)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"plain_ms": plain, "verify": verify.to_dict()}))
+        tmp.replace(path)
+    except OSError:  # a read-only home: measure again next time
+        pass
+    return plain, verify

@@ -89,7 +89,8 @@ class Draft:
     drafter has its own state type; None for a draft that forwarded nothing). `fetch` lists
     device arrays that commit reads: the loop fetches them in the walk's sync. `budget` and
     `depth` are what the drafter was asked for this round (RoundStats reports them beside what
-    it proposed); `forwards` counts the draft-model forwards it ran (0 for a host drafter).
+    it proposed); `forwards` counts the draft-model forwards it ran (0 for a host drafter);
+    `source` names what drafted it where a drafter picks among several (adaptive.py).
     """
 
     tokens: mx.array
@@ -99,6 +100,7 @@ class Draft:
     budget: int = 0
     depth: int = 0
     forwards: int = 0
+    source: str = ""
 
     @property
     def size(self) -> int:

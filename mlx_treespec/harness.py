@@ -22,17 +22,27 @@ import mlx.core as mx
 from .loop import RoundStats, tree_generate_step
 
 __all__ = ["load_prompts", "encode_prompts", "generate_once", "interleave", "spread", "first_divergence",
-           "run_meta", "PROMPT_SETS"]
+           "run_meta", "PROMPT_SETS", "DERIVED_SETS"]
 
 _BENCH = Path(__file__).resolve().parents[1] / "bench"
 # Named prompt sets (bench/*.json): the demo pair's held-out training split, and source text the
 # demo models never saw in training (this project's own code, written after they were trained)
 PROMPT_SETS = {"heldout": "heldout_prompts.json", "unseen": "unseen_prompts.json"}
+# A repetitive editing workload, derived from the unseen set: each excerpt, then the excerpt
+# begun again (its first third), as a rewrite of code the context holds
+DERIVED_SETS = {"editing": "unseen"}
+
+
+def _editing(texts):
+    return [t + "\n\n" + t[: len(t) // 3] for t in texts]
 
 
 def load_prompts(path):
     """Prompt texts from a named set ('heldout', 'unseen'), a JSON file (a list of strings, of
-    {"prompt": ...}, or {"prompts": [...]}), or a text file with one prompt per line."""
+    {"prompt": ...}, or {"prompts": [...]}), or a text file with one prompt per line;
+    'editing' is the unseen set as a repetitive editing workload (DERIVED_SETS)."""
+    if str(path) in DERIVED_SETS:
+        return _editing(load_prompts(DERIVED_SETS[str(path)]))
     if str(path) in PROMPT_SETS:
         path = _BENCH / PROMPT_SETS[str(path)]
     text = Path(path).read_text()

@@ -25,6 +25,7 @@ from .sampling import make_node_sampler
 from .spec import check_int
 from .support import require_tree_support
 from .tree import MAX_NODES, DraftTree
+from .adaptive import PlainStretch
 from .verify import TreeRound, cached_array, capturing, check_capture
 from .walk import greedy_walk
 
@@ -50,10 +51,11 @@ class RoundStats:
     sync_ms: List[float] = field(default_factory=list)  # waiting in the round's one host sync
     walk_ms: List[float] = field(default_factory=list)  # after the sync: walk and commits
     draft_forwards: List[int] = field(default_factory=list)  # draft-model forwards per round
+    drafter: List[str] = field(default_factory=list)  # what drafted each round ('plain': nothing)
     prompt_ms: float = 0.0
 
     def record(self, *, accepted, emitted, nodes, depth, held, budget, requested_depth, draft_ms,
-               verify_ms, round_ms, sync_ms, walk_ms, draft_forwards=0):
+               verify_ms, round_ms, sync_ms, walk_ms, draft_forwards=0, drafter=""):
         for name, value in locals().items():
             if name != "self":
                 getattr(self, {"budget": "requested_budget"}.get(name, name)).append(value)
@@ -92,12 +94,23 @@ class RoundStats:
             "sync_ms_per_round": sum(self.sync_ms) / n,
             "walk_ms_per_round": sum(self.walk_ms) / n,
             "draft_forwards_per_round": sum(self.draft_forwards) / n,
+            "rounds_by_drafter": self.rounds_by_drafter(),
             "prompt_ms": self.prompt_ms,
         }
+
+    def rounds_by_drafter(self):
+        """{what drafted: rounds} over the rounds that say (adaptive drafting; 'plain': one
+        token decoded without a draft)."""
+        out = {}
+        for d in self.drafter:
+            if d:
+                out[d] = out.get(d, 0) + 1
+        return out
 
     def format(self):
         s = self.summary()
         by_depth = " ".join(f"{a:.2f}" for a in s["acceptance_by_depth"])
+        used = ", ".join(f"{k} {v}" for k, v in sorted(s["rounds_by_drafter"].items()))
         return (
             f"Rounds: {s['rounds']}, emitted/verify: {s['emitted_per_verify']:.3f}, "
             f"accepted/round: {s['accepted_per_round']:.3f}, re-run next round: {s['held_per_round']:.3f}\n"
@@ -108,6 +121,7 @@ class RoundStats:
             f"Draft {s['draft_ms_per_round']:.2f} ms/round, verify {s['verify_ms_per_round']:.2f} "
             f"ms/round, round {s['round_ms']:.2f} ms (of which waiting on the device "
             f"{s['sync_ms_per_round']:.2f}, walk and commit {s['walk_ms_per_round']:.2f})"
+            + (f"\nRounds by drafter: {used} (plain: tokens decoded without a draft)" if used else "")
         )
 
 
@@ -320,6 +334,20 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
             t0 = time.perf_counter()
             depth_cap, base = _depth_cap(caches, room, kv_bits, quantized_kv_start)
             draft = drafter.draft(root, depth_cap)                                            # draft
+            if isinstance(draft, PlainStretch):  # no speculation for a while (adaptive.py)
+                count = draft.tokens if room == float("inf") else int(min(draft.tokens, room))
+                lead, caught = root, []
+                for token, lp, root in _stretch(model, caches, held, root, count, choose, quantize,
+                                                capture, stats, caught):
+                    held = None  # in the caches since the stretch's first forward
+                    n += 1
+                    yield token, lp, False
+                    if token in stop_tokens:
+                        break
+                else:
+                    drafter.catch_up(lead, *caught)
+                    continue
+                break
             if draft.size > MAX_NODES:
                 raise ValueError(f"the drafter proposed {draft.size} nodes; at most {MAX_NODES} fit")
             mx.async_eval(draft.arrays())  # the device drafts while the host builds the verify
@@ -359,11 +387,56 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
                          depth=int(tree.max_depth), held=0 if held is None else int(held.shape[0]),
                          budget=draft.budget, requested_depth=draft.depth, draft_ms=1e3 * (t1 - t0),
                          verify_ms=1e3 * (t2 - t1), round_ms=1e3 * (t2 - t0), sync_ms=1e3 * (tw - ts),
-                         walk_ms=1e3 * (t2 - tw), draft_forwards=draft.forwards)
+                         walk_ms=1e3 * (t2 - tw), draft_forwards=draft.forwards,
+                         drafter=draft.source)
             if root in stop_tokens:
                 break
     finally:
         land()
+
+
+def _stretch(model, caches, held, root, count, choose, quantize, capture, stats, caught):
+    """`count` tokens of plain decoding inside the round loop, pipelined as `_plain_decode`:
+    the first forward runs the held tokens and the root, each later one the token before.
+    Yields (token, logprobs, root): `root` is what is pending after that token (None: the
+    caches hold it; the stretch's last token is not forwarded, it is the next root). At the
+    end `caught` holds the tokens and the captured rows of the tokens forwarded (root first:
+    what a drafter reading the target missed), the held tokens' rows left out (the drafter had
+    them from the round that accepted them)."""
+    lead = mx.array([root], mx.uint32)
+    p = 0 if held is None else held.shape[0]
+    lead = lead if held is None else mx.concatenate([held, lead])
+    position = committed_offset(caches) + p  # the root's
+
+    def step(tokens, position):
+        logits, hidden = _forward(model, caches, tokens, quantize, capture)
+        logits = logits[0, -1:]
+        return choose(logits, None if choose.greedy else mx.array([position], mx.int32)), logits, hidden
+
+    y, logits, hidden = step(lead, position)
+    rows = [hidden[p:]] if hidden is not None else []
+    mx.async_eval(y)
+    tokens = []
+    tic = time.perf_counter()
+    for i in range(count):
+        last = i == count - 1
+        if not last:  # queue the next forward before reading this token
+            nxt = step(y, position + i + 1)
+            mx.async_eval(nxt[0])
+        ts = time.perf_counter()
+        token = y.item()
+        toc = time.perf_counter()
+        stats.record(accepted=0, emitted=1, nodes=1, depth=0, held=0, budget=0, requested_depth=0,
+                     draft_ms=0.0, verify_ms=1e3 * (toc - tic), round_ms=1e3 * (toc - tic),
+                     sync_ms=1e3 * (toc - ts), walk_ms=0.0, drafter="plain")
+        tic = toc
+        tokens.append(token)
+        yield token, logits[0] - mx.logsumexp(logits[0], keepdims=True), (token if last else None)
+        if not last:
+            y, logits, hidden = nxt
+            if hidden is not None:
+                rows.append(hidden)
+    caught += [tokens, mx.concatenate(rows) if rows else None]
 
 
 def _walk(draft, chosen, room, stop_tokens):

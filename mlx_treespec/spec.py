@@ -14,6 +14,9 @@ Arm grammar:
     lookup:B:D / suffix:B:D  model-free drafters: B draft nodes, depth D
     dflash:K               a DFlash block drafter's chain of K tokens (K < its block size)
     ddtree:B               DDTree over a DFlash block drafter: B draft nodes (best-first)
+    auto:KIND              adaptive drafting (adaptive.py) over KIND (model, dflash, mtp, eagle3,
+                           lookup, suffix) and prompt lookup: each round's drafter and tree
+                           picked, or no draft; what every drafter gets when no shape is given
     ... +lookupN[@T]       (after chain or tree) a prompt-lookup chain of N nodes under the same
                            root; with T, rounds whose lookup matched T tokens draft with it alone
 """
@@ -75,6 +78,7 @@ class DraftSpec:
     budget: int = 0
     lookup: int = 0
     trust: int = 0
+    adaptive: bool = False
 
     # ------------------------------------------------------------------ construction
 
@@ -104,6 +108,8 @@ class DraftSpec:
                              f"{drafter} drafts without one: drop --draft-lookup or use --drafter model")
         if drafter == "none":
             return cls("none")
+        if all(o is None for o in (block, topk, depth, budget, lanes)) and not lookup:
+            return cls.adaptive_over(drafter)
         if block is not None and (depth is not None or (topk or 1) > 1 or lanes is not None):
             raise ValueError("give either --draft-block-size (a chain) or --tree-topk/--tree-depth "
                              "(a tree), not both")
@@ -147,6 +153,20 @@ class DraftSpec:
         return cls(drafter, topk=topk, lanes=lanes, depth=depth, budget=budget, lookup=lookup, trust=trust)
 
     @classmethod
+    def adaptive_over(cls, drafter):
+        """Adaptive drafting over `drafter`'s default shape (and prompt lookup)."""
+        from dataclasses import replace
+
+        if drafter in ("lookup", "suffix"):
+            fixed = cls.from_options(drafter, tree_budget=DEFAULT_FREE_BUDGET, tree_depth=DEFAULT_DEPTH)
+        elif drafter == "dflash":  # the budget is picked per round, up to the most a round holds
+            fixed = cls.from_options("dflash", tree_budget=MAX_NODES - 1)
+        else:
+            fixed = cls.from_options(drafter, tree_topk=DEFAULT_TREE["topk"], tree_lanes=DEFAULT_TREE["lanes"],
+                                     tree_depth=DEFAULT_TREE["depth"])
+        return replace(fixed, adaptive=True)
+
+    @classmethod
     def parse(cls, arm):
         """An arm string (module docstring) as a spec; ValueError naming the grammar if not."""
         if not isinstance(arm, str):
@@ -162,6 +182,11 @@ class DraftSpec:
             if lookup < 1:
                 raise ValueError(f"arm {arm!r}: +lookupN needs N in 1..{MAX_NODES - 2}")
         parts = base.split(":")
+        if parts[0] == "auto":
+            if len(parts) != 2 or parts[1] not in DRAFTERS or parts[1] == "none" or plus:
+                raise ValueError(f"cannot read arm {arm!r}: auto:KIND takes one of "
+                                 f"{', '.join(d for d in DRAFTERS if d != 'none')}")
+            return cls.adaptive_over(parts[1])
         kind, args = parts[0], [_arm_int(p, arm) for p in parts[1:]]
         if kind.startswith("chain") and kind != "chain" and not args:  # 'chain6'
             kind, args = "chain", [_arm_int(kind[5:], arm)]
@@ -205,6 +230,8 @@ class DraftSpec:
         """The arm string of this spec (`parse` reads it back)."""
         if self.drafter == "none":
             return "plain"
+        if self.adaptive:
+            return f"auto:{self.drafter}"
         if self.drafter in ("lookup", "suffix"):
             return f"{self.drafter}:{self.budget}:{self.depth}"
         if self.drafter == "dflash":
@@ -223,6 +250,8 @@ class DraftSpec:
         where lanes differ from K)."""
         if self.drafter == "none":
             return "plain"
+        if self.adaptive:
+            return f"adaptive {self.drafter}" + (" + lookup" if self.drafter not in ("lookup", "suffix") else "")
         if self.drafter in ("lookup", "suffix"):
             return f"{self.drafter} B={self.budget} D={self.depth}"
         if self.drafter == "dflash":
@@ -240,6 +269,8 @@ class DraftSpec:
         """Which curve an arm belongs to in a sweep plot."""
         if self.drafter == "none":
             return "plain"
+        if self.adaptive:
+            return "adaptive"
         if self.drafter == "model":
             return "chain" if self.is_chain and not self.lookup else "tree"
         if self.drafter in HEADS:
@@ -253,14 +284,28 @@ class DraftSpec:
 
     # ------------------------------------------------------------------ building
 
-    def build(self, draft_model=None):
+    def build(self, draft_model=None, target=None):
         """The drafter (None for 'none'). `draft_model`: an mlx-lm model ('model'), a DFlash
         drafter bound to its target ('dflash'; drafters.dflash.bind_dflash), a head bound to its
-        target ('mtp', 'eagle3'; drafters.mtp.load_mtp, drafters.eagle3.load_eagle3)."""
+        target ('mtp', 'eagle3'; drafters.mtp.load_mtp, drafters.eagle3.load_eagle3). An
+        adaptive spec prices its arms with `target`'s start-up costs (costmodel.startup_costs;
+        without a target, from its first rounds)."""
         if self.drafter == "none":
             return None
         if self.needs_draft_model and draft_model is None:
             raise ValueError(f"--drafter {self.drafter} needs --draft-model")
+        if self.adaptive:
+            from dataclasses import replace
+
+            from .adaptive import AdaptiveDrafter
+            from .costmodel import startup_costs
+            from .drafters.lookup import LookupDrafter
+
+            base = replace(self, adaptive=False).build(draft_model)
+            costs = (lambda: startup_costs(target)) if target is not None else None
+            if self.drafter in ("lookup", "suffix"):
+                return AdaptiveDrafter(host=base, costs=costs)
+            return AdaptiveDrafter(primary=base, host=LookupDrafter(DEFAULT_FREE_BUDGET, DEFAULT_DEPTH), costs=costs)
         if self.drafter == "lookup":
             from .drafters.lookup import LookupDrafter
 
@@ -293,7 +338,7 @@ class DraftSpec:
 
     def probe_parents(self):
         """The largest layout a round of this spec sends (what the GPU exactness probe verifies),
-        without building the drafter."""
+        without building the drafter (adaptive: its model arm's)."""
         from .probe import with_root_chain
 
         if self.drafter == "none":

@@ -36,7 +36,7 @@ from .cache import (
 from .draft import Layout
 from .tree import ancestors_of, depths_of
 
-__all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "capturing", "check_capture"]
+__all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "capturing", "check_capture", "row_bucket", "pad_keys_default"]
 
 
 class _Context:
@@ -278,7 +278,7 @@ def _reserve(cache, n):
     return cache.keys.shape[2]
 
 
-def _bucket(n):
+def row_bucket(n):
     """The row count a forward of n nodes runs with on GPU: the next power of two."""
     return 1 << max(n - 1, 0).bit_length()
 
@@ -372,7 +372,7 @@ class TreeRound:
 
     def fit(self, draft, held=None):
         """The draft as this round's verify runs it. On GPUs a forward's rows are padded to a
-        power of two (`_bucket`): where the held tokens would push the draft into the next
+        power of two (`row_bucket`): where the held tokens would push the draft into the next
         bucket, its last nodes are dropped instead (a prefix of a parents-first numbering is a
         tree: fewer candidates, the same tokens out). Drafts whose commit reads their nodes
         (`state`, `fetch`) and layouts without host parents stay whole."""
@@ -380,7 +380,7 @@ class TreeRound:
         if not (p and self.pad_keys and self.all_append) or draft.state is not None or draft.fetch \
                 or draft.layout.parents is None:
             return draft
-        rows = _bucket(n)
+        rows = row_bucket(n)
         if p + n <= rows or p >= rows:
             return draft
         parents = draft.layout.parents[: rows - p]
@@ -495,7 +495,7 @@ class TreeRound:
         if self.pad_keys:
             # Whole buffers, and (attention-only models) a power-of-two row count: the shapes a
             # GPU kernel meets repeat, so drafts of varying size never pay for a new plan.
-            total = _bucket(n) if self.all_append else n
+            total = row_bucket(n) if self.all_append else n
             widths = {_reserve(c, total) for c, k in zip(self.caches, self.kinds) if k == "append"}
             self.width = widths.pop() if len(widths) == 1 else None
             if self.width is not None and self.all_append:

@@ -119,19 +119,28 @@ def test_errors_leave_a_passed_cache_untouched():
         assert np.array_equal(np.array(c.keys[..., : c.offset, :]), keys)
 
 
-def test_default_draft_shape_is_the_fixed_one_lane_tree():
-    # no shape option: a spine of 8 with each step's two runners-up (DEFAULT_TREE); any one
-    # option keeps the old meaning (tree_topk defaults to 1: a chain)
+def test_default_draft_shape_is_adaptive_over_the_fixed_one_lane_tree():
+    # no shape option: adaptive drafting whose model arm is a spine of 8 with each step's two
+    # runners-up (DEFAULT_TREE); any one option fixes the shape (tree_topk defaults to 1: a chain)
+    from mlx_treespec.adaptive import AdaptiveDrafter
+
     draft = tiny.build(tiny.CONFIGS["qwen3"])
-    d = make_drafter(draft)
+    a = make_drafter(draft)
+    assert isinstance(a, AdaptiveDrafter) and a.host is not None
+    d = a.primary
     assert (d.topk, d.lanes, d.depth, d.budget) == (3, 1, 8, 24)
     assert d.budget >= d.depth * d.topk  # every candidate stays: the fixed layout, no re-rank
     c = make_drafter(draft, tree_depth=5)
     assert (c.topk, c.lanes, c.depth, c.budget) == (1, 1, 5, 5)
     assert make_drafter(draft, draft_block_size=3).depth == 3
+    # the demo's default: its DFlash drafter, adaptive; the CLI reports what each round used
     r = cli("--prompt", "def parse(", "--max-tokens", "24", "--verbose")
     assert r.returncode == 0, r.stderr
-    assert "budget requested 24" in r.stdout and "depth requested 8" in r.stdout
+    assert "budget requested 63" in r.stdout and "depth requested 15" in r.stdout
+    assert "Rounds by drafter:" in r.stdout
+    r = cli("--prompt", "def parse(", "--max-tokens", "24", "--verbose", "--tree-topk", "3", "--tree-lanes", "1",
+            "--tree-depth", "8")
+    assert "budget requested 24" in r.stdout and "Rounds by drafter" not in r.stdout
 
 
 @pytest.mark.parametrize("args,needle", [

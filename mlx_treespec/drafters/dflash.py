@@ -370,27 +370,37 @@ class DFlashDrafter:
         depth = min(self.depth, max_depth)
         if depth == 0:
             return Draft.root_only(root)
-        logits = self._block_logits(root)[1 : depth + 1]  # position k predicts k after the root
-        root_arr = mx.array([int(root)], mx.uint32)
         if self.topk == 1:
+            logits = self._block_logits(root)[1 : depth + 1]  # position k predicts k after the root
             chain = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            root_arr = mx.array([int(root)], mx.uint32)
             return Draft(mx.concatenate([root_arr, chain]), Layout.fixed(chain_parents(depth + 1)),
                          budget=depth, depth=depth, forwards=self.forwards)
+        ids, top = self.ranked(root, depth)
+        return self.as_draft(root, ids, best_first_tree(0, top, self.budget), depth, self.budget)
+
+    def ranked(self, root, depth):
+        """One block forward; each of the first `depth` positions' best candidates on the host:
+        (token ids, log-probabilities), both [depth, k], best first (the round's extra sync)."""
+        logits = self._block_logits(root)[1 : depth + 1]  # position k predicts k after the root
         logprobs = logits.astype(mx.float32)
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
         k = min(self.topk, self.budget, logprobs.shape[-1])
-        ids = mx.argsort(-logprobs, axis=-1)[:, :k]  # each position's best k, best first
+        ids = mx.argsort(-logprobs, axis=-1)[:, :k]
         top = mx.take_along_axis(logprobs, ids, axis=-1)
-        mx.eval(ids, top)  # the tree is built on the host: the round's extra sync
-        ids, top = np.array(ids), np.array(top)
-        # best-first over column ranks (a column is a rank: its token is ids[position, column]);
-        # renumbered depth-first so the most probable chain takes ids 1, 2, ... (see tree.preorder)
-        tree = best_first_tree(0, top, self.budget)
+        mx.eval(ids, top)
+        return np.array(ids), np.array(top)
+
+    def as_draft(self, root, ids, tree, depth, budget):
+        """A best-first tree over column ranks (`builders.best_first_tree` over `ranked`'s
+        log-probabilities; a column is a rank, its token ids[position, column]) as the round's
+        draft, renumbered depth-first so the most probable chain takes ids 1, 2, ... (see
+        tree.preorder)."""
         order = preorder(tree.parents)
         parents = relabel(tree.parents, order)
         cols, depths = tree.tokens[order][1:], tree.depths[order][1:]
         tokens = np.concatenate([[int(root)], ids[depths - 1, cols]]).astype(np.uint32)
-        return Draft(mx.array(tokens), Layout.host(parents), budget=self.budget, depth=depth,
+        return Draft(mx.array(tokens), Layout.host(parents), budget=budget, depth=depth,
                      forwards=self.forwards)
 
     def probe_parents(self):

@@ -31,8 +31,10 @@ def make_drafter(draft_model=None, *, drafter=None, target=None, **options):
     """The drafter for mlx-lm-style options (`draft_block_size`, `tree_topk`, `tree_depth`,
     `tree_budget`, `tree_lanes`, `draft_lookup`, `draft_lookup_trust`; see DraftSpec).
 
-    `drafter` is a drafter object (used as it is, with no shape option) or a kind: 'model' (the
-    default with a draft model), 'lookup', 'suffix', 'dflash' (a DFlash folder as
+    With no shape option the drafter is adaptive (mlx_treespec.adaptive): each round picks
+    between the kind's default shape, prompt lookup and no draft, priced with `target`'s
+    start-up costs. `drafter` is a drafter object (used as it is, with no shape option) or a
+    kind: 'model' (the default with a draft model), 'lookup', 'suffix', 'dflash' (a DFlash folder as
     `draft_model`, bound to `target`), 'mtp' (the target's own folder as `draft_model`: its
     mtp.* weights), 'eagle3' (an EAGLE-3 folder), 'none'. No drafter and no draft model: None
     (plain decoding)."""
@@ -59,7 +61,7 @@ def make_drafter(draft_model=None, *, drafter=None, target=None, **options):
         draft_model = (load_mtp if spec.drafter == "mtp" else load_eagle3)(str(draft_model), target)
     elif spec.drafter == "model" and target is not None and draft_model is not None:
         check_vocab(target, draft_model)
-    return spec.build(draft_model)
+    return spec.build(draft_model, target=target)
 
 
 def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=256, drafter=None,

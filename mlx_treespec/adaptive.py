@@ -1,0 +1,298 @@
+"""Adaptive drafting: before every round, the draft with the most expected tokens per millisecond.
+
+`AdaptiveDrafter` is a drafter that picks one of three arms each round:
+
+- `primary`: the drafter that runs a model (a DFlash block drafter, a draft model, an MTP or
+  EAGLE-3 head);
+- `host`: a model-free drafter (prompt lookup, a suffix index), in rounds where it matched the
+  text (it drafts nothing otherwise);
+- `plain`: no speculation. `draft` returns `PlainStretch(n)`: the loop decodes n tokens plainly,
+  pipelined as mlx-lm's generate_step (the device never waits on the host), then hands the
+  drafters what they did not see (`catch_up`: the tokens, and the target rows a drafter reads).
+
+Estimates, all of wall time (what the round costs the user, host work included):
+
+- An arm's rate is emitted tokens per ms, averaged over its recent uses (EWMA, `ALPHA`). Plain's
+  starts from the start-up cost fit (`costmodel.startup_costs`: measured once per target shape,
+  device and MLX version and kept on disk); the others from their first use.
+- A DFlash round picks its tree's node budget after its block forward. Each node's draft
+  probability (its best-first score: the product of its tokens' marginals) is calibrated online
+  into the probability that the target accepts it (`Calibration`, by probability bin, from every
+  DFlash node verified so far). The best-first tree of B nodes is the first B nodes in best-first
+  order, so it is expected to emit 1 + the sum of their calibrated probabilities, and to cost the
+  round's overhead beyond its verify (measured online) plus a verify of B + 1 rows (the start-up
+  fit at the row count the device runs: `verify.row_bucket` on GPUs). The budget with the best
+  ratio is drafted (`choose_budget`).
+
+Exploration: an arm never used is tried the first time it is available; a model or host arm
+passed over for `REPROBE` rounds in which it was available is tried once; after a plain
+stretch the best speculative arm is tried once, and a stretch chosen again right after that
+probe is twice as long (`STRETCH` up to `MAX_STRETCH` tokens), while a round that speculation
+wins outright sets it back to `STRETCH`; while the host drafter's rounds beat plain decoding
+(it drafts only where it matches, which any next token may bring), stretches are
+`HOST_STRETCH` tokens.
+
+Rates and the calibration carry over from one generation to the next (they describe the target,
+the drafter and the device, not one text); `reset` clears them. Exactness does not depend on
+any of it: every arm drafts an exact draft, and a plain stretch is plain decoding.
+"""
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .builders import best_first_tree
+from .draft import Draft
+from .tree import MAX_NODES, DraftTree, preorder
+from .verify import pad_keys_default, row_bucket
+
+__all__ = ["AdaptiveDrafter", "PlainStretch", "Calibration", "Rate"]
+
+ALPHA = 0.3  # weight of the newest use in an arm's averages
+STRETCH, MAX_STRETCH = 16, 256  # tokens of a plain stretch: first, and after repeated losses
+HOST_STRETCH = 4  # a stretch's tokens while a host drafter's matches beat plain decoding
+REPROBE = 16  # available rounds after which an arm not taken is tried once
+
+
+@dataclass(frozen=True)
+class PlainStretch:
+    """No draft for the next `tokens` tokens: the loop decodes them plainly (pipelined)."""
+
+    tokens: int
+
+
+class Rate:
+    """Emitted tokens and wall ms of an arm's uses, each averaged (EWMA); `value` their ratio."""
+
+    __slots__ = ("tokens", "ms", "uses")
+
+    def __init__(self, ms_per_token=None):
+        self.tokens, self.ms, self.uses = (1.0, float(ms_per_token), 0) if ms_per_token else (None, None, 0)
+
+    def add(self, tokens, ms):
+        if self.ms is None:
+            self.tokens, self.ms = float(tokens), float(ms)
+        else:
+            self.tokens += ALPHA * (tokens - self.tokens)
+            self.ms += ALPHA * (ms - self.ms)
+        self.uses += 1
+
+    @property
+    def value(self):
+        """Tokens per ms (None before any use or prior)."""
+        return None if self.ms is None else self.tokens / max(self.ms, 1e-6)
+
+
+class Calibration:
+    """P(the target accepts a draft node | the drafter's probability of its path), by bin:
+    `PRIOR` pseudo-observations at the drafter's own probability, then every verified node."""
+
+    EDGES = np.array([0.0, 0.01, 0.03, 0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 0.9, 0.97])
+    PRIOR = 4.0
+
+    def __init__(self):
+        self.hits = np.zeros(len(self.EDGES))
+        self.seen = np.zeros(len(self.EDGES))
+
+    def _bins(self, p):
+        return np.clip(np.searchsorted(self.EDGES, p, side="right") - 1, 0, len(self.EDGES) - 1)
+
+    def __call__(self, p):
+        p = np.asarray(p, np.float64)
+        b = self._bins(p)
+        return (self.hits[b] + self.PRIOR * p) / (self.seen[b] + self.PRIOR)
+
+    def update(self, p, accepted):
+        b = self._bins(np.asarray(p, np.float64))
+        np.add.at(self.hits, b, np.asarray(accepted, np.float64))
+        np.add.at(self.seen, b, 1.0)
+
+
+def _kind(drafter):
+    return getattr(drafter, "kind", type(drafter).__name__.replace("Drafter", "").lower())
+
+
+class AdaptiveDrafter:
+    """Picks each round's arm (module docstring). `primary`: a model drafter or None; `host`: a
+    model-free drafter or None (at least one); `costs`: (plain ms per token, verify CostFit over
+    nodes) from `costmodel.startup_costs` (or a function returning them, called at the first
+    prefill), or None to learn plain's rate from a first stretch
+    and draft DFlash's whole budget until a round's overhead is known; `verify_rows`: the
+    verify's row count for n nodes (default: the device's, `row_bucket` on GPUs)."""
+
+    def __init__(self, primary=None, host=None, costs=None, verify_rows=None):
+        if primary is None and host is None:
+            raise ValueError("an adaptive drafter needs a drafter to choose: pass primary= or host=")
+        if getattr(host, "capture", ()):
+            raise ValueError("host= is a model-free drafter (lookup, suffix); a drafter that reads the "
+                             "target goes in primary=")
+        self.primary, self.host, self.costs = primary, host, costs
+        self.capture = tuple(getattr(primary, "capture", ())) if primary is not None else ()
+        # DDTree drafters (ranked + as_draft) get their budget chosen per round
+        self.blocks = primary is not None and callable(getattr(primary, "ranked", None)) and primary.topk != 1
+        if verify_rows is None:
+            verify_rows = row_bucket if pad_keys_default() else (lambda n: n)
+        self.verify_rows = verify_rows
+        self.names = {"primary": _kind(primary) if primary is not None else "",
+                      "host": _kind(host) if host is not None else "", "plain": "plain"}
+        self.reset()
+
+    @property
+    def depth(self):
+        return getattr(self.primary if self.primary is not None else self.host, "depth", 0)
+
+    # ------------------------------------------------------------------ the drafter calls
+
+    def reset(self):
+        plain = self.costs[0] if self.costs and not callable(self.costs) else None
+        self.rates = {"primary": Rate(), "host": Rate(), "plain": Rate(plain)}
+        self.calibration = Calibration()
+        self.overhead = None  # EWMA of a DFlash round's ms beyond its verify's
+        self._restart()
+        for d in (self.primary, self.host):
+            if d is not None:
+                d.reset()
+
+    def _restart(self):
+        self.idle = {"primary": 0, "host": 0}
+        self.stretch = STRETCH
+        self.probing = False  # the round under way is the probe after a stretch
+        self.after_stretch = False
+        self.last = None  # (arm, start time, nodes) of the round or stretch under way
+        self.emitted = 0
+        self.scores = None  # draft probability of each node of the last DFlash draft (draft order)
+
+    def prefill(self, prompt, hidden=None):
+        if callable(self.costs):  # measured on the first generation (after the gate passed the target)
+            self.costs = self.costs()
+            self.rates["plain"] = Rate(self.costs[0])
+        self._restart()
+        if self.primary is not None:
+            self.primary.prefill(prompt, hidden) if self.capture else self.primary.prefill(prompt)
+        if self.host is not None:
+            self.host.prefill(prompt)
+
+    def draft(self, root, max_depth):
+        now = time.perf_counter()
+        self._close(now)
+        if max_depth <= 0:
+            return Draft.root_only(root)
+        e = self.host.draft(root, max_depth) if self.host is not None else None
+        available = ["primary"] if self.primary is not None else []
+        if e is not None and e.size > 1:
+            available.append("host")
+        arm = self.choose(available)
+        if arm == "plain":
+            self.last = ("plain", now, 1)
+            host, plain = self.rates["host"].value, self.rates["plain"].value
+            # a host drafter that pays when it matches may match at any token: look again soon
+            return PlainStretch(min(self.stretch, HOST_STRETCH) if host and plain and host > plain else self.stretch)
+        d = e if arm == "host" else self._primary_draft(root, max_depth)
+        d.source = self.names[arm]
+        self.last = (arm, now, d.size)
+        return d
+
+    def commit(self, draft, path, emitted, hidden=None):
+        self.emitted = len(emitted)
+        arm = self.last[0] if self.last is not None else None
+        if arm == "primary" and self.blocks and self.scores is not None:
+            n = min(draft.size, len(self.scores) + 1)  # the verify may have dropped the last nodes
+            accepted = np.zeros(n - 1, bool)
+            nodes = np.asarray(path, np.int64)[1:]
+            accepted[nodes[nodes < n] - 1] = True
+            self.calibration.update(self.scores[: n - 1], accepted)
+        self.scores = None
+        if self.primary is not None:
+            if self.capture:
+                self.primary.commit(draft, path, emitted, hidden)
+            else:
+                self.primary.commit(draft, path, emitted)
+        if self.host is not None:
+            self.host.commit(draft, path, emitted)
+
+    def catch_up(self, root, tokens, hidden=None):
+        """After a plain stretch from `root`: the `tokens` it emitted (the last is the next root)
+        and the target rows of the tokens it forwarded (root first, one per token)."""
+        self.emitted = len(tokens)
+        d, path = Draft.root_only(root), np.zeros(1, np.int64)
+        if self.primary is not None:
+            if self.capture:
+                self.primary.commit(d, path, tokens, hidden)
+            else:
+                self.primary.commit(d, path, tokens)
+        if self.host is not None:
+            self.host.commit(d, path, tokens)
+
+    def probe_parents(self):
+        return (self.primary if self.primary is not None else self.host).probe_parents()
+
+    # ------------------------------------------------------------------ the choices
+
+    def choose(self, available):
+        """The arm for this round among `available` speculative arms and plain."""
+        was_probe, self.probing = self.probing, False
+        chosen = self._choose(available)  # sets `probing` for the probe after a stretch
+        for a in available:
+            self.idle[a] = 0 if a == chosen else self.idle[a] + 1
+        if chosen == "plain":
+            if was_probe:  # speculation lost its probe: stay off longer
+                self.stretch = min(2 * self.stretch, MAX_STRETCH)
+            self.after_stretch = True
+        return chosen
+
+    def _choose(self, available):
+        rates = {a: self.rates[a].value for a in available + ["plain"]}
+        for a in available:  # never used: try it
+            if rates[a] is None:
+                return a
+        if not available or rates["plain"] is None:
+            return "plain"
+        if self.after_stretch:  # back from a stretch: the best speculative arm, once
+            self.after_stretch, self.probing = False, True
+            return max(available, key=rates.get)
+        for a in available:
+            if self.idle[a] >= REPROBE:
+                return a
+        best = max(available + ["plain"], key=rates.get)
+        if best != "plain":
+            self.stretch = STRETCH
+        return best
+
+    def verify_ms(self, nodes):
+        """The start-up fit's verify ms of `nodes` nodes (an array), at the device's row count."""
+        fit = self.costs[1]
+        return np.array([fit(self.verify_rows(int(n))) for n in np.atleast_1d(nodes)])
+
+    def choose_budget(self, probs):
+        """Nodes of the best-first tree to draft, given its nodes' draft probabilities in
+        best-first order: the B in 1..len(probs) with the most expected emitted tokens per ms."""
+        n = len(probs)
+        if self.costs is None or self.overhead is None:
+            return n
+        gain = 1.0 + np.cumsum(self.calibration(probs))
+        ms = np.maximum(self.overhead + self.verify_ms(np.arange(2, n + 2)), 1e-6)
+        return int(np.argmax(gain / ms)) + 1
+
+    def _primary_draft(self, root, max_depth):
+        p = self.primary
+        if not self.blocks:
+            return p.draft(root, max_depth)
+        depth = min(p.depth, max_depth)
+        ids, top = p.ranked(root, depth)
+        tree = best_first_tree(0, top, min(p.budget, MAX_NODES - 1))
+        B = self.choose_budget(np.exp(tree.scores[1:]))
+        tree = DraftTree(tree.tokens[: B + 1], tree.parents[: B + 1], tree.scores[: B + 1])
+        self.scores = np.exp(tree.scores[preorder(tree.parents)][1:])  # as as_draft numbers them
+        return p.as_draft(root, ids, tree, depth, B)
+
+    def _close(self, now):
+        """Book the round or stretch that just ended against its arm."""
+        if self.last is None:
+            return
+        arm, start, nodes = self.last
+        ms = 1e3 * (now - start)
+        self.rates[arm].add(self.emitted, ms)
+        if arm == "primary" and self.blocks and self.costs is not None:
+            extra = max(ms - float(self.verify_ms([nodes])[0]), 0.0)
+            self.overhead = extra if self.overhead is None else self.overhead + ALPHA * (extra - self.overhead)
+        self.last = None

@@ -1,0 +1,228 @@
+"""Adaptive drafting: exact whatever it picks (rounds that switch drafter, rounds with no draft),
+and its choices are what the arithmetic says for a mocked cost curve (CPU, tiny models)."""
+import json
+
+import numpy as np
+import pytest
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+
+import tiny
+from test_dflash import OracleDFlash, dflash_config, save_random
+from mlx_treespec import RoundStats, make_drafter, tree_generate_step
+from mlx_treespec import adaptive
+from mlx_treespec.adaptive import AdaptiveDrafter, Calibration, PlainStretch
+from mlx_treespec.costmodel import CostFit, cost_cache_dir, fit_curve, startup_costs
+from mlx_treespec.drafters.dflash import bind_dflash
+from mlx_treespec.drafters.lookup import LookupDrafter
+from mlx_treespec.drafters.model import ModelDrafter
+from mlx_treespec.spec import DraftSpec
+
+N = 64
+
+
+def flat(ms):
+    return CostFit(points={1: ms, 64: ms}, t1=ms, a=ms, b=0.0, kind="linear", linear_max_rel_err=0.0,
+                   max_rel_err=0.0)
+
+
+def linear(a, b):
+    return CostFit(points={1: a + b, 64: a + 64 * b}, t1=a + b, a=a, b=b, kind="linear",
+                   linear_max_rel_err=0.0, max_rel_err=0.0)
+
+
+class Scripted(AdaptiveDrafter):
+    """Arms taken from a script (cycled), where available: every kind of switch, deterministic."""
+
+    def __init__(self, script, **kw):
+        self.script = list(script)
+        super().__init__(**kw)
+        self.turn = 0
+
+    def _choose(self, available):
+        for _ in range(len(self.script)):
+            arm = self.script[self.turn % len(self.script)]
+            self.turn += 1
+            if arm == "plain" or arm in available:
+                return arm
+        return "plain"
+
+
+def plain(model, prompt, n=N, **kw):
+    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, **kw)]
+
+
+def run(target, drafter, prompt, n=N, **kw):
+    stats = RoundStats()
+    out = [t for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=n, stats=stats, **kw)]
+    return out, stats
+
+
+def repetitive(n=12, seed=0):
+    """A prompt that repeats itself, over every token id, so prompt lookup matches."""
+    base = np.random.default_rng(seed).integers(0, tiny.VOCAB, n).tolist()
+    return list(range(tiny.VOCAB)) + base + base + base[:4]
+
+
+@pytest.fixture(scope="module")
+def dflash_folder(tmp_path_factory):
+    def get(family):
+        return save_random(tmp_path_factory.mktemp(f"adaptive_{family}"), dflash_config(tiny.CONFIGS[family]))
+
+    return get
+
+
+SCRIPT = ["primary", "plain", "host", "primary", "primary", "plain", "plain", "host"]
+
+
+@pytest.mark.parametrize("family,opts", [("qwen3", {}), ("qwen3_5", {}), ("qwen3", dict(max_kv_size=20)),
+                                         ("qwen3_5", dict(max_kv_size=20)),
+                                         ("qwen3-kv32", dict(kv_bits=8, kv_group_size=32, quantized_kv_start=24))])
+def test_switching_dflash_lookup_and_plain_is_exact(tmp_path, monkeypatch, family, opts):
+    monkeypatch.setattr(adaptive, "STRETCH", 5)
+    cfg = dict(tiny.CONFIGS["qwen3"], head_dim=32) if family == "qwen3-kv32" else tiny.CONFIGS[family]
+    target = tiny.build(cfg)
+    bound = bind_dflash(save_random(tmp_path / "dflash", dflash_config(cfg)), target)
+    prompt = repetitive()
+    ref = plain(target, prompt, **opts)
+    drafter = Scripted(SCRIPT, primary=OracleDFlash(bound, target, budget=12), host=LookupDrafter(8, 6),
+                       costs=(1.0, flat(1.0)))
+    out, stats = run(target, drafter, prompt, **opts)
+    assert out == ref
+    used = stats.rounds_by_drafter()
+    assert used.get("oracledflash", 0) > 0 and used.get("lookup", 0) > 0 and used.get("plain", 0) > 0
+    assert sum(stats.accepted) > 0
+
+
+def test_switching_model_drafter_and_sampling_is_exact(monkeypatch):
+    """A draft model (it forwards what it missed), and sampled decoding (a stretch draws with
+    the position's noise, as the verify does)."""
+    monkeypatch.setattr(adaptive, "STRETCH", 3)
+    target = tiny.build(tiny.CONFIGS["llama"])
+    draft = tiny.perturbed(target)
+    prompt = repetitive(seed=2)
+    for opts in ({}, dict(temp=0.8, seed=5)):
+        drafter = Scripted(SCRIPT, primary=ModelDrafter(draft, topk=2, depth=3, budget=6),
+                           host=LookupDrafter(8, 6), costs=(1.0, flat(1.0)))
+        out, stats = run(target, drafter, prompt, **opts)
+        ref, _ = run(target, None, prompt, **opts)
+        assert out == ref
+        assert {"model", "lookup", "plain"} <= set(stats.rounds_by_drafter())
+    assert out != plain(target, prompt)  # sampled: not the greedy text
+
+
+def test_a_stream_abandoned_inside_a_stretch_leaves_the_prompt_cache_whole(monkeypatch):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    monkeypatch.setattr(adaptive, "STRETCH", 8)
+    target = tiny.build(tiny.CONFIGS["qwen3"])
+    prompt = repetitive(seed=3)
+    drafter = Scripted(["plain"], host=LookupDrafter(8, 6), costs=(1.0, flat(1.0)))
+    cache = make_prompt_cache(target)
+    steps = tree_generate_step(prompt, target, drafter, max_tokens=N, prompt_cache=cache)
+    got = [next(steps)[0] for _ in range(5)]  # inside the first stretch
+    steps.close()
+    assert got == plain(target, prompt, n=5)
+    assert cache[0].offset == len(prompt) + 5  # the prompt and every delivered token
+
+
+def test_budget_is_what_the_arithmetic_says():
+    probs = np.array([0.9, 0.8, 0.6, 0.3, 0.2, 0.1, 0.05, 0.01])
+    d = AdaptiveDrafter(host=LookupDrafter(), costs=(1.0, flat(2.0)), verify_rows=lambda n: n)
+    d.overhead = 1.0
+    # flat verify: every node adds expected tokens at no cost -> the whole tree
+    assert d.choose_budget(probs) == len(probs)
+    # verify 0.5 + 0.5 ms per row: (1 + sum of the first B) / (1 + 0.5 + 0.5 (B + 1)), by hand
+    d.costs = (1.0, linear(0.5, 0.5))
+    gains = 1 + np.cumsum(probs)
+    ratios = gains / (1.0 + 0.5 + 0.5 * (np.arange(len(probs)) + 2))
+    assert d.choose_budget(probs) == int(np.argmax(ratios)) + 1 == 3
+    # rows as a GPU runs them (powers of two): 7 nodes cost what 8 rows cost, so B = 7
+    d.verify_rows = lambda n: 1 << max(n - 1, 0).bit_length()
+    d.costs = (1.0, CostFit(points={1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 9.0}, t1=1.0, a=0.0, b=0.0,
+                            kind="interp", linear_max_rel_err=1.0, max_rel_err=0.0))
+    assert d.choose_budget(probs) == 7
+
+
+def test_calibration_learns_the_acceptance_of_a_probability_bin():
+    c = Calibration()
+    assert np.allclose(c([0.5, 0.05]), [0.5, 0.05])  # the prior: the drafter's own probability
+    c.update(np.full(100, 0.55), np.zeros(100))  # nodes of p 0.55 are never accepted
+    assert c([0.55])[0] < 0.03 and np.isclose(c([0.05])[0], 0.05)
+
+
+def test_controller_turns_off_when_plain_is_faster_and_probes_with_backoff(monkeypatch):
+    d = AdaptiveDrafter(host=LookupDrafter(), primary=LookupDrafter(), costs=(1.0, flat(1.0)))
+    assert d.choose(["primary"]) == "primary"  # never used: tried first
+    d.rates["primary"].add(2, 4.0)  # 0.5 tokens/ms against plain's 1.0
+    assert d.choose(["primary"]) == "plain" and d.stretch == adaptive.STRETCH
+    assert d.choose(["primary"]) == "primary"  # the probe after the stretch
+    assert d.choose(["primary"]) == "plain" and d.stretch == 2 * adaptive.STRETCH  # it lost: longer
+    d.choose(["primary"])
+    for _ in range(10):
+        d.choose(["primary"])
+    assert d.stretch == adaptive.MAX_STRETCH
+    d.rates["primary"].add(40, 4.0)  # text got easy
+    d.after_stretch = False
+    assert d.choose(["primary"]) == "primary" and d.stretch == adaptive.STRETCH
+
+
+def test_controller_prefers_the_faster_arm_and_reprobes_the_other():
+    d = AdaptiveDrafter(primary=LookupDrafter(), host=LookupDrafter(), costs=(10.0, flat(1.0)))
+    d.rates["primary"].add(3, 3.0)
+    d.rates["host"].add(6, 2.0)
+    picks = [d.choose(["primary", "host"]) for _ in range(adaptive.REPROBE + 1)]
+    assert picks[:-1] == ["host"] * adaptive.REPROBE and picks[-1] == "primary"
+    assert d.choose(["primary"]) == "primary"  # the host did not match: the model drafts
+
+
+def test_end_to_end_budgets_follow_the_cost_curve(dflash_folder):
+    """A DFlash drafter under a flat verify curve drafts whole trees; under a steep one, one node."""
+    target = tiny.build(tiny.CONFIGS["qwen3"])
+    bound = bind_dflash(dflash_folder("qwen3"), target)
+    prompt = np.random.default_rng(4).integers(0, tiny.VOCAB, 12).tolist()
+    ref = plain(target, prompt, n=32)
+    nodes = {}
+    for name, fit in (("flat", flat(1.0)), ("steep", linear(0.0, 1e6))):
+        d = AdaptiveDrafter(primary=OracleDFlash(bound, target, budget=20), costs=(1e9, fit),
+                            verify_rows=lambda n: n)
+        out, stats = run(target, d, prompt, n=32)
+        assert out == ref
+        nodes[name] = [k for k, s in zip(stats.nodes, stats.drafter) if s == "oracledflash"][1:]
+    assert nodes["flat"] and max(nodes["flat"]) == 21 and min(nodes["flat"][:-3]) == 21  # the whole budget
+    assert nodes["steep"] and set(nodes["steep"]) == {2}
+
+
+def test_startup_costs_are_measured_once_and_kept(monkeypatch):
+    target = tiny.build(dict(tiny.CONFIGS["qwen3"], rope_theta=12345.0))  # a shape measured nowhere else
+    plain_ms, fit = startup_costs(target)
+    assert plain_ms > 0 and fit(8) > 0 and sorted(fit.points) == [1, 2, 4, 8, 16, 32, 64]
+    files = list(cost_cache_dir().glob("*.json"))
+    assert any(json.loads(f.read_text())["plain_ms"] == plain_ms for f in files)
+    from mlx_treespec import costmodel
+
+    monkeypatch.setattr(costmodel, "time_verify", lambda *a, **k: pytest.fail("measured twice"))
+    assert startup_costs(target)[0] == plain_ms
+
+
+def test_adaptive_is_the_default_without_a_shape_and_a_shape_fixes_it():
+    target = tiny.build(tiny.CONFIGS["qwen3"])
+    draft = tiny.perturbed(target)
+    d = make_drafter(draft, target=target)
+    assert isinstance(d, AdaptiveDrafter) and isinstance(d.primary, ModelDrafter) and callable(d.costs)
+    assert isinstance(make_drafter(draft, target=target, tree_depth=4), ModelDrafter)
+    assert isinstance(make_drafter(drafter="lookup"), AdaptiveDrafter)
+    assert DraftSpec.parse("auto:dflash") == DraftSpec.from_options("dflash")
+    assert DraftSpec.parse("auto:model").arm == "auto:model"
+    with pytest.raises(ValueError, match="auto:KIND"):
+        DraftSpec.parse("auto:bogus")
+    out, stats = run(target, d, repetitive(seed=6), n=48)
+    assert d.costs[0] > 0  # measured at the first prefill
+    assert out == plain(target, repetitive(seed=6), n=48)
+    assert sum(stats.rounds_by_drafter().values()) == stats.rounds
+
+
+def test_stretch_is_a_marker_not_a_draft():
+    assert PlainStretch(4).tokens == 4
+    with pytest.raises(ValueError, match="primary= or host="):
+        AdaptiveDrafter()
