@@ -39,8 +39,8 @@ for section in "$@"; do
           timeout 60 python3 bench/run.py long --config demo --contexts 1024,8192,32768 --repeats 5 --out "$OUT/long_demo" ;;
     adaptive) for t in demo demo-hybrid; do
             timeout ${ADAPTIVE_TIMEOUT:-250} python3 bench/run.py loop --section adaptive_$t --target $t \
-              --arms plain,auto:dflash,dflash:15,ddtree:31,lookup:16:8,tree:3:8 \
-              --prompts unseen,editing --n $N --max-tokens $TOKENS --seconds ${ADAPTIVE_SECONDS:-170} --out "$OUT/adaptive_$t"
+              --arms plain,auto:dflash,dflash:15,ddtree:31,lookup:16:8 \
+              --prompts ${ADAPTIVE_PROMPTS:-unseen,editing} --n $N --max-tokens $TOKENS --seconds ${ADAPTIVE_SECONDS:-170} --out "$OUT/adaptive_$t"
           done ;;
     gdn) timeout 150 python3 bench/gdn_kernel_bench.py --out "$OUT/gdn.json" 2>&1 | tee "$OUT/gdn.md" ;;
   esac

@@ -12,9 +12,11 @@
 
 Estimates, all of wall time (what the round costs the user, host work included):
 
-- An arm's rate is emitted tokens per ms, averaged over its recent uses (EWMA, `ALPHA`). Plain's
-  starts from the start-up cost fit (`costmodel.startup_costs`: measured once per target shape,
-  device and MLX version and kept on disk); the others from their first use.
+- An arm's rate is emitted tokens per ms, averaged over its recent uses (EWMA, `ALPHA`); the
+  host's is kept per length of its match (a 4-token match drafts far more than a 1-token one).
+  Plain's starts from the start-up cost fit (`costmodel.startup_costs`: measured once per target
+  shape, device and MLX version and kept on disk); the others from their uses. An arm's first
+  use in a generation is not booked (it pays traces and first buffers, not what a round costs).
 - A DFlash round picks its tree's node budget after its block forward. Each node's draft
   probability (its best-first score: the product of its tokens' marginals) is calibrated online
   into the probability that the target accepts it (`Calibration`, by probability bin, from every
@@ -52,6 +54,7 @@ ALPHA = 0.3  # weight of the newest use in an arm's averages
 STRETCH, MAX_STRETCH = 16, 256  # tokens of a plain stretch: first, and after repeated losses
 HOST_STRETCH = 4  # a stretch's tokens while a host drafter's matches beat plain decoding
 REPROBE = 16  # available rounds after which an arm not taken is tried once
+MATCHES = 4  # host match lengths told apart (longer ones count as this)
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,8 @@ class AdaptiveDrafter:
 
     def reset(self):
         plain = self.costs[0] if self.costs and not callable(self.costs) else None
-        self.rates = {"primary": Rate(), "host": Rate(), "plain": Rate(plain)}
+        # the host's rate by the length of its match (1..MATCHES): a long match drafts far more
+        self.rates = {"primary": Rate(), "plain": Rate(plain), **{("host", m): Rate() for m in range(MATCHES + 1)}}
         self.calibration = Calibration()
         self.overhead = None  # EWMA of a DFlash round's ms beyond its verify's
         self._restart()
@@ -158,6 +162,8 @@ class AdaptiveDrafter:
         self.stretch = STRETCH
         self.probing = False  # the round under way is the probe after a stretch
         self.after_stretch = False
+        self.match = 0  # the host's match length this round (its rate's key)
+        self.warm = set()  # arms used in this generation: an arm's first use pays one-off costs
         self.last = None  # (arm, start time, nodes) of the round or stretch under way
         self.emitted = 0
         self.scores = None  # draft probability of each node of the last DFlash draft (draft order)
@@ -181,12 +187,14 @@ class AdaptiveDrafter:
         available = ["primary"] if self.primary is not None else []
         if e is not None and e.size > 1:
             available.append("host")
+            self.match = min(int(getattr(self.host, "last_match", 0)), MATCHES)
         arm = self.choose(available)
         if arm == "plain":
             self.last = ("plain", now, 1)
-            host, plain = self.rates["host"].value, self.rates["plain"].value
+            plain = self.rates["plain"].value
+            host = max((r.value for k, r in self.rates.items() if isinstance(k, tuple) and r.value), default=0)
             # a host drafter that pays when it matches may match at any token: look again soon
-            return PlainStretch(min(self.stretch, HOST_STRETCH) if host and plain and host > plain else self.stretch)
+            return PlainStretch(min(self.stretch, HOST_STRETCH) if plain and host > plain else self.stretch)
         d = e if arm == "host" else self._primary_draft(root, max_depth)
         d.source = self.names[arm]
         self.last = (arm, now, d.size)
@@ -240,8 +248,12 @@ class AdaptiveDrafter:
             self.after_stretch = True
         return chosen
 
+    def rate(self, arm):
+        """The Rate an arm books to (the host's by this round's match length)."""
+        return self.rates[("host", self.match) if arm == "host" else arm]
+
     def _choose(self, available):
-        rates = {a: self.rates[a].value for a in available + ["plain"]}
+        rates = {a: self.rate(a).value for a in available + ["plain"]}
         for a in available:  # never used: try it
             if rates[a] is None:
                 return a
@@ -290,9 +302,12 @@ class AdaptiveDrafter:
         if self.last is None:
             return
         arm, start, nodes = self.last
+        self.last = None
         ms = 1e3 * (now - start)
-        self.rates[arm].add(self.emitted, ms)
+        if arm != "plain" and arm not in self.warm:  # traces, first buffers: not what it costs
+            self.warm.add(arm)
+            return
+        self.rate(arm).add(self.emitted, ms)
         if arm == "primary" and self.blocks and self.costs is not None:
             extra = max(ms - float(self.verify_ms([nodes])[0]), 0.0)
             self.overhead = extra if self.overhead is None else self.overhead + ALPHA * (extra - self.overhead)
-        self.last = None

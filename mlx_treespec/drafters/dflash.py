@@ -253,7 +253,13 @@ class DFlashDrafter:
         else:
             self.budget = budget or default_budget(self.block)
             self.topk = topk or self.budget
-        self._forward = self._compile()
+        # one trace per bound drafter, shared by every DFlashDrafter over it (a library call
+        # makes a drafter per generation; a trace costs far more than a round)
+        compiled = bound.model.__dict__.setdefault("_treespec_compiled", {})
+        key = (id(bound.embed), id(bound.lm_head))
+        if key not in compiled:
+            compiled[key] = self._compile()
+        self._forward = compiled[key]
         self.reset()
 
     # ------------------------------------------------------------------ the context cache
