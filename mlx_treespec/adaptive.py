@@ -30,9 +30,9 @@ Exploration: an arm never used is tried the first time it is available; a model 
 passed over for `REPROBE` rounds in which it was available is tried once; after a plain
 stretch the best speculative arm is tried once, and a stretch chosen again right after that
 probe is twice as long (`STRETCH` up to `MAX_STRETCH` tokens), while a round that speculation
-wins outright sets it back to `STRETCH`; while the host drafter's rounds beat plain decoding
-(it drafts only where it matches, which any next token may bring), stretches are
-`HOST_STRETCH` tokens.
+wins outright sets it back to `STRETCH`; while the host drafter's rounds beat plain decoding, or
+have not been measured yet (it drafts only where it matches, which any next token may bring),
+stretches are `HOST_STRETCH` tokens.
 
 Rates and the calibration carry over from one generation to the next (they describe the target,
 the drafter and the device, not one text); `reset` clears them. Exactness does not depend on
@@ -192,8 +192,10 @@ class AdaptiveDrafter:
         if arm == "plain":
             self.last = ("plain", now, 1)
             plain = self.rates["plain"].value
-            host = max((r.value for k, r in self.rates.items() if isinstance(k, tuple) and r.value), default=0)
-            # a host drafter that pays when it matches may match at any token: look again soon
+            booked = [r.value for k, r in self.rates.items() if isinstance(k, tuple) and r.value]
+            host = (max(booked) if booked else float("inf")) if self.host is not None else 0.0
+            # a host drafter that pays (or may pay) when it matches may match at any token: look
+            # again soon
             return PlainStretch(min(self.stretch, HOST_STRETCH) if plain and host > plain else self.stretch)
         d = e if arm == "host" else self._primary_draft(root, max_depth)
         d.source = self.names[arm]

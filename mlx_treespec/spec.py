@@ -159,8 +159,8 @@ class DraftSpec:
 
         if drafter in ("lookup", "suffix"):
             fixed = cls.from_options(drafter, tree_budget=DEFAULT_FREE_BUDGET, tree_depth=DEFAULT_DEPTH)
-        elif drafter == "dflash":  # the budget is picked per round, up to the most a round holds
-            fixed = cls.from_options("dflash", tree_budget=MAX_NODES - 1)
+        elif drafter == "dflash":  # the budget is picked per round, up to DDTree's default
+            fixed = cls("dflash", topk=0, depth=0, budget=0)  # (0: the drafter's, resolved when built)
         else:
             fixed = cls.from_options(drafter, tree_topk=DEFAULT_TREE["topk"], tree_lanes=DEFAULT_TREE["lanes"],
                                      tree_depth=DEFAULT_TREE["depth"])
@@ -207,10 +207,12 @@ class DraftSpec:
                                     draft_lookup=lookup, draft_lookup_trust=trust)
         if kind in ("lookup", "suffix") and len(args) == 2:
             return cls.from_options(kind, tree_budget=args[0], tree_depth=args[1])
-        if kind == "dflash" and len(args) <= 1:
-            return cls.from_options("dflash", draft_block_size=args[0] if args else None)
-        if kind == "ddtree" and len(args) <= 1:
-            return cls.from_options("dflash", tree_budget=args[0] if args else None)
+        if kind in ("dflash", "ddtree") and not args:  # DDTree of the drafter's default budget
+            return cls("dflash", topk=0, depth=0, budget=0)
+        if kind == "dflash" and len(args) == 1:
+            return cls.from_options("dflash", draft_block_size=args[0])
+        if kind == "ddtree" and len(args) == 1:
+            return cls.from_options("dflash", tree_budget=args[0])
         raise ValueError(f"cannot read arm {arm!r}: use plain, chain:K, tree:K:S[:B[:L]], lookup:B:D, "
                          "suffix:B:D, dflash[:K], ddtree[:B], mtp-chain:K, mtp-tree:K:S[:B[:L]], "
                          "eagle3-chain:K or eagle3-tree:K:S[:B[:L]] (a chain or tree may end in +lookupN[@T])")
