@@ -35,7 +35,8 @@ have not been measured yet (it drafts only where it matches, which any next toke
 stretches are `HOST_STRETCH` tokens.
 
 Rates and the calibration carry over from one generation to the next (they describe the target,
-the drafter and the device, not one text); `reset` clears them. Exactness does not depend on
+the drafter and the device, not one text), and to the next drafter built for the same pair
+(`memory`: `make_drafter` makes one per call); `reset` clears them. Exactness does not depend on
 any of it: every arm drafts an exact draft, and a plain stretch is plain decoding.
 """
 import time
@@ -111,6 +112,21 @@ class Calibration:
         np.add.at(self.seen, b, 1.0)
 
 
+class Learned:
+    """What an adaptive drafter has learned: its arms' rates, the DFlash calibration, a DFlash
+    round's overhead. Drafters built with the same `memory` key share one (`LEARNED`), so a
+    library call that makes a drafter per generation starts from what the last one learned."""
+
+    def __init__(self, plain_ms=None):
+        # the host's rate by the length of its match (1..MATCHES): a long match drafts far more
+        self.rates = {"primary": Rate(), "plain": Rate(plain_ms), **{("host", m): Rate() for m in range(MATCHES + 1)}}
+        self.calibration = Calibration()
+        self.overhead = None  # EWMA of a DFlash round's ms beyond its verify's
+
+
+LEARNED = {}  # memory key -> Learned, for this process
+
+
 def _kind(drafter):
     return getattr(drafter, "kind", type(drafter).__name__.replace("Drafter", "").lower())
 
@@ -121,9 +137,11 @@ class AdaptiveDrafter:
     nodes) from `costmodel.startup_costs` (or a function returning them, called at the first
     prefill), or None to learn plain's rate from a first stretch
     and draft DFlash's whole budget until a round's overhead is known; `verify_rows`: the
-    verify's row count for n nodes (default: the device's, `row_bucket` on GPUs)."""
+    verify's row count for n nodes (default: the device's, `row_bucket` on GPUs); `memory`: a
+    key under which what it learns is shared with later drafters of the same key (`Learned`).
+    `reset` starts a fresh record (under the same key)."""
 
-    def __init__(self, primary=None, host=None, costs=None, verify_rows=None):
+    def __init__(self, primary=None, host=None, costs=None, verify_rows=None, memory=None):
         if primary is None and host is None:
             raise ValueError("an adaptive drafter needs a drafter to choose: pass primary= or host=")
         if getattr(host, "capture", ()):
@@ -138,7 +156,31 @@ class AdaptiveDrafter:
         self.verify_rows = verify_rows
         self.names = {"primary": _kind(primary) if primary is not None else "",
                       "host": _kind(host) if host is not None else "", "plain": "plain"}
-        self.reset()
+        self.memory = memory
+        if memory is not None and memory in LEARNED:
+            self.learned = LEARNED[memory]
+            self._restart()
+            for d in (primary, host):
+                if d is not None:
+                    d.reset()
+        else:
+            self.reset()
+
+    @property
+    def rates(self):
+        return self.learned.rates
+
+    @property
+    def calibration(self):
+        return self.learned.calibration
+
+    @property
+    def overhead(self):
+        return self.learned.overhead
+
+    @overhead.setter
+    def overhead(self, ms):
+        self.learned.overhead = ms
 
     @property
     def depth(self):
@@ -148,10 +190,9 @@ class AdaptiveDrafter:
 
     def reset(self):
         plain = self.costs[0] if self.costs and not callable(self.costs) else None
-        # the host's rate by the length of its match (1..MATCHES): a long match drafts far more
-        self.rates = {"primary": Rate(), "plain": Rate(plain), **{("host", m): Rate() for m in range(MATCHES + 1)}}
-        self.calibration = Calibration()
-        self.overhead = None  # EWMA of a DFlash round's ms beyond its verify's
+        self.learned = Learned(plain)
+        if self.memory is not None:
+            LEARNED[self.memory] = self.learned
         self._restart()
         for d in (self.primary, self.host):
             if d is not None:
@@ -171,7 +212,8 @@ class AdaptiveDrafter:
     def prefill(self, prompt, hidden=None):
         if callable(self.costs):  # measured on the first generation (after the gate passed the target)
             self.costs = self.costs()
-            self.rates["plain"] = Rate(self.costs[0])
+            if self.rates["plain"].value is None:
+                self.rates["plain"] = Rate(self.costs[0])
         self._restart()
         if self.primary is not None:
             self.primary.prefill(prompt, hidden) if self.capture else self.primary.prefill(prompt)

@@ -21,7 +21,6 @@ Arm grammar:
                            root; with T, rounds whose lookup matched T tokens draft with it alone
 """
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
@@ -305,9 +304,12 @@ class DraftSpec:
 
             base = replace(self, adaptive=False).build(draft_model)
             costs = (lambda: startup_costs(target)) if target is not None else None
+            # what one call learned, the next call over the same target and drafter starts from
+            memory = (self.arm, id(target), id(draft_model)) if target is not None else None
             if self.drafter in ("lookup", "suffix"):
-                return AdaptiveDrafter(host=base, costs=costs)
-            return AdaptiveDrafter(primary=base, host=LookupDrafter(DEFAULT_FREE_BUDGET, DEFAULT_DEPTH), costs=costs)
+                return AdaptiveDrafter(host=base, costs=costs, memory=memory)
+            return AdaptiveDrafter(primary=base, host=LookupDrafter(DEFAULT_FREE_BUDGET, DEFAULT_DEPTH),
+                                   costs=costs, memory=memory)
         if self.drafter == "lookup":
             from .drafters.lookup import LookupDrafter
 

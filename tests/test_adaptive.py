@@ -244,3 +244,16 @@ def test_stretch_is_a_marker_not_a_draft():
     assert PlainStretch(4).tokens == 4
     with pytest.raises(ValueError, match="primary= or host="):
         AdaptiveDrafter()
+
+
+def test_drafters_for_the_same_pair_start_from_what_the_last_one_learned():
+    target = tiny.build(tiny.CONFIGS["qwen3"])
+    draft = tiny.perturbed(target)
+    a = make_drafter(draft, target=target)
+    a.rates["primary"].add(5, 2.0)
+    b = make_drafter(draft, target=target)
+    assert b.rates["primary"].value == pytest.approx(2.5) and b.learned is a.learned
+    other = make_drafter(tiny.perturbed(target, seed=2), target=target)
+    assert other.rates["primary"].value is None  # another drafter: its own record
+    b.reset()
+    assert make_drafter(draft, target=target).rates["primary"].value is None

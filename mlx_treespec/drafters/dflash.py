@@ -287,8 +287,9 @@ class DFlashDrafter:
             self.keys = [mx.concatenate([k, mx.zeros(shape, dtype)], axis=2) for k in self.keys]
             self.values = [mx.concatenate([v, mx.zeros(shape, dtype)], axis=2) for v in self.values]
 
-    def _write_context(self, feats):
-        """Project context features and write their K/V after the held context (no block)."""
+    def _write_context(self, feats, sync=True):
+        """Project context features and write their K/V after the held context (no block);
+        `sync=False` leaves the writes queued for the next forward (a round's catch-up)."""
         m = self.bound.model
         for start in range(0, feats.shape[0], 512):
             part = feats[start : start + 512]
@@ -300,7 +301,8 @@ class DFlashDrafter:
                 self.keys[i][..., self.length : self.length + n, :] = k
                 self.values[i][..., self.length : self.length + n, :] = v
             self.length += n
-        mx.eval(self.keys, self.values)
+            if sync:  # a long prompt: bound the graph
+                mx.eval(self.keys, self.values)
 
     def prefill(self, prompt, hidden=None):
         self.reset()
@@ -322,7 +324,7 @@ class DFlashDrafter:
         n = 0 if self.pending is None else self.pending.shape[0]
         self.forwards = 1
         if n > B:  # more context than one pass takes (rounds without a draft): write it first
-            self._write_context(self.pending[: n - B])
+            self._write_context(self.pending[: n - B], sync=False)
             self.pending, n = self.pending[n - B :], B
             self.forwards += 1
         L0 = self.length
