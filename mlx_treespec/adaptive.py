@@ -30,9 +30,9 @@ Exploration: an arm never used is tried the first time it is available; a model 
 passed over for `REPROBE` rounds in which it was available is tried once; after a plain
 stretch the best speculative arm is tried once, and a stretch chosen again right after that
 probe is twice as long (`STRETCH` up to `MAX_STRETCH` tokens), while a round that speculation
-wins outright sets it back to `STRETCH`; while the host drafter's rounds beat plain decoding, or
-have not been measured yet (it drafts only where it matches, which any next token may bring),
-stretches are `HOST_STRETCH` tokens.
+wins outright sets it back to `STRETCH`. During a stretch the host drafter sees every token as it
+is read (`watch`, host work only): where it matches with a length whose rounds beat plain
+decoding (or were never measured), the stretch ends at the next token and the host drafts.
 
 Rates and the calibration carry over from one generation to the next (they describe the target,
 the drafter and the device, not one text), and to the next drafter built for the same pair
@@ -41,6 +41,7 @@ any of it: every arm drafts an exact draft, and a plain stretch is plain decodin
 """
 import time
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -53,16 +54,17 @@ __all__ = ["AdaptiveDrafter", "PlainStretch", "Calibration", "Rate"]
 
 ALPHA = 0.3  # weight of the newest use in an arm's averages
 STRETCH, MAX_STRETCH = 16, 256  # tokens of a plain stretch: first, and after repeated losses
-HOST_STRETCH = 4  # a stretch's tokens while a host drafter's matches beat plain decoding
 REPROBE = 16  # available rounds after which an arm not taken is tried once
 MATCHES = 4  # host match lengths told apart (longer ones count as this)
 
 
 @dataclass(frozen=True)
 class PlainStretch:
-    """No draft for the next `tokens` tokens: the loop decodes them plainly (pipelined)."""
+    """No draft for the next `tokens` tokens: the loop decodes them plainly (pipelined). The loop
+    shows `watch` (if any) each token as it is read; True ends the stretch at the next token."""
 
     tokens: int
+    watch: Optional[Callable[[int], bool]] = None
 
 
 class Rate:
@@ -204,6 +206,7 @@ class AdaptiveDrafter:
         self.probing = False  # the round under way is the probe after a stretch
         self.after_stretch = False
         self.match = 0  # the host's match length this round (its rate's key)
+        self.fed = 0  # tokens of the stretch under way the host drafter has seen (`watch`)
         self.warm = set()  # arms used in this generation: an arm's first use pays one-off costs
         self.last = None  # (arm, start time, nodes) of the round or stretch under way
         self.emitted = 0
@@ -233,12 +236,8 @@ class AdaptiveDrafter:
         arm = self.choose(available)
         if arm == "plain":
             self.last = ("plain", now, 1)
-            plain = self.rates["plain"].value
-            booked = [r.value for k, r in self.rates.items() if isinstance(k, tuple) and r.value]
-            host = (max(booked) if booked else float("inf")) if self.host is not None else 0.0
-            # a host drafter that pays (or may pay) when it matches may match at any token: look
-            # again soon
-            return PlainStretch(min(self.stretch, HOST_STRETCH) if plain and host > plain else self.stretch)
+            self.fed = 0
+            return PlainStretch(self.stretch, self.watch if self.host is not None else None)
         d = e if arm == "host" else self._primary_draft(root, max_depth)
         d.source = self.names[arm]
         self.last = (arm, now, d.size)
@@ -262,9 +261,22 @@ class AdaptiveDrafter:
         if self.host is not None:
             self.host.commit(draft, path, emitted)
 
+    def watch(self, token):
+        """A stretch's token as it is read: the host drafter sees it, and the stretch ends at the
+        next token where the host matches with a match length whose rounds beat plain decoding
+        (or were never measured): the next round drafts with it."""
+        self.host.commit(None, None, [int(token)])
+        self.fed += 1
+        if self.host.draft(int(token), getattr(self.host, "max_depth", self.depth) or 1).size <= 1:
+            return False
+        rate = self.rates[("host", min(int(getattr(self.host, "last_match", 0)), MATCHES))].value
+        plain = self.rates["plain"].value
+        return rate is None or plain is None or rate > plain
+
     def catch_up(self, root, tokens, hidden=None):
         """After a plain stretch from `root`: the `tokens` it emitted (the last is the next root)
-        and the target rows of the tokens it forwarded (root first, one per token)."""
+        and the target rows of the tokens it forwarded (root first, one per token); the host
+        drafter saw the first `fed` of them in `watch`."""
         self.emitted = len(tokens)
         d, path = Draft.root_only(root), np.zeros(1, np.int64)
         if self.primary is not None:
@@ -272,8 +284,9 @@ class AdaptiveDrafter:
                 self.primary.commit(d, path, tokens, hidden)
             else:
                 self.primary.commit(d, path, tokens)
-        if self.host is not None:
-            self.host.commit(d, path, tokens)
+        if self.host is not None and len(tokens) > self.fed:
+            self.host.commit(d, path, tokens[self.fed:])
+        self.fed = 0
 
     def probe_parents(self):
         return (self.primary if self.primary is not None else self.host).probe_parents()

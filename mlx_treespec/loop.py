@@ -338,7 +338,7 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
                 count = draft.tokens if room == float("inf") else int(min(draft.tokens, room))
                 lead, caught = root, []
                 for token, lp, root in _stretch(model, caches, held, root, count, choose, quantize,
-                                                capture, stats, caught):
+                                                capture, stats, caught, draft.watch):
                     held = None  # in the caches since the stretch's first forward
                     n += 1
                     yield token, lp, False
@@ -395,14 +395,15 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
         land()
 
 
-def _stretch(model, caches, held, root, count, choose, quantize, capture, stats, caught):
+def _stretch(model, caches, held, root, count, choose, quantize, capture, stats, caught, watch=None):
     """`count` tokens of plain decoding inside the round loop, pipelined as `_plain_decode`:
     the first forward runs the held tokens and the root, each later one the token before.
     Yields (token, logprobs, root): `root` is what is pending after that token (None: the
     caches hold it; the stretch's last token is not forwarded, it is the next root). At the
     end `caught` holds the tokens and the captured rows of the tokens forwarded (root first:
     what a drafter reading the target missed), the held tokens' rows left out (the drafter had
-    them from the round that accepted them)."""
+    them from the round that accepted them). `watch(token)` True ends the stretch at the next
+    token (its forward is queued already; the one after is not)."""
     lead = mx.array([root], mx.uint32)
     p = 0 if held is None else held.shape[0]
     lead = lead if held is None else mx.concatenate([held, lead])
@@ -418,7 +419,9 @@ def _stretch(model, caches, held, root, count, choose, quantize, capture, stats,
     mx.async_eval(y)
     tokens = []
     tic = time.perf_counter()
-    for i in range(count):
+    i = -1
+    while i + 1 < count:
+        i += 1
         last = i == count - 1
         if not last:  # queue the next forward before reading this token
             nxt = step(y, position + i + 1)
@@ -431,6 +434,8 @@ def _stretch(model, caches, held, root, count, choose, quantize, capture, stats,
                      sync_ms=1e3 * (toc - ts), walk_ms=0.0, drafter="plain")
         tic = toc
         tokens.append(token)
+        if not last and watch is not None and watch(token):
+            count = i + 2
         yield token, logits[0] - mx.logsumexp(logits[0], keepdims=True), (token if last else None)
         if not last:
             y, logits, hidden = nxt

@@ -12,7 +12,7 @@ from test_dflash import OracleDFlash, dflash_config, save_random
 from mlx_treespec import RoundStats, make_drafter, tree_generate_step
 from mlx_treespec import adaptive
 from mlx_treespec.adaptive import AdaptiveDrafter, Calibration, PlainStretch
-from mlx_treespec.costmodel import CostFit, cost_cache_dir, fit_curve, startup_costs
+from mlx_treespec.costmodel import CostFit, cost_cache_dir, startup_costs
 from mlx_treespec.drafters.dflash import bind_dflash
 from mlx_treespec.drafters.lookup import LookupDrafter
 from mlx_treespec.drafters.model import ModelDrafter
@@ -257,3 +257,22 @@ def test_drafters_for_the_same_pair_start_from_what_the_last_one_learned():
     assert other.rates["primary"].value is None  # another drafter: its own record
     b.reset()
     assert make_drafter(draft, target=target).rates["primary"].value is None
+
+
+def test_a_stretch_ends_where_the_host_drafter_matches(monkeypatch):
+    """The host drafter watches a stretch's tokens; a match ends it at the next token, and the
+    tokens stay the target's own."""
+    monkeypatch.setattr(adaptive, "STRETCH", 64)
+    target = tiny.build(tiny.CONFIGS["qwen3"])
+    prompt = repetitive(seed=7)
+    d = AdaptiveDrafter(host=LookupDrafter(8, 6), costs=(1.0, flat(1.0)))
+    d.rates[("host", 0)].add(1, 1.0)  # every match length measured, none better than plain
+    for m in range(1, adaptive.MATCHES + 1):
+        d.rates[("host", m)].add(1, 10.0)
+    out, stats = run(target, d, prompt, n=40)
+    assert out == plain(target, prompt, n=40)
+    assert stats.rounds_by_drafter() == {"plain": 40}  # one stretch: nothing beat plain
+    d = AdaptiveDrafter(host=LookupDrafter(8, 6), costs=(1e-3, flat(1.0)))  # plain "fast"
+    out, stats = run(target, d, prompt, n=40)
+    assert out == plain(target, prompt, n=40)
+    assert stats.rounds_by_drafter().get("lookup", 0) > 1  # unmeasured matches end stretches
