@@ -30,6 +30,7 @@ CPU.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import time
@@ -122,7 +123,7 @@ def main():
     demo = ROOT / "mlx_treespec" / "demo"
     ap.add_argument("--targets", nargs="+", default=[str(demo / "target"), str(demo / "hybrid")])
     ap.add_argument("--drafters", nargs="+", default=[str(demo / "drafter")])
-    ap.add_argument("--prompts", default=str(ROOT / "bench" / "heldout_prompts.json"))
+    ap.add_argument("--prompts", default=str(ROOT / "bench" / "heldout_prompts.json.gz"))
     ap.add_argument("--n-prompts", type=int, default=50)
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--max-k", type=int, default=8)
@@ -132,7 +133,8 @@ def main():
     ap.add_argument("--json", default=None, help="write all results here")
     args = ap.parse_args()
     t0 = time.time()
-    data = json.loads(Path(args.prompts).read_text())
+    raw = Path(args.prompts).read_bytes()
+    data = json.loads(gzip.decompress(raw) if args.prompts.endswith(".gz") else raw)
     prompts = [p["prompt"] for p in data["prompts"]][:args.n_prompts]
     texts = [t["text"] for t in data["texts"]]
     res = dict(config=vars(args), models={}, samples={}, acceptance={})

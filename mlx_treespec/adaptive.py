@@ -267,9 +267,14 @@ class AdaptiveDrafter:
         (or were never measured): the next round drafts with it."""
         self.host.commit(None, None, [int(token)])
         self.fed += 1
-        if self.host.draft(int(token), getattr(self.host, "max_depth", self.depth) or 1).size <= 1:
+        if callable(getattr(self.host, "match_length", None)):  # prompt lookup: no tree built
+            match = self.host.match_length()
+        else:
+            match = (self.host.draft(int(token), getattr(self.host, "max_depth", self.depth) or 1).size > 1
+                     and int(getattr(self.host, "last_match", 1)))
+        if not match:
             return False
-        rate = self.rates[("host", min(int(getattr(self.host, "last_match", 0)), MATCHES))].value
+        rate = self.rates[("host", min(int(match), MATCHES))].value
         plain = self.rates["plain"].value
         return rate is None or plain is None or rate > plain
 

@@ -7,6 +7,7 @@ prompts with their spread. Nothing here is on the decoding path.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import platform
@@ -27,7 +28,7 @@ __all__ = ["load_prompts", "encode_prompts", "generate_once", "interleave", "spr
 _BENCH = Path(__file__).resolve().parents[1] / "bench"
 # Named prompt sets (bench/*.json): the demo pair's held-out training split, and source text the
 # demo models never saw in training (this project's own code, written after they were trained)
-PROMPT_SETS = {"heldout": "heldout_prompts.json", "unseen": "unseen_prompts.json"}
+PROMPT_SETS = {"heldout": "heldout_prompts.json.gz", "unseen": "unseen_prompts.json"}
 # A repetitive editing workload, derived from the unseen set: each excerpt, then the excerpt
 # begun again (its first third), as a rewrite of code the context holds
 DERIVED_SETS = {"editing": "unseen"}
@@ -38,14 +39,15 @@ def _editing(texts):
 
 
 def load_prompts(path):
-    """Prompt texts from a named set ('heldout', 'unseen'), a JSON file (a list of strings, of
+    """Prompt texts from a named set ('heldout', 'unseen'), a JSON file (.json or .json.gz: a list of strings, of
     {"prompt": ...}, or {"prompts": [...]}), or a text file with one prompt per line;
     'editing' is the unseen set as a repetitive editing workload (DERIVED_SETS)."""
     if str(path) in DERIVED_SETS:
         return _editing(load_prompts(DERIVED_SETS[str(path)]))
     if str(path) in PROMPT_SETS:
         path = _BENCH / PROMPT_SETS[str(path)]
-    text = Path(path).read_text()
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     try:
         data = json.loads(text)
     except json.JSONDecodeError:

@@ -461,3 +461,16 @@ def test_greedy_identical_on_demo_target(demo, name):
     out, stats = run(model, DRAFTERS[name](), prompt, n=DEMO_N)
     assert out == ref
     assert sum(stats.accepted) > 0, "the demo target never followed the copied text"
+
+
+def test_match_length_is_what_draft_matches():
+    from mlx_treespec.drafters.lookup import LookupDrafter
+
+    rng = np.random.default_rng(3)
+    d = LookupDrafter(8, 4)
+    d.prefill(rng.integers(0, 6, 30).tolist())
+    for t in rng.integers(0, 6, 40).tolist():
+        d.commit(None, None, [t])
+        m = d.match_length()
+        d.draft(t, 4)
+        assert m == d.last_match

@@ -213,6 +213,15 @@ class LookupDrafter:
                 break
         return conts, lens
 
+    def match_length(self):
+        """The longest n-gram ending the text with an earlier occurrence (0: none): what
+        `draft` would match, without building its tree (a few dict lookups)."""
+        ctx = self.index.tokens
+        for n in range(min(self.ngram_max, len(ctx)), self.ngram_min - 1, -1):
+            if ngram_matches(self.index, ctx, n, 1):
+                return n
+        return 0
+
     def draft(self, root, max_depth):
         ctx = self.index.tokens
         if not ctx or ctx[-1] != int(root):
