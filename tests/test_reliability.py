@@ -46,7 +46,22 @@ CASES = {
                   lambda d: make_drafter(d, draft_block_size=4)),
     "hybrid": ("qwen3_5", {}, lambda d: tiny.SiblingDrafter(d, depth=3)),
     "plain": ("qwen3", {}, lambda d: None),
+    "adaptive": ("qwen3", {}, lambda d: _adaptive(d)),
 }
+
+
+def _adaptive(draft):
+    """Adaptive drafting switching through every arm (3-token plain stretches included)."""
+    from test_adaptive import Scripted, flat
+    from mlx_treespec.drafters.model import ModelDrafter
+
+    class Short(Scripted):
+        def _restart(self):
+            super()._restart()
+            self.stretch = 3
+
+    return Short(["primary", "plain", "host"], primary=ModelDrafter(draft, topk=2, depth=3, budget=6),
+                 host=LookupDrafter(8, 6), costs=(1.0, flat(1.0)))
 
 
 def repetitive(n=6, seed=0):
