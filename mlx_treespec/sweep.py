@@ -63,10 +63,12 @@ class Arm:
         return getattr(self.spec, name)
 
     @property
-    def kind(self):  # plain | chain | tree | lookup | suffix | dflash (a lookup chain makes a tree)
+    def kind(self):  # plain | chain | tree | lookup | suffix | dflash | adaptive (a lookup chain makes a tree)
         s = self.spec
         if s.drafter == "none":
             return "plain"
+        if s.adaptive:
+            return "adaptive"
         if s.drafter == "model":
             return "chain" if s.is_chain and not s.lookup else "tree"
         return s.drafter
@@ -102,7 +104,7 @@ class Arm:
         plotted apart ("tree + lookup"), at the nodes it verifies."""
         if self.kind == "tree" and self.spec.lookup:
             return "tree + lookup"
-        return {"plain": "plain", "chain": "chain", "tree": "tree"}.get(self.kind, "model-free")
+        return {"plain": "plain", "chain": "chain", "tree": "tree", "adaptive": "adaptive"}.get(self.kind, "model-free")
 
     def params(self):
         s = self.spec
