@@ -395,15 +395,18 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
         land()
 
 
-def _stretch(model, caches, held, root, count, choose, quantize, capture, stats, caught, watch=None):
-    """`count` tokens of plain decoding inside the round loop, pipelined as `_plain_decode`:
-    the first forward runs the held tokens and the root, each later one the token before.
+def _stretch(model, caches, held, root, count, choose, quantize, capture, stats, caught, watch=None,
+             label="plain"):
+    """`count` tokens of plain decoding, pipelined as mlx-lm's generate_step: the forward of a
+    token is queued before the host reads it, so the device never waits on Python. The first
+    forward runs the held tokens and the root, each later one the token before.
     Yields (token, logprobs, root): `root` is what is pending after that token (None: the
     caches hold it; the stretch's last token is not forwarded, it is the next root). At the
     end `caught` holds the tokens and the captured rows of the tokens forwarded (root first:
     what a drafter reading the target missed), the held tokens' rows left out (the drafter had
     them from the round that accepted them). `watch(token)` True ends the stretch at the next
-    token (its forward is queued already; the one after is not)."""
+    token (its forward is queued already; the one after is not). Each token is a round of
+    `stats`, drafted by `label`."""
     lead = mx.array([root], mx.uint32)
     p = 0 if held is None else held.shape[0]
     lead = lead if held is None else mx.concatenate([held, lead])
@@ -431,7 +434,7 @@ def _stretch(model, caches, held, root, count, choose, quantize, capture, stats,
         toc = time.perf_counter()
         stats.record(accepted=0, emitted=1, nodes=1, depth=0, held=0, budget=0, requested_depth=0,
                      draft_ms=0.0, verify_ms=1e3 * (toc - tic), round_ms=1e3 * (toc - tic),
-                     sync_ms=1e3 * (toc - ts), walk_ms=0.0, drafter="plain")
+                     sync_ms=1e3 * (toc - ts), walk_ms=0.0, drafter=label)
         tic = toc
         tokens.append(token)
         if not last and watch is not None and watch(token):
@@ -474,44 +477,19 @@ def _land_delivered(rnd, path, tokens, emitted, delivered, accepted, held, root)
 
 
 def _plain_decode(model, caches, root, max_tokens, choose, quantize, stop_tokens, stats, settle):
-    """Decoding without a drafter, pipelined as mlx-lm's generate_step: the forward of token n
-    is queued before the host reads it, so the device never waits on Python, and the caches
-    hold every token when it is delivered (mlx-lm's rule)."""
-
-    def step(token, position):
-        logits, _ = _forward(model, caches, token.reshape(1), quantize)
-        logits = logits[0]
-        return choose(logits, None if choose.greedy else mx.array([position], mx.int32)), logits
-
-    position = committed_offset(caches)
-    pending = mx.array([root], mx.uint32)  # a token delivered (or the prompt's last) not in the caches
-    n = 0
+    """Decoding without a drafter: one stretch (`_stretch`, pipelined as mlx-lm's
+    generate_step) to the end, the caches holding every token when it is delivered (mlx-lm's
+    rule)."""
+    count = max_tokens if max_tokens > 0 else float("inf")
+    pending = root  # a token delivered (or the prompt's last) not in the caches
     try:
-        y, logits = step(pending, position)
-        pending = None
-        mx.async_eval(y)
-        tic = time.perf_counter()
-        while True:
-            n += 1
-            last = 0 <= max_tokens <= n
-            if last:
-                pending = y
-            else:  # queue the next forward before reading this token
-                next_y, next_logits = step(y, position + 1)
-                mx.async_eval(next_y)
-            ts = time.perf_counter()
-            token = y.item()
-            toc = time.perf_counter()
-            stats.record(accepted=0, emitted=1, nodes=1, depth=0, held=0, budget=0, requested_depth=0,
-                         draft_ms=0.0, verify_ms=1e3 * (toc - tic), round_ms=1e3 * (toc - tic),
-                         sync_ms=1e3 * (toc - ts), walk_ms=0.0)
-            tic = toc
-            yield token, logits[0] - mx.logsumexp(logits[0], keepdims=True), False
-            if last or token in stop_tokens:
+        for token, lp, pending in _stretch(model, caches, None, root, count, choose, quantize, (), stats, [],
+                                           label=""):
+            yield token, lp, False
+            if token in stop_tokens:
                 break
-            y, logits, position = next_y, next_logits, position + 1
     finally:
         if settle:  # the caches end holding every delivered token
             if pending is not None:
-                _forward(model, caches, pending.reshape(1), quantize)
+                _forward(model, caches, mx.array([pending], mx.uint32), quantize)
             mx.eval([c.state for c in caches])
