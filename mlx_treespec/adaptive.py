@@ -137,11 +137,11 @@ class AdaptiveDrafter:
     """Picks each round's arm (module docstring). `primary`: a model drafter or None; `host`: a
     model-free drafter or None (at least one); `costs`: (plain ms per token, verify CostFit over
     nodes) from `costmodel.startup_costs` (or a function returning them, called at the first
-    prefill), or None to learn plain's rate from a first stretch
-    and draft DFlash's whole budget until a round's overhead is known; `verify_rows`: the
-    verify's row count for n nodes (default: the device's, `row_bucket` on GPUs); `memory`: a
-    key under which what it learns is shared with later drafters of the same key (`Learned`).
-    `reset` starts a fresh record (under the same key)."""
+    prefill), or None to learn plain's rate from a first stretch and draft DFlash's whole
+    budget until a round's overhead is known; `verify_rows`: the verify's row count for n
+    nodes (default: the device's, `row_bucket` on GPUs); `memory`: a key under which what it
+    learns is shared with later drafters of the same key (`Learned`). `reset` starts a fresh
+    record (under the same key)."""
 
     def __init__(self, primary=None, host=None, costs=None, verify_rows=None, memory=None):
         if primary is None and host is None:
@@ -194,6 +194,8 @@ class AdaptiveDrafter:
         plain = self.costs[0] if self.costs and not callable(self.costs) else None
         self.learned = Learned(plain)
         if self.memory is not None:
+            if len(LEARNED) >= 64 and self.memory not in LEARNED:  # keys of models long gone
+                LEARNED.clear()
             LEARNED[self.memory] = self.learned
         self._restart()
         for d in (self.primary, self.host):
