@@ -335,9 +335,13 @@ class AdaptiveDrafter:
         return best
 
     def verify_ms(self, nodes):
-        """The start-up fit's verify ms of `nodes` nodes (an array), at the device's row count."""
-        fit = self.costs[1]
-        return np.array([fit(self.verify_rows(int(n))) for n in np.atleast_1d(nodes)])
+        """The start-up fit's verify ms of `nodes` nodes (an array), at the device's row count
+        (a table per fit and row rule, built once: this runs every DFlash round)."""
+        key = (id(self.costs[1]), self.verify_rows)
+        if getattr(self, "_verify_table", (None,))[0] != key:
+            fit = self.costs[1]
+            self._verify_table = (key, np.array([fit(self.verify_rows(n)) for n in range(MAX_NODES + 1)]))
+        return self._verify_table[1][np.atleast_1d(np.asarray(nodes, np.int64))]
 
     def choose_budget(self, probs):
         """Nodes of the best-first tree to draft, given its nodes' draft probabilities in
