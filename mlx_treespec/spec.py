@@ -68,7 +68,11 @@ class DraftSpec:
     A DFlash drafter (`drafter='dflash'`) proposes every block position in one forward; its tree
     is DDTree's best-first tree over the per-position marginals with `topk` candidates per
     position (1: the argmax chain), at most `depth` deep, `budget` nodes; 0 for depth or budget
-    means the drafter's own (its block size), resolved when it is built."""
+    means the drafter's own (its block size), resolved when it is built.
+
+    `adaptive` (what `from_options` gives when no shape option is given): the drafter's default
+    shape is one arm of an `AdaptiveDrafter` (adaptive.py), beside prompt lookup and no draft; a
+    DFlash drafter's tree then takes each round's budget, up to its default, from its scores."""
 
     drafter: str = "none"
     topk: int = 1
