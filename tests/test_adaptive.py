@@ -4,12 +4,11 @@ import json
 
 import numpy as np
 import pytest
-import mlx.core as mx
-from mlx_lm.generate import generate_step
 
 import tiny
-from test_dflash import OracleDFlash, dflash_config, save_random
-from mlx_treespec import RoundStats, make_drafter, tree_generate_step
+from test_dflash import OracleDFlash, dflash_config, plain, save_random
+from test_dflash import speculative as run
+from mlx_treespec import make_drafter, tree_generate_step
 from mlx_treespec import adaptive
 from mlx_treespec.adaptive import AdaptiveDrafter, Calibration, PlainStretch
 from mlx_treespec.costmodel import CostFit, cost_cache_dir, startup_costs
@@ -46,16 +45,6 @@ class Scripted(AdaptiveDrafter):
             if arm == "plain" or arm in available:
                 return arm
         return "plain"
-
-
-def plain(model, prompt, n=N, **kw):
-    return [t for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, **kw)]
-
-
-def run(target, drafter, prompt, n=N, **kw):
-    stats = RoundStats()
-    out = [t for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=n, stats=stats, **kw)]
-    return out, stats
 
 
 def repetitive(n=12, seed=0):
