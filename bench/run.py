@@ -288,7 +288,7 @@ def run_proj(args):
     for q in [None if b in ("0", "") else int(b) for b in args.q_bits.split(",")]:
         label = args.dtype + (f", {q}-bit" if q else "")
         target = costmodel.build_from_config(cfg, args.dtype, q)
-        plain = time_plain(target, history=args.history)
+        plain = costmodel.time_plain(target, history=args.history, tokens=64)
         verify = costmodel.time_verify(target, Ts=(8, 16, 32, 64), history=args.history)
         draft_cost = _draft_cost(family, target, cfg, head_cfg, args, q)
         out = dict(variant=label, plain_ms=plain, verify_ms=verify, draft=draft_cost["timed"], arms=[])
@@ -381,20 +381,6 @@ def _draft_cost(family, target, cfg, head_cfg, args, q):
 
     return dict(timed=dict(step_ms=step), text="head step (1/2/4 rows) " + "/".join(f"{step[L]:.2f}" for L in (1, 2, 4))
                 + " ms", per_arm=per_arm)
-
-
-def time_plain(model, history=256, tokens=64, seed=0):
-    """ms per token of mlx-lm's own pipelined plain decoding after `history` prompt tokens."""
-    from mlx_lm.generate import generate_step
-
-    vocab = int(model(mx.array([[0]]))[0, -1].shape[-1])
-    prompt = mx.array(np.random.default_rng(seed).integers(0, vocab, history + 1).tolist())
-    for n in (8, tokens):  # the first run warms up
-        t_first = None
-        for i, _ in enumerate(generate_step(prompt, model, max_tokens=n)):
-            if t_first is None:
-                t_first = time.perf_counter()
-    return 1e3 * (time.perf_counter() - t_first) / (tokens - 1)
 
 
 def time_dflash(bound, target, history=256, new_rows=8, repeats=7, warmup=6, seed=0):
