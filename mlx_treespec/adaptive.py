@@ -230,17 +230,20 @@ class AdaptiveDrafter:
         self._close(now)
         if max_depth <= 0:
             return Draft.root_only(root)
-        e = self.host.draft(root, max_depth) if self.host is not None else None
+        match, e = self._host_match(root, max_depth) if self.host is not None else (0, None)
         available = ["primary"] if self.primary is not None else []
-        if e is not None and e.size > 1:
+        if match:
             available.append("host")
-            self.match = min(int(getattr(self.host, "last_match", 0)), MATCHES)
+            self.match = min(match, MATCHES)
         arm = self.choose(available)
         if arm == "plain":
             self.last = ("plain", now, 1)
             self.fed = 0
             return PlainStretch(self.stretch, self.watch if self.host is not None else None)
-        d = e if arm == "host" else self._primary_draft(root, max_depth)
+        if arm == "host":
+            d = e if e is not None else self.host.draft(root, max_depth)
+        else:
+            d = self._primary_draft(root, max_depth)
         d.source = self.names[arm]
         self.last = (arm, now, d.size)
         return d
@@ -269,16 +272,21 @@ class AdaptiveDrafter:
         (or were never measured): the next round drafts with it."""
         self.host.commit(None, None, [int(token)])
         self.fed += 1
-        if callable(getattr(self.host, "match_length", None)):  # prompt lookup: no tree built
-            match = self.host.match_length()
-        else:
-            match = (self.host.draft(int(token), getattr(self.host, "max_depth", self.depth) or 1).size > 1
-                     and int(getattr(self.host, "last_match", 1)))
+        match, _ = self._host_match(int(token), getattr(self.host, "max_depth", self.depth) or 1)
         if not match:
             return False
         rate = self.rates[("host", min(int(match), MATCHES))].value
         plain = self.rates["plain"].value
         return rate is None or plain is None or rate > plain
+
+    def _host_match(self, root, max_depth):
+        """(the host drafter's match length at `root`, 0 for none; its draft where building it
+        was the way to know, else None). Prompt lookup tells its match without building the
+        tree (`match_length`), so a round the host does not draft builds none."""
+        if callable(getattr(self.host, "match_length", None)):
+            return self.host.match_length(), None
+        e = self.host.draft(root, max_depth)
+        return (max(int(getattr(self.host, "last_match", 1)), 1) if e.size > 1 else 0), e
 
     def catch_up(self, root, tokens, hidden=None):
         """After a plain stretch from `root`: the `tokens` it emitted (the last is the next root)
