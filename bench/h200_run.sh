@@ -7,6 +7,7 @@
 #            (PROJ="dflash eagle3 mtp" picks which)
 #   long     tree verify vs causal forward at 1k/8k/32k context: qwen3-8B shape (bf16, 4-bit), demo target
 #   gdn      GatedDeltaNet tree kernel (CUDA twin) vs the ops reference
+#   pieces   a DDTree round's pieces on the demo target, eager vs compiled verify, plain loops
 #   adaptive the default (adaptive DFlash + lookup) vs plain and the fixed arms, demo target and
 #            hybrid, on unseen text and the repetitive editing workload
 # DFLASH, HYBRID_DFLASH, EAGLE3 override the shipped demo drafters (folders).
@@ -42,6 +43,7 @@ for section in "$@"; do
               --arms plain,auto:dflash,dflash:15,ddtree:31,lookup:16:8 \
               --prompts ${ADAPTIVE_PROMPTS:-unseen,editing} --n $N --max-tokens $TOKENS --seconds ${ADAPTIVE_SECONDS:-170} --out "$OUT/adaptive_$t"
           done ;;
+    pieces) timeout 120 python3 bench/run.py pieces --target demo --history 300 --repeats 30 --out "$OUT/pieces" ;;
     gdn) timeout 150 python3 bench/gdn_kernel_bench.py --out "$OUT/gdn.json" 2>&1 | tee "$OUT/gdn.md" ;;
   esac
 done

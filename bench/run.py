@@ -6,6 +6,7 @@
     python bench/run.py proj --acceptance FILE.json.gz --family dflash --config bench/configs/qwen3_8b.json \\
         --head-config bench/configs/qwen3_8b_dflash.json --q-bits 0,4
     python bench/run.py long --config bench/configs/qwen3_8b.json --contexts 1024,8192,32768 --q-bits 0,4
+    python bench/run.py pieces --target demo --history 300 --repeats 30   # a DDTree round's pieces
     python bench/run.py unseen-prompts        # (re)writes bench/unseen_prompts.json
 
 Arms use mlx_treespec.spec's grammar (plain, chain:K, tree:K:S[:B[:L]], lookup:B:D,
@@ -518,7 +519,7 @@ def run_long(args):
                 return dt
 
             def tree():
-                rnd = TreeRound(model, caches)
+                rnd = TreeRound(model, caches, compiled=True)
                 t0 = time.perf_counter()
                 logits, _ = rnd.verify(Draft(tokens, Layout.fixed(parents)))
                 mx.eval(logits)
@@ -612,6 +613,78 @@ def _split_attention(q, k, v, scale, ctx, tree):
     return o.astype(q.dtype).reshape(q.shape)
 
 
+def run_pieces(args):
+    """A DDTree round's pieces on one prompt of the unseen set, each synced and timed alone
+    (medians of --repeats): the drafter's ranked block, the verify of its 32 nodes eager and
+    compiled, the whole round both ways; plain decoding, mlx-lm's and this library's loop."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_treespec import tree_generate_step
+    from mlx_treespec.builders import best_first_tree
+    from mlx_treespec.drafters.dflash import DFlashDrafter
+    from mlx_treespec.verify import TreeRound, capturing, install
+
+    model, tok = load_target(args.target)
+    install(model)
+    prompt = encode_prompts(tok, load_prompts("unseen")[:1])[0][: args.history]
+    dd = DFlashDrafter(Arms(model, args.target, []).dflash(), budget=31)
+    caches = make_prompt_cache(model)
+    with capturing(model, dd.capture) as cap:
+        model(mx.array(prompt[:-1])[None], cache=caches)
+        hidden = cap.hidden()
+    mx.eval([c.state for c in caches], hidden)
+    root, depth = prompt[-1], dd.depth
+    dd.prefill(prompt, hidden)
+
+    def timed(f, n=args.repeats, warm=5):
+        for _ in range(warm):
+            f()
+        ts = []
+        for _ in range(n):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return 1e3 * statistics.median(ts)
+
+    def ranked():
+        at = dd.length  # the block forward writes context rows: each timing starts from the same
+        ids, top = dd.ranked(root, depth)
+        dd.length = at
+        return ids, top
+
+    def draft():
+        ids, top = ranked()
+        return dd.as_draft(root, ids, best_first_tree(0, top, dd.budget), depth, dd.budget)
+
+    def verify(d, compiled):
+        rnd = TreeRound(model, caches, dd.capture, compiled=compiled)
+        logits, _ = rnd.verify(d, None)
+        mx.eval(mx.argmax(logits, -1), rnd.hidden, d.arrays())
+        rnd.abort()
+
+    d = draft()
+    rows = {"ranked block (forward, top-k read back)": timed(ranked)}
+    for compiled in (False, True):
+        name = "compiled" if compiled else "eager"
+        rows[f"verify of 32 nodes, {name}"] = timed(lambda: verify(d, compiled))
+        rows[f"round (ranked block, host tree, verify), {name}"] = timed(lambda: verify(draft(), compiled))
+    record = {k: v for k, v in model.__dict__.get("_treespec_compiled_verify", {}).items() if k != "fns"}
+    p = mx.array(prompt)
+    rows["plain, mlx-lm generate_step, ms/token (64 tokens)"] = timed(
+        lambda: [None for _ in generate_step(p, model, max_tokens=64)], n=5, warm=1) / 64
+    rows["plain, this library's loop, ms/token (64 tokens)"] = timed(
+        lambda: [None for _ in tree_generate_step(prompt, model, None, max_tokens=64)], n=5, warm=1) / 64
+    report = dict(meta=run_meta(section=args.section, target=args.target, history=len(prompt)), ms=rows,
+                  compiled_verify=record)
+    md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
+          f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
+          f"One unseen prompt ({len(prompt)} tokens), each piece synced, median of {args.repeats}; "
+          f"DDTree budget 31 over the DFlash block. Compiled verify: {record}.", "",
+          "| piece | ms |", "|---|---|"] + [f"| {k} | {v:.3f} |" for k, v in rows.items()]
+    write(args, report, md)
+
+
 def make_unseen_prompts(args):
     """Prompts from text the demo models never saw: this project's own source files (written
     after the demo corpus was collected from a Python installation's stdlib and site-packages).
@@ -679,7 +752,7 @@ def _json(o):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "unseen-prompts"])
+    p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "unseen-prompts"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
     p.add_argument("--target", default="demo")
     p.add_argument("--draft-model", default=None)
@@ -711,7 +784,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.section = args.section or args.command
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
-     "unseen-prompts": make_unseen_prompts}[args.command](args)
+     "pieces": run_pieces, "unseen-prompts": make_unseen_prompts}[args.command](args)
 
 
 if __name__ == "__main__":

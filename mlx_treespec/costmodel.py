@@ -31,7 +31,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from .verify import TreeRound
+from .verify import CHECKS, TreeRound
 
 __all__ = [
     "CostFit",
@@ -135,7 +135,7 @@ def _prefilled(model, history, seed):
 def _time_rows(model, caches, tokens, parents, repeats, warmup):
     times = []
     for r in range(warmup + repeats):
-        rnd = TreeRound(model, caches)
+        rnd = TreeRound(model, caches, compiled=True)
         t0 = time.perf_counter()
         logits = rnd.forward(tokens, parents)
         mx.eval(logits)
@@ -256,19 +256,27 @@ def round_cost(plan, nodes, verify_fit, draft_fit=None, overhead_ms=0.0):
 # ---------------------------------------------------------------------------- start-up costs
 
 
-def time_plain(model, history=256, tokens=24, seed=0):
-    """ms per token of mlx-lm's own pipelined plain decoding (generate_step) after `history`
-    prompt tokens (a short run first warms up)."""
+def time_plain(model, history=256, tokens=24, seed=0, own=False):
+    """ms per token of pipelined plain decoding after `history` prompt tokens (a short run
+    first warms up): mlx-lm's generate_step, or (`own`) this library's, the loop a plain
+    stretch of adaptive drafting runs."""
     from mlx_lm.generate import generate_step
+
+    from .loop import tree_generate_step
 
     vocab = int(model(mx.array([[0]]))[0, -1].shape[-1])
     prompt = mx.array(np.random.default_rng(seed).integers(0, vocab, history + 1).tolist())
     for n in (8, tokens):
         t_first = None
-        for _ in generate_step(prompt, model, max_tokens=n):
+        steps = tree_generate_step(prompt, model, None, max_tokens=n) if own else \
+            generate_step(prompt, model, max_tokens=n)
+        for _ in steps:
             if t_first is None:
                 t_first = time.perf_counter()
     return 1e3 * (time.perf_counter() - t_first) / (tokens - 1)
+
+
+COSTS_FORMAT = 2  # what a kept fit measured (2: the compiled verify where it applies, our plain loop)
 
 
 def _cost_key(model):
@@ -279,7 +287,7 @@ def _cost_key(model):
     cfg = {k: v for k, v in sorted(vars(args).items())} if args is not None else {}
     dtypes = sorted({str(p.dtype) for _, p in tree_flatten(model.parameters())})
     info = mx.device_info() if hasattr(mx, "device_info") else {}
-    text = json.dumps([type(model).__module__, cfg, dtypes, n_params(model), str(mx.default_device()),
+    text = json.dumps([COSTS_FORMAT, type(model).__module__, cfg, dtypes, n_params(model), str(mx.default_device()),
                        info.get("device_name", info.get("architecture", "")), mx.__version__],
                       default=str, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
@@ -301,8 +309,8 @@ def startup_costs(model):
         return float(d["plain_ms"]), CostFit.from_dict(d["verify"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    verify = fit_curve(time_verify(model, VERIFY_TS, repeats=3, warmup=1))
-    plain = time_plain(model)
+    verify = fit_curve(time_verify(model, VERIFY_TS, repeats=3, warmup=CHECKS))  # checks, then compiled
+    plain = time_plain(model, own=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")

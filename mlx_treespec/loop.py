@@ -352,7 +352,7 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
                 raise ValueError(f"the drafter proposed {draft.size} nodes; at most {MAX_NODES} fit")
             mx.async_eval(draft.arrays())  # the device drafts while the host builds the verify
             t1 = time.perf_counter()
-            rnd = TreeRound(model, caches, capture)
+            rnd = TreeRound(model, caches, capture, compiled=True)
             try:
                 draft = rnd.fit(draft, held)
                 logits, depths = rnd.verify(draft, held)                                      # verify

@@ -290,7 +290,7 @@ def probe_exactness(model, tree_parents_list, n_inputs=3, history=32, seed=0,
                 trng = np.random.default_rng([seed, i, 1])
                 tokens = np.concatenate([[root], trng.integers(0, vocab, MAX_NODES - 1)])[:n]
                 caches = copy.deepcopy(committed)
-                logits = TreeRound(model, caches).forward(mx.array(tokens.astype(np.uint32)), parents)
+                logits = TreeRound(model, caches, compiled=True).forward(mx.array(tokens.astype(np.uint32)), parents)
                 if perturb is not None:
                     logits = perturb(logits)
                 mx.eval(logits)

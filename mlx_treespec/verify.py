@@ -36,7 +36,8 @@ from .cache import (
 from .draft import Layout
 from .tree import ancestors_of, depths_of
 
-__all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "capturing", "check_capture", "row_bucket", "pad_keys_default"]
+__all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "capturing", "check_capture",
+           "row_bucket", "pad_keys_default", "WIDTH_STEP"]
 
 
 class _Context:
@@ -255,6 +256,85 @@ class _RotatingLayer:
         return all_k[:, :, order, :], all_v[:, :, order, :]
 
 
+class _NotCompilable(Exception):
+    """Raised while tracing a compiled verify where the model does what the trace cannot keep
+    (a windowed mask, the cache's offset read outside RoPE): the round runs eagerly."""
+
+
+class _Offset:
+    """What a compiled verify's stand-in gives for `offset`: RoPE ignores it in a tree forward
+    (positions come per token); any other use would bake one round's offset into the trace."""
+
+    def __getattr__(self, name):
+        raise _NotCompilable("the model reads its cache offset outside RoPE")
+
+    def __index__(self):
+        raise _NotCompilable("the model reads its cache offset outside RoPE")
+
+    __int__ = __index__
+    __add__ = __radd__ = __sub__ = __rsub__ = __lt__ = __gt__ = __le__ = __ge__ = __eq__ = \
+        lambda self, *a: _Offset.__index__(self)
+    __hash__ = object.__hash__
+
+
+class _TracedAppend:
+    """A KVCache inside the compiled verify: K/V rows written at `start` into whole buffers
+    (function inputs), attention over the whole buffers with the round's additive mask."""
+
+    def __init__(self, keys, values, start, mask):
+        self.keys, self.values, self.start, self.mask = keys, values, start, mask
+        self.offset = _Offset()
+
+    def make_mask(self, N, window_size=None, return_array=False):
+        if window_size is not None:
+            raise _NotCompilable("the model asks for windowed masks")
+        return self.mask
+
+    def update_and_fetch(self, keys, values):
+        self.keys = mx.slice_update(self.keys, keys, self.start, axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.start, axes=(2,))
+        return self.keys, self.values
+
+
+CHECKS = 2  # compiled calls per shape checked bitwise against the eager forward before trusted
+
+
+def _verify_forward(model, capture):
+    """A tree forward over whole KV buffers: tokens [T], positions [T], the round's additive
+    mask [T, W], the write offset start [1] and each layer's buffers in; logits [T, V], the
+    captured rows and the new buffers out."""
+
+    def forward(tokens, positions, mask, start, keys, values):
+        bufs = [_TracedAppend(k, v, start, mask) for k, v in zip(keys, values)]
+        _CTX.positions = positions
+        try:
+            with capturing(model, capture) as cap:
+                out = model(tokens[None], cache=bufs)[0]
+                hidden = [cap.hidden()] if capture else []
+        finally:
+            _CTX.positions = None
+        return out, hidden, [b.keys for b in bufs], [b.values for b in bufs]
+
+    return forward
+
+
+def _compiled(model, capture):
+    """The model's whole-buffer tree forward (`_verify_forward`) as one `mx.compile`d function,
+    traced once per shape, and its record (shapes checked, whether it is off and why). A round
+    then spends no Python per op and elementwise ops fuse. Kept on the model.
+
+    Plain decoding stays eager: a one-token step over whole buffers needs the mask, and on the
+    H200 the masked step differs from mlx-lm's unmasked one (bench/RESULTS.md)."""
+    store = model.__dict__.setdefault("_treespec_compiled_verify",
+                                      {"fns": {}, "checked": {}, "off": None, "trusted_runs": 0})
+    if store["off"] is not None:
+        return None, store
+    fn = store["fns"].get(capture)
+    if fn is None:
+        fn = store["fns"][capture] = mx.compile(_verify_forward(model, capture))
+    return fn, store
+
+
 def pad_keys_default():
     """Whether attention reads whole KV buffers (shapes change only when a buffer grows).
 
@@ -264,17 +344,23 @@ def pad_keys_default():
     return mx.default_device() == mx.gpu
 
 
+WIDTH_STEP = 1024  # whole buffers read by attention grow by this many rows
+
+
 def _reserve(cache, n):
-    """Grow a KVCache's buffer as an update of n tokens would, leaving its offset; returns the
-    buffer length, or None where it cannot be known ahead (empty or quantized caches)."""
+    """Room in a KVCache's buffer for n more tokens, leaving its offset; returns the buffer
+    length, or None where it cannot be known ahead (empty or quantized caches). The buffer
+    grows to a multiple of WIDTH_STEP rows: every new width costs the GPU new kernel plans and
+    the compiled verify a new trace, so widths should repeat across rounds and prompts."""
     if type(cache).__name__ != "KVCache" or cache.keys is None:
         return None
-    if cache.offset + n > cache.keys.shape[2]:
+    width = cache.keys.shape[2]
+    if cache.offset + n > width:
+        grow = -(-(cache.offset + n) // WIDTH_STEP) * WIDTH_STEP - width
         B, H, _, Dk = cache.keys.shape
-        Dv = cache.values.shape[3]
-        cache.update_and_fetch(mx.zeros((B, H, n, Dk), cache.keys.dtype),
-                               mx.zeros((B, H, n, Dv), cache.values.dtype))
-        cache.offset -= n
+        cache.keys = mx.concatenate([cache.keys, mx.zeros((B, H, grow, Dk), cache.keys.dtype)], axis=2)
+        cache.values = mx.concatenate([cache.values, mx.zeros((B, H, grow, cache.values.shape[3]),
+                                                              cache.values.dtype)], axis=2)
     return cache.keys.shape[2]
 
 
@@ -315,8 +401,12 @@ class TreeRound:
     K/V after the history (invisible to later rounds: commit resets their offset).
     """
 
-    def __init__(self, model, caches, capture=()):
+    def __init__(self, model, caches, capture=(), compiled=False):
         self.model = model
+        # `compiled`: whole-buffer forwards run compiled (`_run_compiled`); the loop asks it for
+        # its target. Not by default: a drafter's model may keep Python state between calls (a
+        # head's pending hidden rows) that a trace would bake in
+        self.compiled = compiled
         self.pad_keys = pad_keys_default()
         self.width = None  # key columns of append-kind layers when whole buffers are read
         install(model)
@@ -512,6 +602,18 @@ class TreeRound:
         if pad:  # filler rows: they see the history and themselves; no real row sees them
             tokens = mx.concatenate([tokens, mx.zeros((pad,), tokens.dtype)])
             positions = mx.concatenate([positions, mx.full((pad,), self.base, mx.int32)])
+        try:
+            out = self._run_compiled(tokens, positions, n) if self._compilable() else None
+            if out is None:
+                out = self._run_eager(tokens, positions, n)
+        finally:
+            _CTX.parents = None
+            if pad:  # (all caches append) the next forward of this round writes over the filler K/V
+                for c in self.caches:
+                    c.offset -= pad
+        return out[:n] if pad else out
+
+    def _run_eager(self, tokens, positions, n):
         _CTX.positions = positions
         try:
             with capturing(self.model, self.capture) as cap:
@@ -519,11 +621,50 @@ class TreeRound:
                 self.hidden = cap.hidden(n)
         finally:
             _CTX.positions = None
-            _CTX.parents = None
-            if pad:  # (all caches append) the next forward of this round writes over the filler K/V
-                for c in self.caches:
-                    c.offset -= pad
-        return out[:n] if pad else out
+        return out
+
+    def _compilable(self):
+        """Whole-buffer forwards (GPU) over plain KV caches (not quantized) run compiled."""
+        return self.compiled and self.width is not None and all(
+            type(c).__name__ == "KVCache" and c.keys is not None for c in self.caches)
+
+    def _run_compiled(self, tokens, positions, n):
+        """The forward through `_compiled`. A shape's first `CHECKS` calls also run the
+        eager forward and must equal it bitwise (else the model runs eagerly from then on, and
+        the round uses the eager result); the model's cache offset read outside RoPE or a
+        windowed mask stops the trace the same way. Returns None where the eager path runs."""
+        fn, store = _compiled(self.model, self.capture)
+        if fn is None:
+            return None
+        mask = self._append_mask(None)
+        offset = self.caches[0].offset
+        start = cached_array(np.array([offset], np.int32))
+        shape = (tokens.shape[0], mask.shape[1], self.capture)
+        try:
+            out, hidden, keys, values = fn(tokens, positions, mask, start, [c.keys for c in self.caches],
+                                           [c.values for c in self.caches])
+        except Exception as e:  # noqa: BLE001 - any failure to trace leaves the eager forward
+            store["off"] = f"{type(e).__name__}: {e}"
+            return None
+        hidden = hidden[0][:n] if hidden else None
+        checked = store["checked"].get(shape, 0)
+        if checked < CHECKS:
+            ref = self._run_eager(tokens, positions, n)
+            same = mx.array_equal(out, ref).item() and (
+                hidden is None or mx.array_equal(hidden, self.hidden).item())
+            if not same:
+                store["off"] = "the compiled forward differs from the eager one"
+            store["checked"][shape] = checked + 1
+            return ref
+        for i, c in enumerate(self.caches):
+            c.keys, c.values = keys[i], values[i]
+            c.offset = offset + tokens.shape[0]
+            # abort puts back the offset; rows before it are the same in the new buffers, and the
+            # old ones are left to the graph alone
+            self._before[i]["keys"], self._before[i]["values"] = keys[i], values[i]
+        self.hidden = hidden
+        store["trusted_runs"] += 1
+        return out
 
     def _append_mask(self, window):
         mask = self._masks.get(window)

@@ -249,6 +249,83 @@ def test_held_tokens_never_push_a_tree_into_the_next_row_bucket(targets, folders
     assert any(h and n < 32 for h, n in zip([0] + stats.held[:-1], stats.nodes)), "no round held a token"
 
 
+def _compiled_store(target):
+    return target.__dict__.get("_treespec_compiled_verify")
+
+
+def test_compiled_verify_is_the_eager_verify(targets, folders, monkeypatch):
+    # the GPU path's verify runs as one compiled function; each shape's first CHECKS calls are
+    # checked bitwise against the eager forward, and then it is trusted: tokens stay plain
+    # decoding's, DDTree (device-ranked) and chain alike
+    import mlx_treespec.verify as verify
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    target = targets("qwen3")
+    target.__dict__.pop("_treespec_compiled_verify", None)
+    bound = bind_dflash(folders("qwen3"), target)
+    prompt = prompt_tokens(seed=6)
+    for shape in (dict(budget=31), dict(topk=1, depth=7)):
+        out, _ = speculative(target, OracleDFlash(bound, target, seed=3, **shape), prompt)
+        assert out == plain(target, prompt)
+    store = _compiled_store(target)
+    assert store["off"] is None and store["trusted_runs"] > 0
+    assert max(store["checked"].values()) == verify.CHECKS  # a shape is checked, then trusted
+
+
+def test_compiled_verify_that_differs_from_eager_is_never_used(targets, folders, monkeypatch):
+    import mlx_treespec.verify as verify
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    target = targets("qwen3")
+    target.__dict__.pop("_treespec_compiled_verify", None)
+    real = verify._compiled
+
+    def off_by_a_little(model, capture):
+        fn, store = real(model, capture)
+        if fn is None:
+            return fn, store
+
+        def wrong(*args):
+            out, *rest = fn(*args)
+            return (out + 1e-3, *rest)
+
+        return wrong, store
+
+    monkeypatch.setattr(verify, "_compiled", off_by_a_little)
+    bound = bind_dflash(folders("qwen3"), target)
+    prompt = prompt_tokens(seed=6)
+    out, _ = speculative(target, OracleDFlash(bound, target, seed=3, budget=31), prompt)
+    assert out == plain(target, prompt)
+    store = _compiled_store(target)
+    assert "differs" in store["off"] and store["trusted_runs"] == 0
+    target.__dict__.pop("_treespec_compiled_verify", None)
+
+
+def test_compiled_verify_steps_aside_where_the_model_reads_its_offset(targets, folders, monkeypatch):
+    # a model reading its cache offset outside RoPE would bake one round's offset into the
+    # trace: the trace stops there and every round runs eagerly
+    import mlx_lm.models.qwen3 as qwen3
+    import mlx_treespec.verify as verify
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    real = qwen3.Attention.__call__
+
+    def reads_offset(self, x, mask=None, cache=None):
+        _ = cache.offset + 0
+        return real(self, x, mask=mask, cache=cache)
+
+    monkeypatch.setattr(qwen3.Attention, "__call__", reads_offset)
+    target = targets("qwen3")
+    target.__dict__.pop("_treespec_compiled_verify", None)
+    bound = bind_dflash(folders("qwen3"), target)
+    prompt = prompt_tokens(seed=6)
+    out, _ = speculative(target, OracleDFlash(bound, target, seed=3, budget=12), prompt)
+    assert out == plain(target, prompt)
+    store = _compiled_store(target)
+    assert "offset" in store["off"] and store["trusted_runs"] == 0
+    target.__dict__.pop("_treespec_compiled_verify", None)
+
+
 def paths(parents, tokens):
     """A tree as the set of its root paths' token tuples (the same tree in any numbering)."""
     out = set()

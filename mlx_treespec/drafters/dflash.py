@@ -18,7 +18,7 @@ rows the target computed for them in the verify), which the next draft forward p
 same pass as its block.
 
 Shapes stay fixed across rounds (a GPU pays for every new attention shape): each layer keeps
-whole K/V buffers grown in steps of 256 rows, new context rows are padded to B, and a mask
+whole K/V buffers grown in steps of `verify.WIDTH_STEP` rows, new context rows are padded to B, and a mask
 hides the unused rows; the block's own K/V are written after the padded context rows and
 overwritten next round.
 """
@@ -34,11 +34,12 @@ from mlx_lm.models.rope_utils import initialize_rope
 from ..builders import best_first_tree
 from ..draft import Draft, Layout
 from ..tree import MAX_NODES, chain_parents, preorder, relabel
+from ..verify import WIDTH_STEP
 from . import dequantize_linears, target_io
 
 __all__ = ["DFlashModel", "DFlashDrafter", "load_dflash", "bind_dflash", "probe_parents", "default_layer_ids"]
 
-GROW = 256  # rows a context buffer grows by
+GROW = WIDTH_STEP  # rows a context buffer grows by (each width is a trace of the block forward)
 
 
 def default_layer_ids(num_target_layers, num_draft_layers):
