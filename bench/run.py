@@ -669,7 +669,8 @@ def run_pieces(args):
         name = "compiled" if compiled else "eager"
         rows[f"verify of 32 nodes, {name}"] = timed(lambda: verify(d, compiled))
         rows[f"round (ranked block, host tree, verify), {name}"] = timed(lambda: verify(draft(), compiled))
-    record = {k: v for k, v in model.__dict__.get("_treespec_compiled_verify", {}).items() if k != "fns"}
+    record = {k: ({str(s): n for s, n in v.items()} if k == "checked" else v)
+              for k, v in model.__dict__.get("_treespec_compiled_verify", {}).items() if k != "fns"}
     p = mx.array(prompt)
     rows["plain, mlx-lm generate_step, ms/token (64 tokens)"] = timed(
         lambda: [None for _ in generate_step(p, model, max_tokens=64)], n=5, warm=1) / 64

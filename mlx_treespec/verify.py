@@ -37,7 +37,7 @@ from .draft import Layout
 from .tree import ancestors_of, depths_of
 
 __all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "capturing", "check_capture",
-           "row_bucket", "pad_keys_default", "WIDTH_STEP"]
+           "row_bucket", "pad_keys_default", "width_step"]
 
 
 class _Context:
@@ -344,19 +344,23 @@ def pad_keys_default():
     return mx.default_device() == mx.gpu
 
 
-WIDTH_STEP = 1024  # whole buffers read by attention grow by this many rows
+def width_step():
+    """Rows a buffer that attention reads whole grows by: on a GPU every new width costs new
+    kernel plans and a new trace, so widths should repeat across rounds and prompts (1024);
+    on CPU a width costs nothing but the attention over its unused rows (256)."""
+    return 1024 if pad_keys_default() else 256
 
 
 def _reserve(cache, n):
     """Room in a KVCache's buffer for n more tokens, leaving its offset; returns the buffer
     length, or None where it cannot be known ahead (empty or quantized caches). The buffer
-    grows to a multiple of WIDTH_STEP rows: every new width costs the GPU new kernel plans and
-    the compiled verify a new trace, so widths should repeat across rounds and prompts."""
+    is made a multiple of `width_step()` rows (also the one a prefill left: mlx-lm sizes it
+    by the prompt, and every prompt length would be a new width)."""
     if type(cache).__name__ != "KVCache" or cache.keys is None:
         return None
-    width = cache.keys.shape[2]
-    if cache.offset + n > width:
-        grow = -(-(cache.offset + n) // WIDTH_STEP) * WIDTH_STEP - width
+    width, step = cache.keys.shape[2], width_step()
+    if cache.offset + n > width or width % step:
+        grow = -(-max(cache.offset + n, width) // step) * step - width
         B, H, _, Dk = cache.keys.shape
         cache.keys = mx.concatenate([cache.keys, mx.zeros((B, H, grow, Dk), cache.keys.dtype)], axis=2)
         cache.values = mx.concatenate([cache.values, mx.zeros((B, H, grow, cache.values.shape[3]),

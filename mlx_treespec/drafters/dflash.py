@@ -18,7 +18,7 @@ rows the target computed for them in the verify), which the next draft forward p
 same pass as its block.
 
 Shapes stay fixed across rounds (a GPU pays for every new attention shape): each layer keeps
-whole K/V buffers grown in steps of `verify.WIDTH_STEP` rows, new context rows are padded to B, and a mask
+whole K/V buffers grown in steps of `verify.width_step()` rows, new context rows are padded to B, and a mask
 hides the unused rows; the block's own K/V are written after the padded context rows and
 overwritten next round.
 """
@@ -34,12 +34,10 @@ from mlx_lm.models.rope_utils import initialize_rope
 from ..builders import best_first_tree
 from ..draft import Draft, Layout
 from ..tree import MAX_NODES, chain_parents, preorder, relabel
-from ..verify import WIDTH_STEP
+from ..verify import width_step
 from . import dequantize_linears, target_io
 
 __all__ = ["DFlashModel", "DFlashDrafter", "load_dflash", "bind_dflash", "probe_parents", "default_layer_ids"]
-
-GROW = WIDTH_STEP  # rows a context buffer grows by (each width is a trace of the block forward)
 
 
 def default_layer_ids(num_target_layers, num_draft_layers):
@@ -271,11 +269,13 @@ class DFlashDrafter:
         self.pending = None  # context features not yet projected [n, n*H]
 
     def _room(self, rows):
-        """Grow every layer's buffers (a multiple of GROW) to hold `rows` rows."""
+        """Grow every layer's buffers (a multiple of `width_step()`: each width is a trace of
+        the block forward) to hold `rows` rows."""
         cap = 0 if self.keys is None else self.keys[0].shape[2]
         if rows <= cap:
             return
-        new = -(-rows // GROW) * GROW
+        step = width_step()
+        new = -(-rows // step) * step
         m = self.bound.model
         at = m.layers[0].self_attn
         dtype = m.norm.weight.dtype
