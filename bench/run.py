@@ -7,7 +7,7 @@
         --head-config bench/configs/qwen3_8b_dflash.json --q-bits 0,4
     python bench/run.py long --config bench/configs/qwen3_8b.json --contexts 1024,8192,32768 --q-bits 0,4
     python bench/run.py pieces --target demo --history 300 --repeats 30   # a DDTree round's pieces
-    python bench/run.py unseen-prompts        # (re)writes bench/unseen_prompts.json
+    python bench/run.py unseen-prompts        # (re)writes bench/unseen_prompts.json.gz
 
 Arms use mlx_treespec.spec's grammar (plain, chain:K, tree:K:S[:B[:L]], lookup:B:D,
 suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselines:
@@ -704,8 +704,8 @@ def make_unseen_prompts(args):
     rng.shuffle(prompts)
     doc = dict(about="Source text the demo models never saw in training: this project's own Python files "
                      "(bench/run.py unseen-prompts)", commit=run_meta()["commit"], prompts=prompts[: args.n])
-    path = ROOT / "bench" / "unseen_prompts.json"
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    path = ROOT / "bench" / "unseen_prompts.json.gz"
+    path.write_bytes(gzip.compress((json.dumps(doc, indent=1) + "\n").encode(), mtime=0))
     print(f"wrote {len(doc['prompts'])} prompts to {path}")
 
 
