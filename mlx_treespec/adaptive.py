@@ -16,7 +16,9 @@ Estimates, all of wall time (what the round costs the user, host work included):
   host's is kept per length of its match (a 4-token match drafts far more than a 1-token one).
   Plain's starts from the start-up cost fit (`costmodel.startup_costs`: measured once per target
   shape, device and MLX version and kept on disk); the others from their uses. An arm's first
-  use in a generation is not booked (it pays traces and first buffers, not what a round costs).
+  use in a generation is not booked (it pays traces and first buffers, not what a round costs),
+  nor a use over `SPIKE` times what the fit says it costs (a new shape's trace and kernels),
+  unless `SPIKES_IN_A_ROW` in a row were.
 - A DFlash round picks its tree's node budget after its block forward. Each node's draft
   probability (its best-first score: the product of its tokens' marginals) is calibrated online
   into the probability that the target accepts it (`Calibration`, by probability bin, from every
@@ -56,6 +58,10 @@ ALPHA = 0.3  # weight of the newest use in an arm's averages
 STRETCH, MAX_STRETCH = 16, 256  # tokens of a plain stretch: first, and after repeated losses
 REPROBE = 16  # available rounds after which an arm not taken is tried once
 MATCHES = 4  # host match lengths told apart (longer ones count as this)
+# A use that took over SPIKE x what the start-up fit says it costs paid for a new shape once (a
+# trace, new kernels: on the H200 such a round costs several times a usual one) and is not
+# booked, unless SPIKES_IN_A_ROW uses in a row did: then that is what the arm costs
+SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 
 
 @dataclass(frozen=True)
@@ -210,6 +216,7 @@ class AdaptiveDrafter:
         self.match = 0  # the host's match length this round (its rate's key)
         self.fed = 0  # tokens of the stretch under way the host drafter has seen (`watch`)
         self.warm = set()  # arms used in this generation: an arm's first use pays one-off costs
+        self.spikes = 0  # uses in a row not booked as spikes (SPIKE)
         self.last = None  # (arm, start time, nodes) of the round or stretch under way
         self.emitted = 0
         self.scores = None  # draft probability of each node of the last DFlash draft (draft order)
@@ -373,6 +380,16 @@ class AdaptiveDrafter:
         self.scores = np.exp(tree.scores[preorder(tree.parents)][1:])  # as as_draft numbers them
         return p.as_draft(root, ids, tree, depth, B)
 
+    def _expected_ms(self, arm, nodes):
+        """What the start-up fit says a use costs: a stretch its tokens' plain ms, a round its
+        verify's (and a DFlash round its measured overhead); inf without a fit."""
+        if self.costs is None or callable(self.costs):
+            return float("inf")
+        if arm == "plain":
+            return float(self.costs[0]) * max(self.emitted, 1)
+        extra = self.overhead if arm == "primary" and self.overhead is not None else 0.0
+        return float(self.verify_ms([nodes])[0]) + extra
+
     def _close(self, now):
         """Book the round or stretch that just ended against its arm."""
         if self.last is None:
@@ -383,6 +400,10 @@ class AdaptiveDrafter:
         if arm != "plain" and arm not in self.warm:  # traces, first buffers: not what it costs
             self.warm.add(arm)
             return
+        if ms > SPIKE * self._expected_ms(arm, nodes) and self.spikes < SPIKES_IN_A_ROW:
+            self.spikes += 1  # a new shape's trace and kernels, paid once: not what the arm costs
+            return
+        self.spikes = 0
         self.rate(arm).add(self.emitted, ms)
         if arm == "primary" and self.blocks and self.costs is not None:
             extra = max(ms - float(self.verify_ms([nodes])[0]), 0.0)

@@ -271,7 +271,7 @@ class _Offset:
     def __index__(self):
         raise _NotCompilable("the model reads its cache offset outside RoPE")
 
-    __int__ = __index__
+    __int__ = __bool__ = __index__
     __add__ = __radd__ = __sub__ = __rsub__ = __lt__ = __gt__ = __le__ = __ge__ = __eq__ = \
         lambda self, *a: _Offset.__index__(self)
     __hash__ = object.__hash__

@@ -183,6 +183,31 @@ def test_first_use_of_an_arm_in_a_generation_is_not_booked():
     assert d.rates["primary"].value == pytest.approx(0.5)
 
 
+def test_a_spike_is_not_booked_unless_it_repeats():
+    # a round over SPIKE x its fitted cost paid for a new shape once (a trace, new kernels)
+    d = AdaptiveDrafter(primary=LookupDrafter(), costs=(1.0, flat(1.0)))
+    d.prefill([1, 2, 3])
+    d.warm.add("primary")
+
+    def use(arm, ms, emitted):
+        d.last, d.emitted = (arm, 0.0, 2), emitted
+        d._close(ms / 1e3)
+
+    use("primary", 2.0, 4)
+    assert d.rates["primary"].value == pytest.approx(2.0)
+    use("primary", 50.0, 4)  # 50 ms against a 1 ms verify: not booked
+    assert d.rates["primary"].value == pytest.approx(2.0)
+    use("primary", 50.0, 4)
+    assert d.rates["primary"].value == pytest.approx(2.0)
+    use("primary", 50.0, 4)  # SPIKES_IN_A_ROW in a row: that is what the arm costs now
+    assert adaptive.SPIKES_IN_A_ROW == 2 and d.rates["primary"].value < 1.0
+    plain = d.rates["plain"].value
+    use("plain", 100.0, 10)  # a stretch of 10 tokens at 1 ms each took 100 ms: not booked
+    assert d.rates["plain"].value == plain
+    use("plain", 12.0, 10)
+    assert d.rates["plain"].value < plain
+
+
 def test_end_to_end_budgets_follow_the_cost_curve(dflash_folder):
     """A DFlash drafter under a flat verify curve drafts whole trees; under a steep one, one node."""
     target = tiny.build(tiny.CONFIGS["qwen3"])
