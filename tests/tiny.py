@@ -8,7 +8,6 @@ import copy
 
 import numpy as np
 import mlx.core as mx
-import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.utils import _get_classes
 
