@@ -22,6 +22,7 @@ import weakref
 import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .cache import (
     cache_kind,
@@ -36,7 +37,7 @@ from .cache import (
 from .draft import Layout
 from .tree import ancestors_of, depths_of
 
-__all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "capturing", "check_capture",
+__all__ = ["TreeRound", "forget_stale_traces", "install", "is_tree_module", "cached_array", "capturing", "check_capture",
            "row_bucket", "pad_keys_default", "width_step"]
 
 
@@ -325,14 +326,31 @@ def _compiled(model, capture):
 
     Plain decoding stays eager: a one-token step over whole buffers needs the mask, and on the
     H200 the masked step differs from mlx-lm's unmasked one (bench/RESULTS.md)."""
-    store = model.__dict__.setdefault("_treespec_compiled_verify",
-                                      {"fns": {}, "checked": {}, "off": None, "trusted_runs": 0})
+    store = model.__dict__.get("_treespec_compiled_verify")
+    if store is None:
+        store = model.__dict__["_treespec_compiled_verify"] = {
+            "fns": {}, "checked": {}, "off": None, "trusted_runs": 0, "weights": _weights(model)}
     if store["off"] is not None:
         return None, store
     fn = store["fns"].get(capture)
     if fn is None:
         fn = store["fns"][capture] = mx.compile(_verify_forward(model, capture))
     return fn, store
+
+
+def _weights(model):
+    """Which parameter arrays (and layer modules) a trace baked in: any update replaces them."""
+    return hash((tuple(id(v) for _, v in tree_flatten(model.parameters())),
+                 tuple(id(m) for m in getattr(model, "layers", []))))
+
+
+def forget_stale_traces(model):
+    """Drop the compiled verify's traces if the model's weights or layers changed since they were
+    made (an update, an adapter): a trace holds the arrays it was traced with. The loop calls it
+    once per generation."""
+    store = model.__dict__.get("_treespec_compiled_verify")
+    if store is not None and store["weights"] != _weights(model):
+        del model.__dict__["_treespec_compiled_verify"]
 
 
 def pad_keys_default():

@@ -272,6 +272,25 @@ def test_compiled_verify_is_the_eager_verify(targets, folders, monkeypatch):
     assert max(store["checked"].values()) == verify.CHECKS  # a shape is checked, then trusted
 
 
+def test_compiled_verify_never_runs_stale_weights(targets, folders, monkeypatch):
+    # a trace holds the weights it was traced with: after an update the next generation traces
+    # (and checks) again, so its tokens are the updated model's
+    import mlx_treespec.verify as verify
+    from mlx.utils import tree_map
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    target = tiny.build(tiny.CONFIGS["qwen3"], seed=3)
+    bound = bind_dflash(folders("qwen3"), target)
+    prompt = prompt_tokens(seed=6)
+    out, _ = speculative(target, OracleDFlash(bound, target, seed=3, budget=12), prompt)
+    assert out == plain(target, prompt) and _compiled_store(target)["trusted_runs"] > 0
+    target.update(tree_map(lambda w: w * 1.3, target.parameters()))
+    want = plain(target, prompt)
+    assert want != out  # the update changes the tokens
+    out, _ = speculative(target, OracleDFlash(bound, target, seed=3, budget=12), prompt)
+    assert out == want
+
+
 def test_compiled_verify_that_differs_from_eager_is_never_used(targets, folders, monkeypatch):
     import mlx_treespec.verify as verify
 
