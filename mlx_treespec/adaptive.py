@@ -17,8 +17,8 @@ Estimates, all of wall time (what the round costs the user, host work included):
   Plain's starts from the start-up cost fit (`costmodel.startup_costs`: measured once per target
   shape, device and MLX version and kept on disk); the others from their uses. An arm's first
   use in a generation is not booked (it pays traces and first buffers, not what a round costs),
-  nor a use over `SPIKE` times what the fit says it costs (a new shape's trace and kernels),
-  unless `SPIKES_IN_A_ROW` in a row were.
+  nor a use over `SPIKE` times what such a use costs (the start-up fit, or the arm's own
+  average: a new shape's trace and kernels), unless `SPIKES_IN_A_ROW` in a row of that arm were.
 - A DFlash round picks its tree's node budget after its block forward. Each node's draft
   probability (its best-first score: the product of its tokens' marginals) is calibrated online
   into the probability that the target accepts it (`Calibration`, by probability bin, from every
@@ -216,7 +216,7 @@ class AdaptiveDrafter:
         self.match = 0  # the host's match length this round (its rate's key)
         self.fed = 0  # tokens of the stretch under way the host drafter has seen (`watch`)
         self.warm = set()  # arms used in this generation: an arm's first use pays one-off costs
-        self.spikes = 0  # uses in a row not booked as spikes (SPIKE)
+        self.spikes = {}  # per rate: uses in a row not booked as spikes (SPIKE)
         self.last = None  # (arm, start time, nodes) of the round or stretch under way
         self.emitted = 0
         self.scores = None  # draft probability of each node of the last DFlash draft (draft order)
@@ -381,14 +381,20 @@ class AdaptiveDrafter:
         return p.as_draft(root, ids, tree, depth, B)
 
     def _expected_ms(self, arm, nodes):
-        """What the start-up fit says a use costs: a stretch its tokens' plain ms, a round its
-        verify's (and a DFlash round its measured overhead); inf without a fit."""
+        """What a use usually costs: the larger of the start-up fit's figure (a stretch its
+        tokens' plain ms, a round its verify's, a DFlash round plus its measured overhead) and
+        the arm's own average use (a draft model's rounds cost its forwards too); inf before
+        either exists."""
+        rate = self.rate(arm)
+        own = rate.ms / rate.tokens * max(self.emitted, 1) if arm == "plain" and rate.ms else rate.ms
         if self.costs is None or callable(self.costs):
-            return float("inf")
+            return own if own is not None else float("inf")
         if arm == "plain":
-            return float(self.costs[0]) * max(self.emitted, 1)
-        extra = self.overhead if arm == "primary" and self.overhead is not None else 0.0
-        return float(self.verify_ms([nodes])[0]) + extra
+            fit = float(self.costs[0]) * max(self.emitted, 1)
+        else:
+            fit = float(self.verify_ms([nodes])[0]) + (
+                self.overhead if arm == "primary" and self.overhead is not None else 0.0)
+        return max(fit, own or 0.0)
 
     def _close(self, now):
         """Book the round or stretch that just ended against its arm."""
@@ -400,10 +406,11 @@ class AdaptiveDrafter:
         if arm != "plain" and arm not in self.warm:  # traces, first buffers: not what it costs
             self.warm.add(arm)
             return
-        if ms > SPIKE * self._expected_ms(arm, nodes) and self.spikes < SPIKES_IN_A_ROW:
-            self.spikes += 1  # a new shape's trace and kernels, paid once: not what the arm costs
+        key = ("host", self.match) if arm == "host" else arm
+        if ms > SPIKE * self._expected_ms(arm, nodes) and self.spikes.get(key, 0) < SPIKES_IN_A_ROW:
+            self.spikes[key] = self.spikes.get(key, 0) + 1  # a new shape's trace and kernels, once
             return
-        self.spikes = 0
+        self.spikes[key] = 0
         self.rate(arm).add(self.emitted, ms)
         if arm == "primary" and self.blocks and self.costs is not None:
             extra = max(ms - float(self.verify_ms([nodes])[0]), 0.0)

@@ -26,7 +26,7 @@ from .spec import check_int
 from .support import require_tree_support
 from .tree import MAX_NODES, DraftTree
 from .adaptive import PlainStretch
-from .verify import TreeRound, cached_array, capturing, check_capture, forget_stale_traces
+from .verify import TreeRound, cached_array, capturing, check_capture
 from .walk import greedy_walk
 
 DEFAULT_QUANTIZED_KV_START = 5000
@@ -285,7 +285,6 @@ def tree_generate_step(
     if drafter is not None:
         check_drafter(drafter)
         require_tree_support(model)
-        forget_stale_traces(model)
         capture = tuple(getattr(drafter, "capture", ()))
         check_capture(model, capture)
     caches = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size=max_kv_size)

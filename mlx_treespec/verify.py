@@ -22,7 +22,7 @@ import weakref
 import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 
 from .cache import (
     cache_kind,
@@ -37,7 +37,7 @@ from .cache import (
 from .draft import Layout
 from .tree import ancestors_of, depths_of
 
-__all__ = ["TreeRound", "forget_stale_traces", "install", "is_tree_module", "cached_array", "capturing", "check_capture",
+__all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "capturing", "check_capture",
            "row_bucket", "pad_keys_default", "width_step"]
 
 
@@ -327,30 +327,23 @@ def _compiled(model, capture):
     Plain decoding stays eager: a one-token step over whole buffers needs the mask, and on the
     H200 the masked step differs from mlx-lm's unmasked one (bench/RESULTS.md)."""
     store = model.__dict__.get("_treespec_compiled_verify")
-    if store is None:
+    layers = _layers(model)
+    if store is None or store["layers"] != layers:  # new layer modules: trace again
         store = model.__dict__["_treespec_compiled_verify"] = {
-            "fns": {}, "checked": {}, "off": None, "trusted_runs": 0, "weights": _weights(model)}
+            "fns": {}, "checked": {}, "off": None, "trusted_runs": 0, "layers": layers}
     if store["off"] is not None:
         return None, store
     fn = store["fns"].get(capture)
     if fn is None:
-        fn = store["fns"][capture] = mx.compile(_verify_forward(model, capture))
+        # the model's arrays are inputs, read at every call: a trace never runs stale weights
+        # (an update, an in-place edit, an adapter)
+        fn = store["fns"][capture] = mx.compile(_verify_forward(model, capture), inputs=model.state)
     return fn, store
 
 
-def _weights(model):
-    """Which parameter arrays (and layer modules) a trace baked in: any update replaces them."""
-    return hash((tuple(id(v) for _, v in tree_flatten(model.parameters())),
-                 tuple(id(m) for m in getattr(model, "layers", []))))
-
-
-def forget_stale_traces(model):
-    """Drop the compiled verify's traces if the model's weights or layers changed since they were
-    made (an update, an adapter): a trace holds the arrays it was traced with. The loop calls it
-    once per generation."""
-    store = model.__dict__.get("_treespec_compiled_verify")
-    if store is not None and store["weights"] != _weights(model):
-        del model.__dict__["_treespec_compiled_verify"]
+def _layers(model):
+    """The layer modules a trace called (replacing one needs a new trace)."""
+    return tuple(id(m) for m in getattr(model, "layers", []))
 
 
 def pad_keys_default():
@@ -653,21 +646,29 @@ class TreeRound:
     def _run_compiled(self, tokens, positions, n):
         """The forward through `_compiled`. A shape's first `CHECKS` calls also run the
         eager forward and must equal it bitwise (else the model runs eagerly from then on, and
-        the round uses the eager result); the model's cache offset read outside RoPE or a
-        windowed mask stops the trace the same way. Returns None where the eager path runs."""
+        the round uses the eager result); the model's cache offset read outside RoPE, a
+        windowed mask or an array evaluated inside the forward stops the trace the same way
+        (any other error propagates). Returns None where the eager path runs."""
         fn, store = _compiled(self.model, self.capture)
         if fn is None:
             return None
         mask = self._append_mask(None)
         offset = self.caches[0].offset
         start = cached_array(np.array([offset], np.int32))
-        shape = (tokens.shape[0], mask.shape[1], self.capture)
+        shape = (tokens.shape[0], tokens.dtype, mask.shape[1], mask.dtype, self.caches[0].keys.dtype, self.capture)
+        # a trace that raises leaves its placeholders in the model's arrays (they are the
+        # function's inputs): the first call of a shape, the one that traces, keeps them
+        saved = tree_flatten(self.model.parameters()) if shape not in store["checked"] else None
         try:
             out, hidden, keys, values = fn(tokens, positions, mask, start, [c.keys for c in self.caches],
                                            [c.values for c in self.caches])
-        except Exception as e:  # noqa: BLE001 - any failure to trace leaves the eager forward
-            store["off"] = f"{type(e).__name__}: {e}"
-            return None
+        except BaseException as e:
+            if saved is not None:
+                self.model.update(tree_unflatten(saved))
+            if isinstance(e, _NotCompilable) or (isinstance(e, ValueError) and "transformation" in str(e)):
+                store["off"] = f"{type(e).__name__}: {e}"  # the model reads or evaluates in its forward
+                return None
+            raise  # a real error: the round aborts as an eager one would
         hidden = hidden[0][:n] if hidden else None
         checked = store["checked"].get(shape, 0)
         if checked < CHECKS:

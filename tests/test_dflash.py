@@ -289,6 +289,37 @@ def test_compiled_verify_never_runs_stale_weights(targets, folders, monkeypatch)
     assert want != out  # the update changes the tokens
     out, _ = speculative(target, OracleDFlash(bound, target, seed=3, budget=12), prompt)
     assert out == want
+    w = target.model.layers[0].mlp.down_proj.weight
+    w[...] = w * 1.5  # in place: the same array object
+    want = plain(target, prompt)
+    assert want != out
+    out, _ = speculative(target, OracleDFlash(bound, target, seed=3, budget=12), prompt)
+    assert out == want and _compiled_store(target)["trusted_runs"] > 0
+
+
+def test_an_error_inside_the_compiled_verify_is_raised_not_hidden(targets, folders, monkeypatch):
+    # only what stops a trace (an offset read, an array evaluated) sends a round to the eager
+    # path; any other error propagates and the round lands nowhere
+    import mlx_lm.models.qwen3 as qwen3
+    import mlx_treespec.verify as verify
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    real = qwen3.Attention.__call__
+
+    def breaks_when_traced(self, x, mask=None, cache=None):
+        if isinstance(cache, verify._TracedAppend):
+            raise RuntimeError("a fault inside the model")
+        return real(self, x, mask=mask, cache=cache)
+
+    monkeypatch.setattr(qwen3.Attention, "__call__", breaks_when_traced)
+    target = targets("qwen3")
+    target.__dict__.pop("_treespec_compiled_verify", None)
+    bound = bind_dflash(folders("qwen3"), target)
+    want = plain(target, prompt_tokens(seed=6))
+    with pytest.raises(RuntimeError, match="a fault inside the model"):
+        speculative(target, OracleDFlash(bound, target, seed=3, budget=12), prompt_tokens(seed=6))
+    assert plain(target, prompt_tokens(seed=6)) == want  # the failed trace left no placeholder behind
+    target.__dict__.pop("_treespec_compiled_verify", None)
 
 
 def test_compiled_verify_that_differs_from_eager_is_never_used(targets, folders, monkeypatch):
