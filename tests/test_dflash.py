@@ -253,6 +253,17 @@ def _compiled_store(target):
     return target.__dict__.get("_treespec_compiled_verify")
 
 
+def _runs_eagerly_because(target, folders, reason):
+    """A DDTree generation's tokens are plain decoding's, every round eager for `reason`."""
+    bound = bind_dflash(folders("qwen3"), target)
+    prompt = prompt_tokens(seed=6)
+    out, _ = speculative(target, OracleDFlash(bound, target, seed=3, budget=12), prompt)
+    assert out == plain(target, prompt)
+    store = _compiled_store(target)
+    assert reason in store["off"] and store["trusted_runs"] == 0
+    target.__dict__.pop("_treespec_compiled_verify", None)
+
+
 def test_compiled_verify_is_the_eager_verify(targets, folders, monkeypatch):
     # the GPU path's verify runs as one compiled function; each shape's first CHECKS calls are
     # checked bitwise against the eager forward, and then it is trusted: tokens stay plain
@@ -342,13 +353,7 @@ def test_compiled_verify_that_differs_from_eager_is_never_used(targets, folders,
         return wrong, store
 
     monkeypatch.setattr(verify, "_compiled", off_by_a_little)
-    bound = bind_dflash(folders("qwen3"), target)
-    prompt = prompt_tokens(seed=6)
-    out, _ = speculative(target, OracleDFlash(bound, target, seed=3, budget=31), prompt)
-    assert out == plain(target, prompt)
-    store = _compiled_store(target)
-    assert "differs" in store["off"] and store["trusted_runs"] == 0
-    target.__dict__.pop("_treespec_compiled_verify", None)
+    _runs_eagerly_because(target, folders, "differs")
 
 
 def test_compiled_verify_steps_aside_where_the_model_reads_its_offset(targets, folders, monkeypatch):
@@ -367,13 +372,7 @@ def test_compiled_verify_steps_aside_where_the_model_reads_its_offset(targets, f
     monkeypatch.setattr(qwen3.Attention, "__call__", reads_offset)
     target = targets("qwen3")
     target.__dict__.pop("_treespec_compiled_verify", None)
-    bound = bind_dflash(folders("qwen3"), target)
-    prompt = prompt_tokens(seed=6)
-    out, _ = speculative(target, OracleDFlash(bound, target, seed=3, budget=12), prompt)
-    assert out == plain(target, prompt)
-    store = _compiled_store(target)
-    assert "offset" in store["off"] and store["trusted_runs"] == 0
-    target.__dict__.pop("_treespec_compiled_verify", None)
+    _runs_eagerly_because(target, folders, "offset")
 
 
 def paths(parents, tokens):
