@@ -7,6 +7,7 @@
 #            (PROJ="dflash eagle3 mtp" picks which)
 #   long     tree verify vs causal forward at 1k/8k/32k context: qwen3-8B shape (bf16, 4-bit), demo target
 #   gdn      GatedDeltaNet tree kernel (CUDA twin) vs the ops reference
+#   queued   demo target: DFlash chains queued ahead vs the same chains through the round loop (/sync)
 #   pieces   a DDTree round's pieces on the demo target, eager vs compiled verify, plain loops
 #   adaptive the default (adaptive DFlash + lookup) vs plain and the fixed arms, demo target and
 #            hybrid, on unseen text and the repetitive editing workload
@@ -43,6 +44,9 @@ for section in "$@"; do
               --arms plain,auto:dflash,dflash:15,ddtree:31,lookup:16:8 \
               --prompts ${ADAPTIVE_PROMPTS:-unseen,editing} --n $N --max-tokens $TOKENS --seconds ${ADAPTIVE_SECONDS:-170} --out "$OUT/adaptive_$t"
           done ;;
+    queued) timeout ${QUEUED_TIMEOUT:-260} python3 bench/run.py loop --section queued --target demo \
+              ${DFLASH:+--dflash $DFLASH} --arms plain,dflash:15,dflash:15/sync,dflash:7,dflash:7/sync,ddtree:31 \
+              --prompts unseen,heldout --n $N --max-tokens $TOKENS --seconds ${QUEUED_SECONDS:-200} --out "$OUT/queued" ;;
     pieces) timeout 120 python3 bench/run.py pieces --target demo --history 300 --repeats 30 --out "$OUT/pieces" ;;
     gdn) timeout 150 python3 bench/gdn_kernel_bench.py --out "$OUT/gdn.json" 2>&1 | tee "$OUT/gdn.md" ;;
   esac

@@ -103,6 +103,7 @@ class Arms:
             k = int(arm.split(":")[1])
             return lambda p, n: _timed(t for t, _, _ in speculative_generate_step(
                 mx.array(p), self.target, self.draft_model(), num_draft_tokens=k, max_tokens=n))
+        arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
         spec = DraftSpec.parse(arm)
         source = {"model": self.draft_model, "dflash": self.dflash, "mtp": lambda: self.head("mtp"),
                   "eagle3": lambda: self.head("eagle3")}.get(spec.drafter)
@@ -110,7 +111,22 @@ class Arms:
         # from the target's start-up costs, measured at the warm-up and then read from disk)
         make = (lambda: spec.build(source(), target=self.target)) if source else \
             (lambda: spec.build(None, target=self.target))
+        if unqueued:  # "ARM/sync": the same drafter through the round loop (one host sync a round)
+            build = make
+            make = lambda: Unqueued(build())  # noqa: E731
         return lambda p, n: generate_once(self.target, make(), p, n)
+
+
+class Unqueued:
+    """A drafter whose chains are not queued ahead (mlx_treespec/queued.py): the A/B arm."""
+
+    ahead = None
+
+    def __init__(self, drafter):
+        self.drafter = drafter
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
 
 
 def _timed(gen):

@@ -5,8 +5,10 @@ so the same input gives the same bytes on any machine).
 
 HEADS_DIR holds what bench/train_heads.py exported (float16, published layouts): dflash_target,
 dflash_hybrid (DFlash folders), eagle3_target (SafeAILab EAGLE-3 folder), mtp_post / mtp_pre
-(model-mtp.safetensors + mtp.json). Written: demo/dflash, demo/hybrid_dflash, demo/eagle3, and
-the chosen MTP head into demo/hybrid (model-mtp.safetensors; mlx-lm's loader drops mtp.*).
+(model-mtp.safetensors + mtp.json), drafter (the mlx-lm folder bench/train_demo_pair.py exported).
+Written: demo/dflash, demo/hybrid_dflash, demo/eagle3, the chosen MTP head into demo/hybrid
+(model-mtp.safetensors; mlx-lm's loader drops mtp.*), and demo/drafter (8-bit, mlx-lm's
+`quantization` config entry, so `mlx_lm.load` opens it as before).
 A drafter's numerics never change an emitted token (the target verifies every one), so
 quantizing costs acceptance only; bench/DEMO_PAIR.md records what it cost.
 """
@@ -91,6 +93,26 @@ def ship_mtp(src, hybrid_folder, bits, group_size):
     return (Path(hybrid_folder) / "model-mtp.safetensors").stat().st_size
 
 
+DRAFTER_BITS = 8  # 8 bits keep the drafter's greedy tokens (tests/test_demo_pair.py); 4 do not
+
+
+def ship_drafter(src, dst, group_size):
+    """The draft model, an mlx-lm folder, quantized in place of its float16 weights."""
+    from mlx_lm import load
+    from mlx_lm.utils import quantize_model
+
+    model = load(str(src))[0]
+    config = json.loads((Path(src) / "config.json").read_text())
+    model, config = quantize_model(model, config, group_size=group_size, bits=DRAFTER_BITS)
+    config.pop("quantization_config", None)  # the same entry twice; mlx-lm reads `quantization`
+    mx.eval(model.parameters())
+    size = _write(dst, dict(tree_flatten(model.parameters())), config, src)
+    for f in Path(src).glob("tokenizer*"):
+        if not (dst / f.name).exists():
+            shutil.copy(f, dst / f.name)
+    return size
+
+
 def digest(folder):
     import hashlib
 
@@ -130,6 +152,9 @@ def main(argv=None):
         if (src / args.mtp).is_dir() and (not only or args.mtp in only):
             size = ship_mtp(src / args.mtp, to / "hybrid", args.bits, args.group_size)
             print(f"{args.mtp} -> {to / 'hybrid'}/model-mtp.safetensors: {size / 1e6:.2f} MB")
+        if (src / "drafter").is_dir() and (not only or "drafter" in only) and src / "drafter" != to / "drafter":
+            size = ship_drafter(src / "drafter", to / "drafter", args.group_size)
+            print(f"drafter -> {to / 'drafter'}: {size / 1e6:.2f} MB {digest(to / 'drafter')}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from .spec import check_int
 from .support import require_tree_support
 from .tree import MAX_NODES, DraftTree
 from .adaptive import PlainStretch
+from .queued import can_queue, queued_rounds
 from .verify import TreeRound, cached_array, capturing, check_capture
 from .walk import greedy_walk
 
@@ -305,6 +306,15 @@ def tree_generate_step(
     if drafter is None:
         yield from _plain_decode(model, caches, prompt[-1], max_tokens, choose, quantize, stop_tokens,
                                  stats, settle=prompt_cache is not None)
+        return
+    if can_queue(drafter, caches, choose.greedy, kv_bits):  # chains with no host sync per round
+        def land(token):
+            if prompt_cache is not None:
+                _forward(model, caches, mx.array([token], mx.uint32), quantize)
+                mx.eval([c.state for c in caches])
+
+        yield from queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, stop_tokens,
+                                 stats, land)
         return
     yield from _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose, quantize,
                        stop_tokens, stats, kv_bits, quantized_kv_start, settle=prompt_cache is not None)

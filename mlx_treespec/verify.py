@@ -38,7 +38,8 @@ from .draft import Layout
 from .tree import ancestors_of, depths_of
 
 __all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "capturing", "check_capture",
-           "row_bucket", "pad_keys_default", "width_step"]
+           "row_bucket", "pad_keys_default", "width_step", "compiled_forward", "whole_buffer_forward",
+           "reserve", "grown"]
 
 
 class _Context:
@@ -300,7 +301,7 @@ class _TracedAppend:
 CHECKS = 2  # compiled calls per shape checked bitwise against the eager forward before trusted
 
 
-def _verify_forward(model, capture):
+def whole_buffer_forward(model, capture):
     """A tree forward over whole KV buffers: tokens [T], positions [T], the round's additive
     mask [T, W], the write offset start [1] and each layer's buffers in; logits [T, V], the
     captured rows and the new buffers out."""
@@ -320,7 +321,7 @@ def _verify_forward(model, capture):
 
 
 def _compiled(model, capture):
-    """The model's whole-buffer tree forward (`_verify_forward`) as one `mx.compile`d function,
+    """The model's whole-buffer tree forward (`whole_buffer_forward`) as one `mx.compile`d function,
     traced once per shape, and its record (shapes checked, whether it is off and why). A round
     then spends no Python per op and elementwise ops fuse. Kept on the model.
 
@@ -337,8 +338,47 @@ def _compiled(model, capture):
     if fn is None:
         # the model's arrays are inputs, read at every call: a trace never runs stale weights
         # (an update, an in-place edit, an adapter)
-        fn = store["fns"][capture] = mx.compile(_verify_forward(model, capture), inputs=model.state)
+        fn = store["fns"][capture] = mx.compile(whole_buffer_forward(model, capture), inputs=model.state)
     return fn, store
+
+
+def compiled_forward(model, capture, n, args, reference):
+    """`whole_buffer_forward` through `_compiled` on args (tokens, positions, mask, start, keys,
+    values). A shape's first `CHECKS` calls also run `reference()` (the eager forward: logits,
+    the first n captured rows, ...) and must equal it bitwise, else the model runs eagerly from
+    then on. The model's cache offset read outside RoPE, a windowed mask or an array evaluated
+    inside the forward stops the trace the same way (any other error propagates).
+
+    Returns (result, trusted): the compiled (logits, rows, keys, values) with trusted True, or
+    the reference's result with False; None where the eager path runs."""
+    fn, store = _compiled(model, capture)
+    if fn is None:
+        return None
+    tokens, _, mask, _, keys, _ = args
+    shape = (tokens.shape[0], tokens.dtype, mask.shape[1], mask.dtype, keys[0].dtype, capture)
+    # a trace that raises leaves its placeholders in the model's arrays (they are the
+    # function's inputs): the first call of a shape, the one that traces, keeps them
+    saved = tree_flatten(model.parameters()) if shape not in store["checked"] else None
+    try:
+        out, hidden, keys, values = fn(*args)
+    except BaseException as e:
+        if saved is not None:
+            model.update(tree_unflatten(saved))
+        if isinstance(e, _NotCompilable) or (isinstance(e, ValueError) and "transformation" in str(e)):
+            store["off"] = f"{type(e).__name__}: {e}"  # the model reads or evaluates in its forward
+            return None
+        raise  # a real error: the round aborts as an eager one would
+    hidden = hidden[0][:n] if hidden else None
+    checked = store["checked"].get(shape, 0)
+    if checked < CHECKS:
+        ref = reference()
+        same = mx.array_equal(out, ref[0]).item() and (hidden is None or mx.array_equal(hidden, ref[1]).item())
+        if not same:
+            store["off"] = "the compiled forward differs from the eager one"
+        store["checked"][shape] = checked + 1
+        return ref, False
+    store["trusted_runs"] += 1
+    return (out, hidden, keys, values), True
 
 
 def _layers(model):
@@ -362,21 +402,26 @@ def width_step():
     return 1024 if pad_keys_default() else 256
 
 
-def _reserve(cache, n):
+def reserve(cache, n):
     """Room in a KVCache's buffer for n more tokens, leaving its offset; returns the buffer
     length, or None where it cannot be known ahead (empty or quantized caches). The buffer
     is made a multiple of `width_step()` rows (also the one a prefill left: mlx-lm sizes it
     by the prompt, and every prompt length would be a new width)."""
     if type(cache).__name__ != "KVCache" or cache.keys is None:
         return None
-    width, step = cache.keys.shape[2], width_step()
-    if cache.offset + n > width or width % step:
-        grow = -(-max(cache.offset + n, width) // step) * step - width
-        B, H, _, Dk = cache.keys.shape
-        cache.keys = mx.concatenate([cache.keys, mx.zeros((B, H, grow, Dk), cache.keys.dtype)], axis=2)
-        cache.values = mx.concatenate([cache.values, mx.zeros((B, H, grow, cache.values.shape[3]),
-                                                              cache.values.dtype)], axis=2)
+    cache.keys, cache.values = grown(cache.keys, cache.offset + n), grown(cache.values, cache.offset + n)
     return cache.keys.shape[2]
+
+
+def grown(buffer, rows):
+    """A K/V buffer [B, H, width, D] with room for `rows` rows, its width a multiple of
+    `width_step()` (the same array where it is one already)."""
+    width, step = buffer.shape[2], width_step()
+    if rows <= width and width % step == 0:
+        return buffer
+    B, H, _, D = buffer.shape
+    more = -(-max(rows, width) // step) * step - width
+    return mx.concatenate([buffer, mx.zeros((B, H, more, D), buffer.dtype)], axis=2)
 
 
 def row_bucket(n):
@@ -601,7 +646,7 @@ class TreeRound:
             # Whole buffers, and (attention-only models) a power-of-two row count: the shapes a
             # GPU kernel meets repeat, so drafts of varying size never pay for a new plan.
             total = row_bucket(n) if self.all_append else n
-            widths = {_reserve(c, total) for c, k in zip(self.caches, self.kinds) if k == "append"}
+            widths = {reserve(c, total) for c, k in zip(self.caches, self.kinds) if k == "append"}
             self.width = widths.pop() if len(widths) == 1 else None
             if self.width is not None and self.all_append:
                 self._pad = total - n
@@ -644,49 +689,26 @@ class TreeRound:
             type(c).__name__ == "KVCache" and c.keys is not None for c in self.caches)
 
     def _run_compiled(self, tokens, positions, n):
-        """The forward through `_compiled`. A shape's first `CHECKS` calls also run the
-        eager forward and must equal it bitwise (else the model runs eagerly from then on, and
-        the round uses the eager result); the model's cache offset read outside RoPE, a
-        windowed mask or an array evaluated inside the forward stops the trace the same way
-        (any other error propagates). Returns None where the eager path runs."""
-        fn, store = _compiled(self.model, self.capture)
-        if fn is None:
-            return None
+        """The forward through `compiled_forward` (checked against this round's eager forward);
+        returns None where the eager path runs."""
         mask = self._append_mask(None)
         offset = self.caches[0].offset
         start = cached_array(np.array([offset], np.int32))
-        shape = (tokens.shape[0], tokens.dtype, mask.shape[1], mask.dtype, self.caches[0].keys.dtype, self.capture)
-        # a trace that raises leaves its placeholders in the model's arrays (they are the
-        # function's inputs): the first call of a shape, the one that traces, keeps them
-        saved = tree_flatten(self.model.parameters()) if shape not in store["checked"] else None
-        try:
-            out, hidden, keys, values = fn(tokens, positions, mask, start, [c.keys for c in self.caches],
-                                           [c.values for c in self.caches])
-        except BaseException as e:
-            if saved is not None:
-                self.model.update(tree_unflatten(saved))
-            if isinstance(e, _NotCompilable) or (isinstance(e, ValueError) and "transformation" in str(e)):
-                store["off"] = f"{type(e).__name__}: {e}"  # the model reads or evaluates in its forward
-                return None
-            raise  # a real error: the round aborts as an eager one would
-        hidden = hidden[0][:n] if hidden else None
-        checked = store["checked"].get(shape, 0)
-        if checked < CHECKS:
-            ref = self._run_eager(tokens, positions, n)
-            same = mx.array_equal(out, ref).item() and (
-                hidden is None or mx.array_equal(hidden, self.hidden).item())
-            if not same:
-                store["off"] = "the compiled forward differs from the eager one"
-            store["checked"][shape] = checked + 1
-            return ref
+        res = compiled_forward(self.model, self.capture, n, (
+            tokens, positions, mask, start, [c.keys for c in self.caches], [c.values for c in self.caches]),
+            lambda: (self._run_eager(tokens, positions, n), self.hidden))
+        if res is None:
+            return None
+        (out, hidden, *bufs), trusted = res
+        if not trusted:  # the eager forward ran (and wrote the caches)
+            return out
         for i, c in enumerate(self.caches):
-            c.keys, c.values = keys[i], values[i]
+            c.keys, c.values = bufs[0][i], bufs[1][i]
             c.offset = offset + tokens.shape[0]
             # abort puts back the offset; rows before it are the same in the new buffers, and the
             # old ones are left to the graph alone
-            self._before[i]["keys"], self._before[i]["values"] = keys[i], values[i]
+            self._before[i]["keys"], self._before[i]["values"] = c.keys, c.values
         self.hidden = hidden
-        store["trusted_runs"] += 1
         return out
 
     def _append_mask(self, window):

@@ -409,3 +409,71 @@ def test_loader_errors_name_the_fix(tmp_path, targets, folders):
         make_drafter(folders("qwen3"), drafter="dflash", target=target, draft_block_size=3, tree_budget=8)
     with pytest.raises(ValueError, match="--tree-topk"):
         make_drafter(folders("qwen3"), drafter="dflash", target=target, tree_topk=3)
+
+
+class QueuedOracle(OracleDFlash):
+    """OracleDFlash for rounds queued ahead: the chain is the target's own greedy continuation
+    at some positions, the drafter's device chain elsewhere (its forward and context writes
+    run every round). It reads the device values it is handed (a test may sync)."""
+
+    def chain_ahead(self, root, rows, count):
+        real = np.array(DFlashDrafter.chain_ahead(self, root, rows, count)).tolist()
+        if rows is not None:  # the last round's accepted drafts, then its target token (root)
+            self.text += self.last[: count.item() - 1] + [int(np.array(root)[0])]
+        cache = make_prompt_cache(self.target)
+        out = self.target(mx.array(self.text)[None], cache=cache)[0, -1]
+        self.last = []
+        for r in real:
+            t = int(mx.argmax(out))
+            self.last.append(t if self.rng.random() < 0.8 else r)
+            out = self.target(mx.array([[t]]), cache=cache)[0, -1]
+        return mx.array(self.last, mx.uint32)
+
+
+@pytest.fixture
+def gpu_path(monkeypatch):
+    """The GPU's whole-buffer verify (where rounds are queued ahead), on CPU."""
+    import mlx_treespec.verify as verify
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+
+
+@pytest.mark.parametrize("family,n", [("qwen3", 12), ("qwen3", 1000), ("llama", 12), ("phi3", 12),
+                                      ("qwen3_moe", 12)])
+def test_queued_chain_rounds_are_plain_decoding(targets, folders, gpu_path, family, n):
+    # chains on the GPU path run queued ahead (walk and commit on the device, no host sync
+    # between rounds): the tokens are plain decoding's, with real acceptance; a 1000-token
+    # prompt grows the buffers (width 1024) inside the generation
+    target = targets(family)
+    prompt = prompt_tokens(5, n=n)
+    d = QueuedOracle(bind_dflash(folders(family), target), target, topk=1, depth=7)
+    out, stats = speculative(target, d, prompt)
+    assert out == plain(target, prompt)
+    assert d._queued is not None, "the rounds did not run queued"
+    assert sum(stats.accepted) > 0 and any(a < 7 for a in stats.accepted)
+
+
+@pytest.mark.parametrize("end", ["cut after 1", "cut after 5", "max_tokens 13", "stop token"])
+def test_queued_rounds_end_with_prompt_plus_delivered(targets, folders, gpu_path, end):
+    # stopping is decided on the host a round late: the round queued past the end leaves no
+    # trace, and a prompt cache holds the prompt and every delivered token (mlx-lm's rule)
+    from test_reliability import check_cache_holds
+
+    target = targets("qwen3")
+    prompt = prompt_tokens(7)
+    ref = plain(target, prompt)
+    kw = dict(max_tokens=13) if end == "max_tokens 13" else dict(max_tokens=N)
+    if end == "stop token":
+        kw["stop_tokens"] = [ref[9]]
+    cache = make_prompt_cache(target)
+    d = QueuedOracle(bind_dflash(folders("qwen3"), target), target, seed=1, topk=1, depth=7)
+    steps = tree_generate_step(prompt, target, d, prompt_cache=cache, **kw)
+    got = []
+    for t, _, _ in steps:
+        got.append(t)
+        if end.startswith("cut") and len(got) == int(end.split()[-1]):
+            break
+    steps.close()
+    want = {"max_tokens 13": ref[:13], "stop token": ref[: ref.index(ref[9]) + 1]}.get(end, ref[: len(got)])
+    assert got == want and d._queued is not None
+    check_cache_holds(target, cache, prompt, got, {})

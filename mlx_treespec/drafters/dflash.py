@@ -267,6 +267,7 @@ class DFlashDrafter:
         self.keys = self.values = None  # per layer [1, n_kv, cap, d]
         self.length = 0  # context rows held (= the position of the next root)
         self.pending = None  # context features not yet projected [n, n*H]
+        self._queued = None  # rounds queued ahead: (context rows on the device, a host bound on them)
 
     def _room(self, rows):
         """Grow every layer's buffers (a multiple of `width_step()`: each width is a trace of
@@ -387,6 +388,35 @@ class DFlashDrafter:
                          budget=depth, depth=depth, forwards=self.forwards)
         ids, top = self.ranked(root, depth)
         return self.as_draft(root, ids, best_first_tree(0, top, self.budget), depth, self.budget)
+
+    @property
+    def ahead(self):
+        """`chain_ahead` where this drafter drafts chains (rounds queued ahead: queued.py)."""
+        return self.chain_ahead if self.topk == 1 else None
+
+    def chain_ahead(self, root, rows, count):
+        """A chain drafted from device values alone, so the host never waits: `root` (mx
+        uint32 [1]), `rows` the captured target rows of the previous verify (root first, at
+        most B; None in the first round) of which the first `count` (mx int32) were accepted
+        and are context now. Returns the chain, mx uint32 [depth]."""
+        m, B = self.bound.model, self.block
+        if self._queued is None:
+            self._queued = (mx.array(self.length, mx.int32), self.length)
+        L0, bound = self._queued  # the context rows, and at most how many: room for this block
+        self._room(bound + 2 * B)
+        width = len(m.target_layer_ids) * m.config["hidden_size"]
+        dtype = m.hidden_norm.weight.dtype
+        if rows is None:
+            feats, count = mx.zeros((B, width), dtype), mx.array(0, mx.int32)
+        else:  # rows past `count` are written after the context, hidden by the mask, overwritten
+            feats = rows.astype(dtype)
+            if feats.shape[0] < B:
+                feats = mx.concatenate([feats, mx.zeros((B - feats.shape[0], width), dtype)])
+        logits, self.keys, self.values = self._forward(feats, root.reshape(1).astype(mx.uint32), L0,
+                                                       count, self.keys, self.values)
+        self._queued = (L0 + count, bound + (0 if rows is None else rows.shape[0]))
+        self.forwards = 1
+        return mx.argmax(logits[1 : self.depth + 1], axis=-1).astype(mx.uint32)
 
     def ranked(self, root, depth):
         """One block forward; each of the first `depth` positions' best candidates on the host:

@@ -1,0 +1,120 @@
+"""Rounds queued ahead: chain rounds with no host sync between them.
+
+The round loop (loop.py) syncs once a round: the host walks what the target verified and only
+then builds the next round, so the device idles while Python works and Python idles while the
+device does. A chain drafted from device values alone (a drafter's `ahead`: DFlash's chain)
+needs nothing of the host: the walk is a prefix match (`cumprod(chain == the target's
+choices)`), the commit moves a device offset (a chain's accepted rows are a prefix of the
+verify's), and the next draft reads the verify's captured rows with the accepted count as a
+device scalar. So round r + 1 is queued before the host reads round r's tokens, as mlx-lm's
+generate_step queues the next token before it reads this one.
+
+Exact as the loop's rounds: the verify is the same whole-buffer forward
+(`verify.compiled_forward`, checked bitwise against its eager twin); rows past the committed
+offset are masked and overwritten by the next round. Stopping (the tokens left, a stop token,
+the consumer) is decided on the host one round late: the round queued past the end writes only
+rows past the committed offset, so the caches end as if it never ran.
+
+Where it runs (`can_queue`): greedy decoding, plain KV caches (not quantized, not rotating, no
+recurrent layers), whole-buffer attention (GPUs: `verify.pad_keys_default`), a drafter with
+`ahead`. Elsewhere the round loop runs.
+"""
+import time
+
+import numpy as np
+import mlx.core as mx
+
+from . import verify
+from .verify import compiled_forward, grown, whole_buffer_forward
+
+__all__ = ["can_queue", "queued_rounds"]
+
+
+def can_queue(drafter, caches, greedy, kv_bits):
+    """Whether a generation's rounds may be queued ahead (see the module docstring)."""
+    return (getattr(drafter, "ahead", None) is not None and greedy and kv_bits is None
+            and verify.pad_keys_default() and bool(caches)
+            and all(type(c).__name__ == "KVCache" and c.keys is not None for c in caches))
+
+
+def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, stop_tokens, stats, land):
+    """Yields (token, logprobs, from_draft) as loop.tree_generate_step. `land(token)` forwards
+    a delivered token the caches do not hold (the prompt cache's rule)."""
+    verify.install(model)  # per-token RoPE positions
+    drafter.prefill(prompt, hidden)
+    ahead, eager = drafter.ahead, whole_buffer_forward(model, capture)
+    keys, values = [c.keys for c in caches], [c.values for c in caches]
+    start, root = caches[0].offset, prompt[-1]  # host: rows the caches hold, the pending token
+    bound = start  # the most rows a queued round may have committed
+
+    def queue(dev_root, rows, count, dev_start):
+        """One round on the device: draft, verify, walk, commit."""
+        nonlocal keys, values, bound
+        chain = ahead(dev_root, rows, count)                                                  # draft
+        tokens = mx.concatenate([dev_root, chain])
+        T = tokens.shape[0]
+        if bound + T > keys[0].shape[2]:  # room for this round's rows, in width_step() steps
+            keys = [grown(k, bound + T) for k in keys]
+            values = [grown(v, bound + T) for v in values]
+        positions = dev_start + mx.arange(T, dtype=mx.int32)
+        low = mx.array(mx.finfo(keys[0].dtype).min, keys[0].dtype)
+        mask = mx.where(mx.arange(keys[0].shape[2])[None] <= positions[:, None],
+                        mx.array(0, keys[0].dtype), low)  # history and the chain before each row
+        args = (tokens, positions, mask, dev_start.reshape(1), keys, values)
+
+        def reference():
+            out, h, k, v = eager(*args)
+            return out, (h[0][:T] if h else None), k, v
+
+        res = compiled_forward(model, capture, T, args, reference)                            # verify
+        logits, rows, keys, values = reference() if res is None else res[0]
+        choice = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        count = mx.sum(mx.cumprod((chain == choice[:-1]).astype(mx.int32))) + 1               # walk
+        bound += T
+        # commit: the root and the accepted chain are the rows before dev_start + count
+        return (choice[count - 1].reshape(1), rows, count, dev_start + count), (logits, choice, count)
+
+    nxt, out = queue(mx.array([root], mx.uint32), None, None, mx.array(start, mx.int32))
+    mx.async_eval(out[1], out[2])
+    n, delivered, accepted = 0, 0, 0
+    tic = time.perf_counter()
+    try:
+        while True:
+            logits, choice, count = out
+            nxt, out = queue(*nxt)  # round r + 1, queued before round r is read
+            mx.async_eval(out[1], out[2])
+            ts = time.perf_counter()
+            accepted = count.item() - 1
+            emitted = np.array(choice)[: accepted + 1].tolist()
+            toc = time.perf_counter()
+            if max_tokens >= 0:
+                emitted = emitted[: max_tokens - n]
+            for i, t in enumerate(emitted):
+                if t in stop_tokens:
+                    emitted = emitted[: i + 1]
+                    break
+            stats.record(accepted=accepted, emitted=len(emitted), nodes=int(choice.shape[0]),
+                         depth=int(choice.shape[0]) - 1, held=0, budget=int(choice.shape[0]) - 1,
+                         requested_depth=int(choice.shape[0]) - 1, draft_ms=0.0,
+                         verify_ms=1e3 * (toc - tic), round_ms=1e3 * (toc - tic),
+                         sync_ms=1e3 * (toc - ts), walk_ms=0.0, draft_forwards=1)
+            tic = toc
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            delivered = 0
+            for i, t in enumerate(emitted):
+                delivered = i + 1
+                yield t, logprobs[i], i < accepted
+            n += len(emitted)
+            if len(emitted) < accepted + 1 or emitted[-1] in stop_tokens or n == max_tokens:
+                break
+            start, root, delivered = start + accepted + 1, emitted[-1], -1  # round r is whole
+    finally:
+        # the caches: every row a delivered token needs; rows queued past them are dead
+        if delivered > 0:
+            kept = min(delivered, accepted)  # accepted drafts delivered are in the rows
+            pending = None if delivered <= accepted else emitted[accepted]
+            start, root = start + kept + 1, pending
+        for c, k, v in zip(caches, keys, values):
+            c.keys, c.values, c.offset = k, v, start
+        if root is not None:
+            land(root)
