@@ -136,6 +136,11 @@ class Drafter(Protocol):
     concatenated outputs of those layers (mx [rows, len(capture) * hidden size]), to
     `prefill(prompt, hidden)` (one row per prompt token but the last) and to
     `commit(draft, path, emitted, hidden)` (one row per path node, the root first).
+
+    A chain drafter that drafts from device values alone may offer `ahead` (None otherwise):
+    `ahead(root, rows, count) -> chain` (mx uint32 [1], the last verify's captured rows or None,
+    mx int32 rows accepted -> mx uint32 [depth]); the loop then queues rounds ahead
+    (queued.py) where it can.
     """
 
     def prefill(self, prompt: Sequence[int]) -> None: ...

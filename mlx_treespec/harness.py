@@ -93,6 +93,10 @@ def record(prompt_index, order, prompt, out, stats, decode_s):
                drafted_nodes=drafted, accepted=int(sum(stats.accepted)),
                acceptance=(sum(stats.accepted) / drafted) if drafted else None)
     rec.update(s)
+    if stats.round_ms:  # where a run's time went when one round stalls (a trace, a new kernel)
+        i = int(np.argmax(stats.round_ms))
+        rec["slowest_round"] = dict(index=i, ms=stats.round_ms[i], nodes=stats.nodes[i], held=stats.held[i],
+                                    drafter=stats.drafter[i] if i < len(stats.drafter) else "")
     return rec
 
 

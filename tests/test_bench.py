@@ -37,6 +37,8 @@ def test_loop_section_tiny(tmp_path):
             assert r["identical"] == "2/2" and all(d is None for d in r["first_divergence"]), name
         assert rows["mlx-plain"]["x_plain"]["median"] == 1.0
         assert 0.9 <= rows["ddtree:12"]["draft_forwards"]["median"] <= 1.0  # one a round (none in a last, empty one)
+        run0 = rows["ddtree:12"]["runs"][0]  # the slowest round: at least the mean, and one of the run's
+        assert run0["slowest_round"]["ms"] >= run0["round_ms"] and 0 <= run0["slowest_round"]["index"] < run0["rounds"]
     assert (tmp_path / "loop.md").read_text().startswith("# loop: demo")
 
 
