@@ -62,6 +62,9 @@ MATCHES = 4  # host match lengths told apart (longer ones count as this)
 # trace, new kernels: on the H200 such a round costs several times a usual one) and is not
 # booked, unless SPIKES_IN_A_ROW uses in a row did: then that is what the arm costs
 SPIKE, SPIKES_IN_A_ROW = 4.0, 2
+# Rounds queued ahead (queued.py): the first QUEUED_WARM pay traces and checks and are not booked;
+# after QUEUED_MIN booked rounds whose rate is below plain decoding's, the adaptive rounds take over
+QUEUED_WARM, QUEUED_MIN = 3, 8
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,7 @@ class AdaptiveDrafter:
         self.last = None  # (arm, start time, nodes) of the round or stretch under way
         self.emitted = 0
         self.scores = None  # draft probability of each node of the last DFlash draft (draft order)
+        self.queued, self.queued_seen = Rate(), 0  # this generation's queued rounds (queue_more)
 
     def prefill(self, prompt, hidden=None):
         if callable(self.costs):  # measured on the first generation (after the gate passed the target)
@@ -294,6 +298,35 @@ class AdaptiveDrafter:
             return self.host.match_length(), None
         e = self.host.draft(root, max_depth)
         return (max(int(getattr(self.host, "last_match", 1)), 1) if e.size > 1 else 0), e
+
+    @property
+    def ahead(self):
+        """The primary's queued chain (queued.py) where it has one: where rounds can be queued,
+        a generation starts with them, and `queue_more` hands it to the adaptive rounds when
+        they lose to plain decoding."""
+        return getattr(self.primary, "chain_ahead", None) if self.primary is not None else None
+
+    def queue_more(self, emitted, ms):
+        """After each queued round: whether queueing goes on (its rate, booked as `_close`
+        books a round, at least plain decoding's)."""
+        self.queued_seen += 1
+        rate = self.queued
+        if self.queued_seen <= QUEUED_WARM:
+            return True
+        if rate.ms is not None and ms > SPIKE * rate.ms and self.spikes.get("queued", 0) < SPIKES_IN_A_ROW:
+            self.spikes["queued"] = self.spikes.get("queued", 0) + 1  # a new shape, once
+            return True
+        self.spikes["queued"] = 0
+        rate.add(emitted, ms)
+        plain = self.rates["plain"].value
+        return plain is None or rate.uses < QUEUED_MIN or rate.value >= plain
+
+    def handed_back(self, start, tokens):
+        """Queued rounds ended at `start` context rows, having emitted `tokens` (the last is
+        the next root): the drafters catch up, and the adaptive rounds go on."""
+        self.primary.handed_back(start, tokens)
+        if self.host is not None:
+            self.host.commit(Draft.root_only(tokens[-1]), np.zeros(1, np.int64), tokens)
 
     def catch_up(self, root, tokens, hidden=None):
         """After a plain stretch from `root`: the `tokens` it emitted (the last is the next root)

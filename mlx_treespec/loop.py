@@ -313,18 +313,23 @@ def tree_generate_step(
                 _forward(model, caches, mx.array([token], mx.uint32), quantize)
                 mx.eval([c.state for c in caches])
 
-        yield from queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, stop_tokens,
-                                 stats, land)
-        return
+        resume = yield from queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens,
+                                          stop_tokens, stats, land)
+        if resume is None:
+            return
+    else:
+        resume = None
     yield from _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose, quantize,
-                       stop_tokens, stats, kv_bits, quantized_kv_start, settle=prompt_cache is not None)
+                       stop_tokens, stats, kv_bits, quantized_kv_start, settle=prompt_cache is not None,
+                       resume=resume)
 
 
 def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose, quantize, stop_tokens,
-            stats, kv_bits, quantized_kv_start, settle):
+            stats, kv_bits, quantized_kv_start, settle, resume=None):
     # Between rounds the caches hold every delivered token but `pending`: the held tokens
     # (accepted, left to lead the next forward) and the root (the last delivered token).
-    held, root, n = None, prompt[-1], 0
+    # `resume`: (root, tokens emitted) where queued rounds handed the generation over
+    held, (root, n) = None, (resume or (prompt[-1], 0))
 
     def land():  # put the pending tokens in the caches: a prompt cache's rule (see the docstring)
         tokens = mx.array([root], mx.uint32) if root is not None else None
@@ -335,7 +340,9 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
             mx.eval([c.state for c in caches])
 
     try:
-        if capture:
+        if resume is not None:
+            pass  # the drafter was prefilled and caught up (queued.py)
+        elif capture:
             drafter.prefill(prompt, hidden)
         else:
             drafter.prefill(prompt)

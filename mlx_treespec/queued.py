@@ -17,7 +17,10 @@ rows past the committed offset, so the caches end as if it never ran.
 
 Where it runs (`can_queue`): greedy decoding, plain KV caches (not quantized, not rotating, no
 recurrent layers), whole-buffer attention (GPUs: `verify.pad_keys_default`), a drafter with
-`ahead`. Elsewhere the round loop runs.
+`ahead`. Elsewhere the round loop runs. A drafter may also offer `queue_more(emitted, ms)`,
+asked after every round: False hands the generation back to the round loop at that round's end
+(an adaptive drafter whose queued chains lose to plain decoding), and `handed_back(start,
+tokens)` tells it where the round loop starts (the context rows, the tokens emitted queued).
 """
 import time
 
@@ -39,7 +42,9 @@ def can_queue(drafter, caches, greedy, kv_bits):
 
 def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, stop_tokens, stats, land):
     """Yields (token, logprobs, from_draft) as loop.tree_generate_step. `land(token)` forwards
-    a delivered token the caches do not hold (the prompt cache's rule)."""
+    a delivered token the caches do not hold (the prompt cache's rule). Returns None at the end
+    of the generation, or (root, tokens emitted) where the drafter's `queue_more` handed it back:
+    the caches then hold every emitted token but `root`, and no token is held."""
     verify.install(model)  # per-token RoPE positions
     drafter.prefill(prompt, hidden)
     ahead, eager = drafter.ahead, whole_buffer_forward(model, capture)
@@ -74,9 +79,10 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         # commit: the root and the accepted chain are the rows before dev_start + count
         return (choice[count - 1].reshape(1), rows, count, dev_start + count), (logits, choice, count)
 
+    more = getattr(drafter, "queue_more", None)
     nxt, out = queue(mx.array([root], mx.uint32), None, None, mx.array(start, mx.int32))
     mx.async_eval(out[1], out[2])
-    n, delivered, accepted = 0, 0, 0
+    n, delivered, accepted, handed, everything = 0, 0, 0, False, []
     tic = time.perf_counter()
     try:
         while True:
@@ -97,17 +103,21 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
                          depth=int(choice.shape[0]) - 1, held=0, budget=int(choice.shape[0]) - 1,
                          requested_depth=int(choice.shape[0]) - 1, draft_ms=0.0,
                          verify_ms=1e3 * (toc - tic), round_ms=1e3 * (toc - tic),
-                         sync_ms=1e3 * (toc - ts), walk_ms=0.0, draft_forwards=1)
-            tic = toc
+                         sync_ms=1e3 * (toc - ts), walk_ms=0.0, draft_forwards=1, drafter="queued")
+            ms, tic = 1e3 * (toc - tic), toc
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             delivered = 0
             for i, t in enumerate(emitted):
                 delivered = i + 1
                 yield t, logprobs[i], i < accepted
             n += len(emitted)
+            everything += emitted
             if len(emitted) < accepted + 1 or emitted[-1] in stop_tokens or n == max_tokens:
                 break
             start, root, delivered = start + accepted + 1, emitted[-1], -1  # round r is whole
+            if more is not None and not more(len(emitted), ms):
+                handed = True
+                break
     finally:
         # the caches: every row a delivered token needs; rows queued past them are dead
         if delivered > 0:
@@ -116,5 +126,9 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             start, root = start + kept + 1, pending
         for c, k, v in zip(caches, keys, values):
             c.keys, c.values, c.offset = k, v, start
-        if root is not None:
+        if root is not None and not handed:
             land(root)
+    if handed:  # the queued round past this one wrote only dead rows (and the drafter's context)
+        drafter.handed_back(start, everything)
+        return root, n
+    return None

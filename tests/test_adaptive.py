@@ -290,3 +290,27 @@ def test_a_stretch_ends_where_the_host_drafter_matches(monkeypatch):
     out, stats = run(target, d, prompt, n=40)
     assert out == plain(target, prompt, n=40)
     assert stats.rounds_by_drafter().get("lookup", 0) > 1  # unmeasured matches end stretches
+
+
+@pytest.mark.parametrize("plain_ms,hands_back", [(1e-6, True), (1e6, False)])
+def test_the_default_queues_dflash_chains_and_hands_back_when_they_lose(tmp_path, monkeypatch, plain_ms,
+                                                                         hands_back):
+    # on the GPU path an adaptive drafter over DFlash starts with chains queued ahead; once
+    # their rate (QUEUED_MIN rounds after QUEUED_WARM) is below plain decoding's, the adaptive
+    # rounds take the generation over where the last queued round ended: tokens stay plain's
+    import mlx_treespec.verify as verify
+    from test_dflash import QueuedOracle
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    target = tiny.build(tiny.CONFIGS["qwen3"])
+    bound = bind_dflash(save_random(tmp_path / "dflash", dflash_config(tiny.CONFIGS["qwen3"])), target)
+    prompt = repetitive()
+    drafter = AdaptiveDrafter(primary=QueuedOracle(bound, target, budget=12), host=LookupDrafter(8, 6),
+                              costs=(plain_ms, flat(1.0)))
+    out, stats = run(target, drafter, prompt, n=120)
+    assert out == plain(target, prompt, n=120)
+    used = stats.rounds_by_drafter()
+    if hands_back:
+        assert used["queued"] >= adaptive.QUEUED_WARM + adaptive.QUEUED_MIN and len(used) > 1, used
+    else:
+        assert used == {"queued": stats.rounds}

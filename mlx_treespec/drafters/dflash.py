@@ -418,6 +418,11 @@ class DFlashDrafter:
         self.forwards = 1
         return mx.argmax(logits[1 : self.depth + 1], axis=-1).astype(mx.uint32)
 
+    def handed_back(self, start, tokens=()):
+        """Rounds queued ahead ended (queued.py): every context row before `start` is written
+        (the round queued past the end wrote the last round's), and the round loop drafts next."""
+        self.length, self.pending, self._queued = int(start), None, None
+
     def ranked(self, root, depth):
         """One block forward; each of the first `depth` positions' best candidates on the host:
         (token ids, log-probabilities), both [depth, k], best first (the round's extra sync)."""
