@@ -314,3 +314,13 @@ def test_the_default_queues_dflash_chains_and_hands_back_when_they_lose(tmp_path
         assert used["queued"] >= adaptive.QUEUED_WARM + adaptive.QUEUED_MIN and len(used) > 1, used
     else:
         assert used == {"queued": stats.rounds}
+
+
+def test_queued_rounds_hand_back_below_the_margin_only():
+    # plain's rate (1 token/ms here) is the start-up fit's: queued rounds go on at 0.9 of it and
+    # hand back at 0.7, after QUEUED_WARM unbooked and QUEUED_MIN booked rounds
+    for tokens, keeps in ((9, True), (7, False)):
+        d = AdaptiveDrafter(host=LookupDrafter(8, 6), costs=(1.0, flat(1.0)))
+        answers = [d.queue_more(tokens, 10.0) for _ in range(adaptive.QUEUED_WARM + adaptive.QUEUED_MIN + 4)]
+        first_no = answers.index(False) if False in answers else None
+        assert first_no == (None if keeps else adaptive.QUEUED_WARM + adaptive.QUEUED_MIN - 1), answers

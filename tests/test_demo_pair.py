@@ -1,8 +1,8 @@
 """The shipped demo models load with mlx_lm and produce their recorded greedy tokens.
 
 The expectations were recorded on CPU (mlx 0.32.4, mlx-lm 0.32.2) with the shipped
-float16 weights; a broken export (wrong weight names, layout, norm offsets, config keys
-or tokenizer) changes them.
+float16 weights (the drafter is shipped 8-bit since 2026-12-01: the same tokens); a broken
+export (wrong weight names, layout, norm offsets, config keys or tokenizer) changes them.
 """
 
 import json
