@@ -50,9 +50,13 @@ def resolve_model_path(name):
     return name
 
 
-def _load(path, adapter_path=None, tokenizer_config=None):
-    """mlx-lm's load, with a failure to fetch a repo id said in one line."""
+def _load(path, adapter_path=None, tokenizer_config=None, shard=None):
+    """mlx-lm's load (`sharded_load` over the launch's group with `shard`), with a failure to
+    fetch a repo id said in one line."""
     from mlx_lm.utils import load
+
+    if shard is not None:
+        return _sharded(path, adapter_path, tokenizer_config, shard)
 
     if adapter_path is not None and not os.path.exists(os.path.expanduser(adapter_path)):
         raise FileNotFoundError(f"--adapter-path {adapter_path} does not exist: pass the folder "
@@ -67,6 +71,27 @@ def _load(path, adapter_path=None, tokenizer_config=None):
                                 "first (huggingface-cli download) and pass the local folder") from None
 
 
+def _sharded(path, adapter_path, tokenizer_config, shard):
+    """The target split over the processes of an `mlx.launch` (mlx-lm's `sharded_load`)."""
+    import mlx.core as mx
+    from mlx_lm.utils import sharded_load
+
+    group = mx.distributed.init()
+    if group.size() < 2:
+        raise ValueError(f"--shard {shard} splits the target over the processes of a launch: run it under "
+                         "mlx.launch (e.g. mlx.launch --hostfile hosts.json -n 2 python -m mlx_treespec.generate ...)")
+    if adapter_path is not None:
+        raise ValueError("--adapter-path cannot be combined with --shard (mlx-lm's sharded_load takes no "
+                         "adapters): fuse them first (mlx_lm.fuse)")
+    try:
+        return sharded_load(path, **{f"{shard}_group": group}, tokenizer_config=tokenizer_config or {})
+    except FileNotFoundError as e:
+        if "index.json" in str(e):
+            raise ValueError(f"--shard pipeline reads {path}/model.safetensors.index.json (which layer is in "
+                             "which file): pass a folder that has one, or --shard tensor") from None
+        raise
+
+
 def setup_arg_parser():
     p = argparse.ArgumentParser(
         prog="python -m mlx_treespec.generate",
@@ -76,6 +101,9 @@ def setup_arg_parser():
                    help="target: an mlx-lm folder or repo id, 'demo' (the default without a "
                         "--prompt-cache-file) or 'demo-hybrid'")
     p.add_argument("--adapter-path", default=None, help="LoRA adapters to apply to the target (mlx_lm.lora's output)")
+    p.add_argument("--shard", choices=("tensor", "pipeline"), default=None,
+                   help="under mlx.launch: split the target over the launch's processes (mlx-lm's "
+                        "sharded_load: tensor or pipeline parallel); drafters run on every process, rank 0 prints")
     p.add_argument("--trust-remote-code", action="store_true", help="let the tokenizer run the repo's own code")
     p.add_argument("--draft-model", default=None,
                    help="draft model, or a DFlash drafter folder with --drafter dflash (default: the "
@@ -207,7 +235,13 @@ def _run(args):
     prompt = _read_prompt(args)
     tokenizer_config = json.loads(metadata.get("tokenizer_config", "{}"))
     tokenizer_config["trust_remote_code"] = args.trust_remote_code
-    model, tokenizer = _load(model_path, args.adapter_path, tokenizer_config)
+    model, tokenizer = _load(model_path, args.adapter_path, tokenizer_config, shard=args.shard)
+    if args.shard is not None:
+        import mlx.core as mx
+
+        if mx.distributed.init().rank() != 0:  # rank 0 prints; every rank computes the same tokens
+            sys.stdout = open(os.devnull, "w")
+            args.verbose = False
     for token in args.extra_eos_token:
         tokenizer.add_eos_token(token)
     draft_model = None

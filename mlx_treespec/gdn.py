@@ -758,9 +758,7 @@ def _project(layer, x):
         qkv = mx.concatenate(
             [q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1
         )
-    else:  # qwen3_5
-        if getattr(layer, "sharding_group", None) is not None:
-            raise NotImplementedError("sharded GatedDeltaNet layers are not supported")
+    else:  # qwen3_5 (tensor-parallel: this process's heads; the projections are sharded)
         qkv = layer.in_proj_qkv(x)
         z = layer.in_proj_z(x).reshape(B, S, layer.num_v_heads, layer.head_v_dim)
         b = layer.in_proj_b(x)
@@ -827,6 +825,8 @@ def gdn_layer_tree_forward(layer, x: mx.array, cache, parents) -> Tuple[mx.array
 
     out = layer.norm(y, z)
     out = layer.out_proj(out.reshape(B, S, -1))
+    if getattr(layer, "sharding_group", None) is not None:  # mlx-lm's tensor parallelism (model.shard)
+        out = mx.distributed.all_sum(out, group=layer.sharding_group)
 
     payload = {
         "parents": parents,

@@ -23,6 +23,7 @@ Arm grammar:
 from dataclasses import dataclass
 
 import numpy as np
+import mlx.core as mx
 
 from .tree import MAX_NODES, chain_parents
 
@@ -307,6 +308,10 @@ class DraftSpec:
             from .drafters.lookup import LookupDrafter
 
             base = replace(self, adaptive=False).build(draft_model)
+            if mx.distributed.is_available() and mx.distributed.init().size() > 1:
+                # a sharded target (mlx.launch): every process must draft the same tree, and
+                # choices by wall time would differ between them; the fixed shape drafts alike
+                return base
             costs = (lambda: startup_costs(target)) if target is not None else None
             # what one call learned, the next call over the same target and drafter starts from
             memory = (self.arm, id(target), id(draft_model)) if target is not None else None

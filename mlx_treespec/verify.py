@@ -39,7 +39,7 @@ from .tree import ancestors_of, depths_of
 
 __all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "capturing", "check_capture",
            "row_bucket", "pad_keys_default", "width_step", "compiled_forward", "whole_buffer_forward",
-           "reserve", "grown"]
+           "reserve", "grown", "layer_span"]
 
 
 class _Context:
@@ -52,6 +52,7 @@ class _Context:
         self.parents = None  # np int [L]: parents within the forward (-1: committed state)
         self.captured = None  # {layer index: output} while a capturing forward runs
         self.layer_ids = None  # {id(layer module): its index in the model that captures}
+        self.last_layer = None  # the last decoder layer output of a capturing forward
 
 
 _CTX = _Context()
@@ -84,8 +85,10 @@ def _layer_call(self, *args, **kwargs):
     captured = _CTX.captured
     if captured is not None:
         i = _CTX.layer_ids.get(id(self))
+        h = out[0] if isinstance(out, tuple) else out
+        _CTX.last_layer = h  # the rows' shape, for the layers another pipeline process holds
         if i in captured:
-            captured[i] = out[0] if isinstance(out, tuple) else out
+            captured[i] = h
     return out
 
 
@@ -127,9 +130,34 @@ def install(model):
     model._treespec_installed = True
 
 
+def layer_span(model):
+    """(index of this process's first decoder layer, its layers, the model's layer count): under
+    mlx-lm's pipeline parallelism (`model.model.pipeline(group)`) a process holds a slice of the
+    layers; otherwise (0, all of them, their count)."""
+    layers = list(getattr(model, "layers", []))
+    inner = getattr(model, "model", None)
+    if getattr(inner, "pipeline_size", 1) > 1:
+        args = getattr(model, "args", None)
+        total = getattr(args, "num_hidden_layers", None) or (getattr(args, "text_config", None) or {}).get(
+            "num_hidden_layers") or len(inner.layers)
+        return inner.start_idx, layers, int(total)
+    return 0, layers, len(layers)
+
+
+def _pipeline_group(model):
+    """The group a pipelined model's captured rows are summed over (None: not pipelined)."""
+    if getattr(getattr(model, "model", None), "pipeline_size", 1) <= 1:
+        return None
+    group = mx.distributed.init()
+    if group.size() != model.model.pipeline_size:
+        raise ValueError("a drafter that reads the target's hidden states needs the pipeline group to be "
+                         "the whole launch (mlx.launch): shard with pipeline_group=mx.distributed.init()")
+    return group
+
+
 def check_capture(model, capture):
     """Refuse layer indices the model does not have, naming its depth."""
-    n = len(list(getattr(model, "layers", [])))
+    n = layer_span(model)[2]
     bad = [i for i in capture if not 0 <= i < n]
     if bad:
         raise ValueError(f"the drafter reads target layers {bad}, but the target has {n} layers "
@@ -138,27 +166,35 @@ def check_capture(model, capture):
 
 class capturing:
     """`with capturing(model, capture) as c:` records the outputs of decoder layers `capture`
-    (indices into `model.layers`) in every forward inside; `c.hidden(n)` concatenates the
+    (indices into the model's layers) in every forward inside; `c.hidden(n)` concatenates the
     first n rows of each on the feature axis ([n, len(capture) * H]). An empty `capture`
-    records nothing and costs nothing."""
+    records nothing and costs nothing. Under pipeline parallelism each process records the
+    layers it holds and the rows are summed over the group (zeros for the others' layers), so
+    every process gets every captured row: one all_sum per forward."""
 
     def __init__(self, model, capture):
         self.capture = tuple(capture)
-        self.layers = list(getattr(model, "layers", [])) if self.capture else []
+        self.start, self.layers, _ = layer_span(model) if self.capture else (0, [], 0)
+        self.group = _pipeline_group(model) if self.capture else None
 
     def __enter__(self):
         if self.capture:
             for layer in self.layers:
                 _make_tree_module(layer, _layer_call)
-            _CTX.layer_ids = {id(m): i for i, m in enumerate(self.layers)}
+            _CTX.layer_ids = {id(m): self.start + i for i, m in enumerate(self.layers)}
             _CTX.captured = {i: None for i in self.capture}
         return self
 
     def hidden(self, n=None):
         if not self.capture:
             return None
-        rows = [_CTX.captured[i][0] for i in self.capture]
-        return mx.concatenate([r[:n] if n is not None else r for r in rows], axis=-1)
+        rows = [_CTX.captured[i] for i in self.capture]
+        if self.group is None:
+            return mx.concatenate([r[0][:n] if n is not None else r[0] for r in rows], axis=-1)
+        like = next(r for r in rows if r is not None) if any(r is not None for r in rows) else _CTX.last_layer
+        rows = [r[0] if r is not None else mx.zeros_like(like[0]) for r in rows]  # another process's layer
+        out = mx.distributed.all_sum(mx.concatenate(rows, axis=-1), group=self.group)
+        return out[:n] if n is not None else out
 
     def take(self):
         """The recorded rows (all of them), and a clean slate for the next forward."""
@@ -332,6 +368,8 @@ def _compiled(model, capture):
     if store is None or store["layers"] != layers:  # new layer modules: trace again
         store = model.__dict__["_treespec_compiled_verify"] = {
             "fns": {}, "checked": {}, "off": None, "trusted_runs": 0, "layers": layers}
+    if store["off"] is None and mx.distributed.is_available() and mx.distributed.init().size() > 1:
+        store["off"] = "a sharded model (mlx.distributed): its collectives run eagerly"
     if store["off"] is not None:
         return None, store
     fn = store["fns"].get(capture)

@@ -34,7 +34,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from ..builders import best_first_tree
 from ..draft import Draft, Layout
 from ..tree import MAX_NODES, chain_parents, preorder, relabel
-from ..verify import width_step
+from ..verify import layer_span, width_step
 from . import dequantize_linears, target_io
 
 __all__ = ["DFlashModel", "DFlashDrafter", "load_dflash", "bind_dflash", "probe_parents", "default_layer_ids"]
@@ -200,7 +200,7 @@ def bind_dflash(drafter, target):
     V, H = embed.weight.shape[0], model.config["hidden_size"]
     t_args = getattr(target, "args", None)
     t_hidden = getattr(t_args, "hidden_size", None) or (getattr(t_args, "text_config", None) or {}).get("hidden_size")
-    n_layers = len(list(target.layers))
+    n_layers = layer_span(target)[2]
     if t_hidden is not None and t_hidden != H:
         raise ValueError(f"the DFlash drafter has hidden size {H}, the target {t_hidden}: use a drafter "
                          "trained for this target")

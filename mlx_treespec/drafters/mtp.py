@@ -39,6 +39,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from . import dequantize_linears, target_io  # noqa: F401 (eagle3.py imports it from here)
+from ..verify import layer_span
 
 __all__ = ["MTPHead", "load_mtp", "target_io", "read_tensors", "quantize_like"]
 
@@ -234,7 +235,7 @@ class MTPHead(nn.Module):
         lm = getattr(target, "language_model", None)
         lm = lm if isinstance(lm, nn.Module) else target
         self._final_norm = lm.model.norm
-        self.capture = (len(list(target.layers)) - 1,)  # the last layer's output (pre-norm)
+        self.capture = (layer_span(target)[2] - 1,)  # the last layer's output (pre-norm)
         return self
 
     def target_hidden(self, last_layer_out):

@@ -1,0 +1,99 @@
+"""Tree speculation on targets sharded with mlx.distributed (mlx-lm's `sharded_load`): two local
+processes through `mlx.launch --backend ring`, tensor- and pipeline-parallel demo targets. Every
+rank's speculative greedy output is the sharded target's own plain greedy output."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+mx = pytest.importorskip("mlx.core")
+
+from mlx_treespec.demo import demo_path  # noqa: E402
+
+WORKER = Path(__file__).with_name("distributed_worker.py")
+
+
+def launch(mode, folder, dflash, names, timeout=240):
+    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+    out = subprocess.run([launcher, "--backend", "ring", "-n", "2", "--python", sys.executable, str(WORKER),
+                          mode, str(folder), dflash, names], capture_output=True, text=True, timeout=timeout)
+    rows = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    assert out.returncode == 0 and len(rows) == 2, (out.stdout[-2000:], out.stderr[-2000:])
+    return rows
+
+
+def unsharded(model_name, dflash, names):
+    """The same generations in this process, unsharded: (plain tokens, emitted per verify)."""
+    import mlx_lm
+    from distributed_worker import N, PROMPT, drafters
+    from mlx_treespec import RoundStats, tree_generate_step
+
+    model, tok = mlx_lm.load(demo_path(model_name))
+    prompt = tok.encode(PROMPT)
+    ref = [t for t, _, _ in tree_generate_step(prompt, model, None, max_tokens=N)]
+    epv = {}
+    for name in names.split(","):
+        stats = RoundStats()
+        list(tree_generate_step(prompt, model, drafters(dflash, model)[name](), max_tokens=N, stats=stats))
+        epv[name] = stats.summary()["emitted_per_verify"]
+    return ref, epv
+
+
+@pytest.mark.parametrize("mode,model,names", [("tensor", "target", "dflash"), ("tensor", "hybrid", "dflash"),
+                                              ("pipeline", "hybrid", "dflash,ddtree,auto")])
+def test_sharded_targets_speculate_exactly(mode, model, names):
+    # tensor parallel: attention and GatedDeltaNet heads split, all_sum inside the layers;
+    # pipeline parallel: each rank holds half the layers, DFlash's captured rows are summed
+    # over the ranks. Each rank drafts alike (the drafters are replicated: same inputs, same
+    # trees), verifies the same tree, walks and commits alike
+    folder = demo_path(model)  # the hybrid ships the weight index pipeline loading reads
+    dflash = demo_path("dflash" if model == "target" else "hybrid_dflash")
+    rows = launch(mode, folder, dflash, names)
+    assert sorted(r["rank"] for r in rows) == [0, 1]
+    assert rows[0]["emitted_per_verify"] == rows[1]["emitted_per_verify"]  # the ranks agree
+    for r in rows:
+        assert all(r["identical"].values()) and len(r["identical"]) == len(names.split(",")), r
+    if "auto" in names:  # the default drafts a fixed shape under a launch (alike on every rank)
+        assert rows[0]["kinds"]["auto"] == "DFlashDrafter", rows[0]
+        names = names.replace(",auto", "")
+        for r in rows:
+            r["emitted_per_verify"].pop("auto")
+    ref, epv = unsharded(model, dflash, names)
+    if mode == "pipeline":  # each layer computed whole: the unsharded numerics, bitwise (CPU)
+        assert rows[0]["plain"] == ref and rows[0]["emitted_per_verify"] == epv
+    else:  # partial sums in another order: the drafters still read the right rows
+        assert rows[0]["emitted_per_verify"]["dflash"] >= 0.8 * epv["dflash"], (rows[0], epv)
+
+
+def test_the_cli_shards_under_mlx_launch_and_rank_0_prints():
+    # `--shard tensor` under mlx.launch: both ranks decode, rank 0 prints the text, which is the
+    # unsharded CLI's up to the sharded sums' rounding (here: the same text)
+    args = ["-m", "mlx_treespec.generate", "--model", "demo", "--prompt", "def parse(", "--max-tokens", "8",
+            "--ignore-chat-template", "--temp", "0", "--drafter", "dflash", "--draft-block-size", "7"]  # (mlx.launch takes --verbose as its own flag)
+    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([launcher, "--backend", "ring", "-n", "2", "--cwd", str(root), "--python", sys.executable]
+                         + args + ["--shard", "tensor"], capture_output=True, text=True, timeout=240, cwd=root)
+    alone = subprocess.run([sys.executable] + args, capture_output=True, text=True, timeout=240, cwd=root)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+
+    def text(stdout):  # mlx-lm's verbose print: the text between two rules
+        parts = stdout.split("==========")
+        return parts[1].strip() if len(parts) == 3 else None
+
+    # (mlx.launch exits 0 whatever its ranks do: the printed text is the check)
+    assert out.stdout.count("==========") == 2, (out.stdout[-2000:], out.stderr[-2000:])  # rank 0 only
+    assert text(out.stdout) and text(out.stdout) == text(alone.stdout)
+
+
+def test_shard_outside_a_launch_is_a_one_line_error():
+    from mlx_treespec.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "demo", "--prompt", "x", "--shard", "tensor", "--max-tokens", "2"])
+    assert e.value.code == 2
