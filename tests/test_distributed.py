@@ -44,7 +44,7 @@ def unsharded(model_name, dflash, names):
     return ref, epv
 
 
-@pytest.mark.parametrize("mode,model,names", [("tensor", "target", "dflash"), ("tensor", "hybrid", "dflash"),
+@pytest.mark.parametrize("mode,model,names", [("tensor", "hybrid", "dflash"),  # the tensor-parallel target: the CLI test
                                               ("pipeline", "hybrid", "dflash,ddtree,auto")])
 def test_sharded_targets_speculate_exactly(mode, model, names):
     # tensor parallel: attention and GatedDeltaNet heads split, all_sum inside the layers;
