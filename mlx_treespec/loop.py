@@ -340,12 +340,8 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
             mx.eval([c.state for c in caches])
 
     try:
-        if resume is not None:
-            pass  # the drafter was prefilled and caught up (queued.py)
-        elif capture:
-            drafter.prefill(prompt, hidden)
-        else:
-            drafter.prefill(prompt)
+        if resume is None:  # (else the drafter was prefilled and caught up: queued.py)
+            drafter.prefill(prompt, hidden) if capture else drafter.prefill(prompt)
         while max_tokens < 0 or n < max_tokens:
             room = float("inf") if max_tokens < 0 else max_tokens - n
             t0 = time.perf_counter()

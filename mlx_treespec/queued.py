@@ -51,6 +51,14 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     keys, values = [c.keys for c in caches], [c.values for c in caches]
     start, root = caches[0].offset, prompt[-1]  # host: rows the caches hold, the pending token
     bound = start  # the most rows a queued round may have committed
+    consts = {}  # the mask's constants per (width, rows): the rounds are host-bound
+
+    def mask_constants(width, T, dtype):
+        key = (width, T, dtype)
+        if key not in consts:
+            consts[key] = (mx.arange(width)[None], mx.arange(T, dtype=mx.int32), mx.array(0, dtype),
+                           mx.array(mx.finfo(dtype).min, dtype))
+        return consts[key]
 
     def queue(dev_root, rows, count, dev_start):
         """One round on the device: draft, verify, walk, commit."""
@@ -61,10 +69,9 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         if bound + T > keys[0].shape[2]:  # room for this round's rows, in width_step() steps
             keys = [grown(k, bound + T) for k in keys]
             values = [grown(v, bound + T) for v in values]
-        positions = dev_start + mx.arange(T, dtype=mx.int32)
-        low = mx.array(mx.finfo(keys[0].dtype).min, keys[0].dtype)
-        mask = mx.where(mx.arange(keys[0].shape[2])[None] <= positions[:, None],
-                        mx.array(0, keys[0].dtype), low)  # history and the chain before each row
+        columns, steps, zero, low = mask_constants(keys[0].shape[2], T, keys[0].dtype)
+        positions = dev_start + steps
+        mask = mx.where(columns <= positions[:, None], zero, low)  # history and the chain before each row
         args = (tokens, positions, mask, dev_start.reshape(1), keys, values)
 
         def reference():

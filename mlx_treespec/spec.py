@@ -23,7 +23,6 @@ Arm grammar:
 from dataclasses import dataclass
 
 import numpy as np
-import mlx.core as mx
 
 from .tree import MAX_NODES, chain_parents
 
@@ -306,9 +305,10 @@ class DraftSpec:
             from .adaptive import AdaptiveDrafter
             from .costmodel import startup_costs
             from .drafters.lookup import LookupDrafter
+            from .verify import in_launch
 
             base = replace(self, adaptive=False).build(draft_model)
-            if mx.distributed.is_available() and mx.distributed.init().size() > 1:
+            if in_launch():
                 # a sharded target (mlx.launch): every process must draft the same tree, and
                 # choices by wall time would differ between them; the fixed shape drafts alike
                 return base

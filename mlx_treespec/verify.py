@@ -39,7 +39,7 @@ from .tree import ancestors_of, depths_of
 
 __all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "capturing", "check_capture",
            "row_bucket", "pad_keys_default", "width_step", "compiled_forward", "whole_buffer_forward",
-           "reserve", "grown", "layer_span"]
+           "reserve", "grown", "layer_span", "in_launch"]
 
 
 class _Context:
@@ -144,6 +144,18 @@ def layer_span(model):
     return 0, layers, len(layers)
 
 
+def in_launch():
+    """Whether this process is one of several of an `mlx.launch` (asked once: the group of a
+    process does not change)."""
+    global _IN_LAUNCH
+    if _IN_LAUNCH is None:
+        _IN_LAUNCH = mx.distributed.is_available() and mx.distributed.init().size() > 1
+    return _IN_LAUNCH
+
+
+_IN_LAUNCH = None
+
+
 def _pipeline_group(model):
     """The group a pipelined model's captured rows are summed over (None: not pipelined)."""
     if getattr(getattr(model, "model", None), "pipeline_size", 1) <= 1:
@@ -191,7 +203,7 @@ class capturing:
         rows = [_CTX.captured[i] for i in self.capture]
         if self.group is None:
             return mx.concatenate([r[0][:n] if n is not None else r[0] for r in rows], axis=-1)
-        like = next(r for r in rows if r is not None) if any(r is not None for r in rows) else _CTX.last_layer
+        like = next((r for r in rows if r is not None), _CTX.last_layer)
         rows = [r[0] if r is not None else mx.zeros_like(like[0]) for r in rows]  # another process's layer
         out = mx.distributed.all_sum(mx.concatenate(rows, axis=-1), group=self.group)
         return out[:n] if n is not None else out
@@ -368,8 +380,8 @@ def _compiled(model, capture):
     if store is None or store["layers"] != layers:  # new layer modules: trace again
         store = model.__dict__["_treespec_compiled_verify"] = {
             "fns": {}, "checked": {}, "off": None, "trusted_runs": 0, "layers": layers}
-    if store["off"] is None and mx.distributed.is_available() and mx.distributed.init().size() > 1:
-        store["off"] = "a sharded model (mlx.distributed): its collectives run eagerly"
+        if in_launch():
+            store["off"] = "a sharded model (mlx.distributed): its collectives run eagerly"
     if store["off"] is not None:
         return None, store
     fn = store["fns"].get(capture)

@@ -24,8 +24,9 @@ def run(args):
 
 
 def test_loop_section_tiny(tmp_path):
-    arms = "plain,mlx-chain:3,chain:3,tree:3:4,lookup:8:4,chain:3+lookup4@2,dflash:7,ddtree:12"
-    text = run(["loop", "--arms", arms, "--prompts", "unseen,heldout", "--n", "2", "--max-tokens", "16",
+    # (one prompt a set, few tokens: the shipped 8-bit draft model runs ~20x slower than float on CPU)
+    arms = "plain,mlx-chain:2,chain:2+lookup4@2,lookup:8:4,dflash:7,ddtree:12"
+    text = run(["loop", "--arms", arms, "--prompts", "unseen,heldout", "--n", "1", "--max-tokens", "8",
                 "--out", str(tmp_path / "loop")])
     assert "## unseen prompts" in text and "## heldout prompts" in text
     data = read_json(tmp_path / "loop.json.gz")
@@ -34,10 +35,11 @@ def test_loop_section_tiny(tmp_path):
         rows = {r["arm"]: r for r in data["sets"][pset]["arms"]}
         assert set(rows) == {"mlx-plain"} | set(arms.split(","))
         for name, r in rows.items():  # CPU verifies are bitwise: no arm diverges
-            assert r["identical"] == "2/2" and all(d is None for d in r["first_divergence"]), name
+            assert r["identical"] == "1/1" and all(d is None for d in r["first_divergence"]), name
         assert rows["mlx-plain"]["x_plain"]["median"] == 1.0
-        assert 0.9 <= rows["ddtree:12"]["draft_forwards"]["median"] <= 1.0  # one a round (none in a last, empty one)
-        run0 = rows["ddtree:12"]["runs"][0]  # the slowest round: at least the mean, and one of the run's
+        run0 = rows["ddtree:12"]["runs"][0]  # one draft forward a round (none in a last, empty one)
+        assert (run0["rounds"] - 1) / run0["rounds"] - 1e-4 <= rows["ddtree:12"]["draft_forwards"]["median"] <= 1.0
+        # the slowest round: at least the mean, and one of the run's
         assert run0["slowest_round"]["ms"] >= run0["round_ms"] and 0 <= run0["slowest_round"]["index"] < run0["rounds"]
     assert (tmp_path / "loop.md").read_text().startswith("# loop: demo")
 

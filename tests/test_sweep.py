@@ -73,7 +73,7 @@ def swept(pair, prompts_file, tmp_path_factory):
     target, drafter, which = pair
     out = tmp_path_factory.mktemp("sweep")
     argv = ["--model", target, "--draft-model", drafter, "--prompts", str(prompts_file),
-            "--max-tokens", "24", "--blocks", "2", "--tree-topk", "none", "--out", str(out),
+            "--max-tokens", "12", "--blocks", "2", "--tree-topk", "none", "--out", str(out),
             "--warmup-tokens", "8", "--probe-inputs", "2", "--no-progress", "--cost-model",
             "--cost-history", "32", "--cost-repeats", "2"]
     import io

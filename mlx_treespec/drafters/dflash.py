@@ -322,7 +322,7 @@ class DFlashDrafter:
 
     def _block_logits(self, root):
         """One forward: the pending context rows (padded to B) and the block [B, V]."""
-        m, B = self.bound.model, self.block
+        B = self.block
         n = 0 if self.pending is None else self.pending.shape[0]
         self.forwards = 1
         if n > B:  # more context than one pass takes (rounds without a draft): write it first
@@ -331,17 +331,24 @@ class DFlashDrafter:
             self.forwards += 1
         L0 = self.length
         self._room(L0 + 2 * B)
-        width = len(m.target_layer_ids) * m.config["hidden_size"]
-        dtype = m.hidden_norm.weight.dtype
-        feats = self.pending if n else mx.zeros((0, width), dtype)
-        if n < B:  # padded rows: written after the context, hidden by the mask, overwritten next round
-            feats = mx.concatenate([feats.astype(dtype), mx.zeros((B - n, width), dtype)])
+        feats = self._block_rows(self.pending)
         root = root if isinstance(root, mx.array) else mx.array([int(root)], mx.uint32)
         logits, self.keys, self.values = self._forward(feats, root.reshape(1).astype(mx.uint32),
                                                        mx.array(L0, mx.int32), mx.array(n, mx.int32),
                                                        self.keys, self.values)
         self.length, self.pending = L0 + n, None
         return logits
+
+    def _block_rows(self, rows):
+        """Context rows for one block forward, in the drafter's dtype, padded to B rows (None:
+        none). Padded rows are written after the context, hidden by the mask and overwritten
+        by the next round's."""
+        m, B = self.bound.model, self.block
+        width = len(m.target_layer_ids) * m.config["hidden_size"]
+        dtype = m.hidden_norm.weight.dtype
+        n = 0 if rows is None else rows.shape[0]
+        feats = rows.astype(dtype) if n else mx.zeros((0, width), dtype)
+        return mx.concatenate([feats, mx.zeros((B - n, width), dtype)]) if n < B else feats
 
     def _compile(self):
         """The block forward as one compiled function: the graph is traced once per buffer
@@ -399,19 +406,14 @@ class DFlashDrafter:
         uint32 [1]), `rows` the captured target rows of the previous verify (root first, at
         most B; None in the first round) of which the first `count` (mx int32) were accepted
         and are context now. Returns the chain, mx uint32 [depth]."""
-        m, B = self.bound.model, self.block
+        B = self.block
         if self._queued is None:
             self._queued = (mx.array(self.length, mx.int32), self.length)
         L0, bound = self._queued  # the context rows, and at most how many: room for this block
         self._room(bound + 2 * B)
-        width = len(m.target_layer_ids) * m.config["hidden_size"]
-        dtype = m.hidden_norm.weight.dtype
+        feats = self._block_rows(rows)  # rows past `count` are written after the context, hidden
         if rows is None:
-            feats, count = mx.zeros((B, width), dtype), mx.array(0, mx.int32)
-        else:  # rows past `count` are written after the context, hidden by the mask, overwritten
-            feats = rows.astype(dtype)
-            if feats.shape[0] < B:
-                feats = mx.concatenate([feats, mx.zeros((B - feats.shape[0], width), dtype)])
+            count = mx.array(0, mx.int32)
         logits, self.keys, self.values = self._forward(feats, root.reshape(1).astype(mx.uint32), L0,
                                                        count, self.keys, self.values)
         self._queued = (L0 + count, bound + (0 if rows is None else rows.shape[0]))
