@@ -11,6 +11,11 @@
 #   pieces   a DDTree round's pieces on the demo target, eager vs compiled verify, plain loops
 #   adaptive the default (adaptive DFlash + lookup) vs plain and the fixed arms, demo target and
 #            hybrid, on unseen text and the repetitive editing workload
+#   hybrid_drafter  train the small qwen3_5 draft model for the demo hybrid (bench/train_heads.py),
+#            ship it 8-bit into /root/hybrid_drafter (bench/ship_heads.py), and pack both into $OUT
+#   drafters the demo hybrid: its attention draft model (/d1) against the hybrid one (/d2, HYBRID_DRAFTER),
+#            beside plain, the default and the DFlash arms, on unseen, held-out and editing prompts
+#   default  the demo target: the default (queued DFlash, then adaptive) vs plain and the fixed arms
 # DFLASH, HYBRID_DFLASH, EAGLE3 override the shipped demo drafters (folders).
 set -u
 export PYTHONPATH=/root/mlx-site:$PWD PYTHONUNBUFFERED=1
@@ -49,6 +54,19 @@ for section in "$@"; do
               --prompts unseen,heldout --n $N --max-tokens $TOKENS --seconds ${QUEUED_SECONDS:-200} --out "$OUT/queued" ;;
     pieces) timeout 120 python3 bench/run.py pieces --target demo --history 300 --repeats 30 --out "$OUT/pieces" ;;
     gdn) timeout 150 python3 bench/gdn_kernel_bench.py --out "$OUT/gdn.json" 2>&1 | tee "$OUT/gdn.md" ;;
+    hybrid_drafter) timeout ${HD_TIMEOUT:-420} python3 bench/train_heads.py --out /root/hd_out --stage /root/hd_stage \
+              --only drafter_hybrid --inline --deadline-seconds ${HD_SECONDS:-270} --gen-seconds 30 \
+            && python3 bench/ship_heads.py --from /root/hd_stage --to /root/shipped --only drafter_hybrid \
+            && rm -rf /root/hybrid_drafter && cp -rL /root/shipped/hybrid_drafter /root/hybrid_drafter \
+            && tar -C /root -cf "$OUT/hybrid_drafter.tar" shipped/hybrid_drafter hd_stage/drafter_hybrid/train_log.json \
+            && cp /root/hd_out/train_heads_log.json "$OUT/" ;;
+    drafters) timeout ${DRAFTERS_TIMEOUT:-500} python3 bench/run.py loop --section drafters --target demo-hybrid \
+              --draft-model demo-drafter,${HYBRID_DRAFTER:-/root/hybrid_drafter} \
+              --arms plain,auto:dflash,dflash:15,ddtree:31,lookup:16:8,chain:4,chain:4/d2,tree:3:8,tree:3:8/d2 \
+              --prompts unseen,heldout,editing --n $N --max-tokens $TOKENS --seconds ${DRAFTERS_SECONDS:-420} --out "$OUT/drafters" ;;
+    default) timeout ${DEFAULT_TIMEOUT:-500} python3 bench/run.py loop --section default --target demo \
+              --arms plain,auto:dflash,dflash:15,ddtree:31,lookup:16:8 \
+              --prompts unseen,heldout,editing --n $N --max-tokens $TOKENS --seconds ${DEFAULT_SECONDS:-400} --out "$OUT/default" ;;
   esac
 done
 echo "=== done $(date +%T)"

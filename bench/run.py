@@ -7,11 +7,13 @@
         --head-config bench/configs/qwen3_8b_dflash.json --q-bits 0,4
     python bench/run.py long --config bench/configs/qwen3_8b.json --contexts 1024,8192,32768 --q-bits 0,4
     python bench/run.py pieces --target demo --history 300 --repeats 30   # a DDTree round's pieces
+    python bench/run.py comm --target demo-hybrid --arms plain,dflash:7,ddtree:12 --n 4   # sharded: collectives
     python bench/run.py unseen-prompts        # (re)writes bench/unseen_prompts.json.gz
 
 Arms use mlx_treespec.spec's grammar (plain, chain:K, tree:K:S[:B[:L]], lookup:B:D,
 suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselines:
-`mlx-plain` (generate_step) and `mlx-chain:K` (speculative_generate_step). Speed figures are
+`mlx-plain` (generate_step) and `mlx-chain:K` (speculative_generate_step); an arm ending in /dI
+drafts with the I-th of the --draft-model list, /sync without queued rounds. Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
 --out names another place.
@@ -31,7 +33,7 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mlx_treespec import RoundStats  # noqa: E402
+from mlx_treespec import RoundStats, tree_generate_step  # noqa: E402
 from mlx_treespec.cli import resolve_model_path  # noqa: E402
 from mlx_treespec.harness import (encode_prompts, first_divergence, generate_once, interleave,  # noqa: E402
                                   load_prompts, record, run_meta, spread)
@@ -60,19 +62,21 @@ class Arms:
         self.target, self.target_name = target, target_name
         self.texts = texts
         demo = DEMO_DRAFTERS.get(target_name, {})
-        self._draft_name = draft_name or demo.get("model")
+        # --draft-model may name several draft models; an arm ending in /di drafts with the i-th (from 1)
+        self._draft_names = (draft_name or demo.get("model") or "").split(",")
+        self._drafts = {}
         self._dflash_name = dflash_name or demo.get("dflash")
         self._head_names = {k: (head_names or {}).get(k) or demo.get(k) for k in ("mtp", "eagle3")}
-        self._draft = self._dflash = None
+        self._dflash = None
         self._heads = {}
         self._load = load
 
-    def draft_model(self):
-        if self._draft is None:
-            if not self._draft_name:
-                raise SystemExit("a draft-model arm needs --draft-model")
-            self._draft = self._load(resolve_model_path(self._draft_name))[0]
-        return self._draft
+    def draft_model(self, which=1):
+        if which not in self._drafts:
+            if not self._draft_names[0] or which > len(self._draft_names):
+                raise SystemExit(f"a draft-model arm (@{which}) needs --draft-model naming {which} model(s)")
+            self._drafts[which] = self._load(resolve_model_path(self._draft_names[which - 1]))[0]
+        return self._drafts[which]
 
     def dflash(self):
         if self._dflash is None:
@@ -103,18 +107,23 @@ class Arms:
             k = int(arm.split(":")[1])
             return lambda p, n: _timed(t for t, _, _ in speculative_generate_step(
                 mx.array(p), self.target, self.draft_model(), num_draft_tokens=k, max_tokens=n))
+        make = self.maker(arm)
+        return lambda p, n: generate_once(self.target, make(), p, n)
+
+    def maker(self, arm):
+        """A function making the arm's drafter: a fresh one per prompt, as each library call
+        makes one (an adaptive one starts from the target's start-up costs, measured at the
+        warm-up and then read from disk)."""
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
+        arm, which = arm.rsplit("/d", 1) if "/d" in arm and arm.rsplit("/d", 1)[1].isdigit() else (arm, 1)
         spec = DraftSpec.parse(arm)
-        source = {"model": self.draft_model, "dflash": self.dflash, "mtp": lambda: self.head("mtp"),
+        source = {"model": lambda: self.draft_model(int(which)), "dflash": self.dflash, "mtp": lambda: self.head("mtp"),
                   "eagle3": lambda: self.head("eagle3")}.get(spec.drafter)
-        # a fresh drafter per prompt, as each library call makes one (an adaptive one starts
-        # from the target's start-up costs, measured at the warm-up and then read from disk)
         make = (lambda: spec.build(source(), target=self.target)) if source else \
             (lambda: spec.build(None, target=self.target))
         if unqueued:  # "ARM/sync": the same drafter through the round loop (one host sync a round)
-            build = make
-            make = lambda: Unqueued(build())  # noqa: E731
-        return lambda p, n: generate_once(self.target, make(), p, n)
+            return lambda: Unqueued(make())
+        return make
 
 
 class Unqueued:
@@ -702,6 +711,115 @@ def run_pieces(args):
     write(args, report, md)
 
 
+def run_comm(args):
+    """Collectives of a target sharded over two processes of `mlx.launch` on this machine's ring:
+    count and bytes of every all_sum / all_gather / send / recv per round (per token for plain
+    decoding), per arm, and what broadcasting each round's tree from one process would cost
+    instead of drafting on every process. Launches itself once per --shard mode."""
+    import shutil
+    import subprocess
+
+    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+    report = dict(meta=run_meta(section=args.section, target=args.target, arms=args.arms.split(","),
+                                max_tokens=args.max_tokens), modes={})
+    md = [f"# {args.section}: {args.target} over 2 processes (ring, localhost; commit {_commit(report['meta'])})", "",
+          f"`python bench/run.py {' '.join(sys.argv[1:])}`", ""]
+    for mode in args.shard.split(","):
+        rank_args = ["comm-rank", "--shard", mode, "--target", args.target, "--arms", args.arms,  # (mlx.launch
+                     "--prompts", args.prompts, "--prompts-per-set", str(args.n),  # reads -n itself)
+                     "--max-tokens", str(args.max_tokens)]
+        out = subprocess.run([launcher, "--backend", "ring", "-n", "2", "--python", sys.executable, __file__]
+                             + rank_args, capture_output=True, text=True, timeout=1800)
+        rows = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        if not rows:
+            raise SystemExit(f"the {mode} launch printed no result:\n{out.stderr[-3000:]}")
+        res = report["modes"][mode] = rows[0]
+        md += [f"## {mode} parallel ({res['prompts']} prompts x {args.max_tokens} tokens)", "",
+               "| arm | rounds (plain: tokens) | target forwards | emitted/verify | collectives / round | KB / round "
+               "| by kind / forward: calls (KB) | draft ms / round | identical to plain |",
+               "|---|---|---|---|---|---|---|---|---|"]
+        for arm, r in res["arms"].items():
+            kinds = ", ".join(f"{k} {c:.2f} ({b / 1e3:.2f})" for k, (c, b) in sorted(r["per_forward"].items()))
+            md.append(f"| {arm} | {r['rounds']} | {r['forwards']} | {r['emitted_per_verify']:.2f} | "
+                      f"{r['calls_per_round']:.1f} | {r['bytes_per_round'] / 1e3:.1f} | {kinds} | {r['draft_ms']:.2f} | "
+                      f"{r['identical']} |")
+        b = res["broadcast"]
+        md += ["", f"A broadcast of one round's tree ({b['ints']} int32: tokens and parents) is one all_sum "
+                   f"of {b['ints'] * 4} bytes: {b['ms']:.2f} ms median on this ring ({b['repeats']} repeats).", ""]
+    write(args, report, md)
+
+
+def run_comm_rank(args):
+    """One process of `run_comm`'s launch; rank 0 prints `RESULT {json}`."""
+    from mlx_lm.utils import sharded_load
+
+    group = mx.distributed.init()
+    target, tok = sharded_load(resolve_model_path(args.target), **{f"{args.shard}_group": group})
+    counts = {}
+
+    def counting(name, fn, nbytes):
+        def wrapped(*a, **k):
+            c = counts.setdefault(name, [0, 0])
+            c[0] += 1
+            c[1] += nbytes(*a, **k)
+            return fn(*a, **k)
+        return wrapped
+
+    dist = mx.distributed
+    for name in ("all_sum", "all_gather", "send", "recv_like"):
+        setattr(dist, name, counting(name, getattr(dist, name), lambda x, *a, **k: x.nbytes))
+    dist.recv = counting("recv", dist.recv, lambda shape, dtype, *a, **k: int(np.prod(shape)) * dtype.size)
+    cls = type(target)  # the target's forwards: collectives per forward
+    cls.__call__ = counting("forward", cls.__call__, lambda *a, **k: 0)
+
+    texts = load_prompts(args.prompts.split(",")[0])[: args.n]
+    prompts = encode_prompts(tok, texts)
+    arms = Arms(target, args.target, texts)
+    names = ["plain"] + [a for a in args.arms.split(",") if a and a != "plain"]
+    result = dict(prompts=len(prompts), arms={})
+    ref = {}
+    for arm in names:
+        make = arms.maker(arm)
+        list(tree_generate_step(prompts[0], target, make(), max_tokens=8))  # warm-up
+        tot, rounds, emitted, draft_ms, same = {}, 0, 0, 0.0, 0
+        for i, p in enumerate(prompts):
+            seen, stats = {}, RoundStats()
+
+            def prefilled(done, total):  # counted from here: the prefill left out
+                if done == total:
+                    seen.update({k: list(v) for k, v in counts.items()})
+
+            counts.clear()
+            out = [int(t) for t, _, _ in tree_generate_step(p, target, make(), max_tokens=args.max_tokens,
+                                                           stats=stats, prompt_progress_callback=prefilled)]
+            for k, (c, b) in counts.items():
+                c0, b0 = seen.get(k, [0, 0])
+                t = tot.setdefault(k, [0, 0])
+                t[0], t[1] = t[0] + c - c0, t[1] + b - b0
+            rounds, emitted, draft_ms = rounds + stats.rounds, emitted + sum(stats.emitted), draft_ms + sum(stats.draft_ms)
+            ref.setdefault(i, out)
+            same += out == ref[i]
+        forwards = tot.pop("forward", [0, 0])[0]
+        result["arms"][arm] = dict(
+            rounds=rounds, forwards=forwards, emitted_per_verify=emitted / max(rounds, 1),
+            calls_per_round=sum(c for c, _ in tot.values()) / max(rounds, 1),
+            bytes_per_round=sum(b for _, b in tot.values()) / max(rounds, 1),
+            per_round={k: (c / max(rounds, 1), b / max(rounds, 1)) for k, (c, b) in tot.items()},
+            per_forward={k: (c / max(forwards, 1), b / max(forwards, 1)) for k, (c, b) in tot.items()},
+            draft_ms=draft_ms / max(rounds, 1), identical=f"{same}/{len(prompts)}")
+    # the alternative to a replicated drafter: one process drafts and sends the tree to the others
+    ints, times = 2 * 32, []
+    probe = mx.zeros((ints,), mx.int32)
+    for r in range(35):
+        t0 = time.perf_counter()
+        mx.eval(dist.all_sum(probe))
+        if r >= 5:
+            times.append(1e3 * (time.perf_counter() - t0))
+    result["broadcast"] = dict(ints=ints, ms=statistics.median(times), repeats=len(times))
+    if group.rank() == 0:
+        print("RESULT " + json.dumps(result, default=_json), flush=True)
+
+
 def make_unseen_prompts(args):
     """Prompts from text the demo models never saw: this project's own source files (written
     after the demo corpus was collected from a Python installation's stdlib and site-packages).
@@ -769,16 +887,18 @@ def _json(o):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "unseen-prompts"])
+    p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "comm", "comm-rank",
+                                       "unseen-prompts"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
     p.add_argument("--target", default="demo")
-    p.add_argument("--draft-model", default=None)
+    p.add_argument("--draft-model", default=None, help="draft model(s), comma separated: an arm ending in /di "
+                                                            "drafts with the i-th (chain:4/d2)")
     p.add_argument("--dflash", default=None, help="a DFlash drafter folder (default: the demo target's)")
     p.add_argument("--mtp", default=None, help="a folder with the target's mtp.* weights (default: the target's)")
     p.add_argument("--eagle3", default=None, help="an EAGLE-3 folder (default: the demo target's)")
     p.add_argument("--arms", default="plain,chain:7,tree:3:8")
     p.add_argument("--prompts", default="unseen,heldout", help="prompt sets or files, comma separated")
-    p.add_argument("--n", type=int, default=20, help="prompts per set")
+    p.add_argument("--n", "--prompts-per-set", dest="n", type=int, default=20, help="prompts per set")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--seconds", type=float, default=None, help="loop: start no prompt after this (all sets)")
     p.add_argument("--ratio", default=None, help="acceptance: print A/B of two arms' emitted per verify")
@@ -796,12 +916,14 @@ def main(argv=None):
     p.add_argument("--nodes", type=int, default=32, help="long: tree nodes (and causal tokens) per forward")
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--overhead-ms", type=float, default=0.5)
+    p.add_argument("--shard", default="tensor,pipeline", help="comm: how the target is split over the processes")
     p.add_argument("--out", default=None, help="write OUT.md and OUT.json instead of bench/results/")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     args.section = args.section or args.command
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
-     "pieces": run_pieces, "unseen-prompts": make_unseen_prompts}[args.command](args)
+     "pieces": run_pieces, "comm": run_comm, "comm-rank": run_comm_rank,
+     "unseen-prompts": make_unseen_prompts}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,11 @@ so the same input gives the same bytes on any machine).
 
 HEADS_DIR holds what bench/train_heads.py exported (float16, published layouts): dflash_target,
 dflash_hybrid (DFlash folders), eagle3_target (SafeAILab EAGLE-3 folder), mtp_post / mtp_pre
-(model-mtp.safetensors + mtp.json), drafter (the mlx-lm folder bench/train_demo_pair.py exported).
+(model-mtp.safetensors + mtp.json), drafter (the mlx-lm folder bench/train_demo_pair.py exported),
+drafter_hybrid (the small qwen3_5 draft model bench/train_heads.py exported).
 Written: demo/dflash, demo/hybrid_dflash, demo/eagle3, the chosen MTP head into demo/hybrid
-(model-mtp.safetensors; mlx-lm's loader drops mtp.*), and demo/drafter (8-bit, mlx-lm's
-`quantization` config entry, so `mlx_lm.load` opens it as before).
+(model-mtp.safetensors; mlx-lm's loader drops mtp.*), demo/drafter and demo/hybrid_drafter (8-bit,
+mlx-lm's `quantization` config entry, so `mlx_lm.load` opens them).
 A drafter's numerics never change an emitted token (the target verifies every one), so
 quantizing costs acceptance only; bench/DEMO_PAIR.md records what it cost.
 """
@@ -152,9 +153,10 @@ def main(argv=None):
         if (src / args.mtp).is_dir() and (not only or args.mtp in only):
             size = ship_mtp(src / args.mtp, to / "hybrid", args.bits, args.group_size)
             print(f"{args.mtp} -> {to / 'hybrid'}/model-mtp.safetensors: {size / 1e6:.2f} MB")
-        if (src / "drafter").is_dir() and (not only or "drafter" in only) and src / "drafter" != to / "drafter":
-            size = ship_drafter(src / "drafter", to / "drafter", args.group_size)
-            print(f"drafter -> {to / 'drafter'}: {size / 1e6:.2f} MB {digest(to / 'drafter')}")
+        for name, folder in (("drafter", "drafter"), ("drafter_hybrid", "hybrid_drafter")):
+            if (src / name).is_dir() and (not only or name in only) and src / name != to / folder:
+                size = ship_drafter(src / name, to / folder, args.group_size)
+                print(f"{name} -> {to / folder}: {size / 1e6:.2f} MB {digest(to / folder)}")
 
 
 if __name__ == "__main__":

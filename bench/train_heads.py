@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Train the drafting heads of the shipped demo models (DFlash, MTP, EAGLE-3).
+"""Train the drafting heads of the shipped demo models (DFlash, MTP, EAGLE-3) and a small
+hybrid draft model.
 
 Standalone script, not part of the runtime library.  It needs torch, transformers (>= 5.17,
 for the Qwen3 / Qwen3.5 classes used to run the frozen demo models), tokenizers, safetensors
@@ -18,13 +19,16 @@ by ``--deadline-seconds`` of wall time counted from the start, it
    (qwen3_5), loaded from their mlx-lm folders: random prompt windows of 64..192 tokens,
    continued greedily by the model itself to a fixed total length (EOS ignored), plus the
    model's layer outputs on the whole sequence (kept on the GPU);
-3. trains five heads concurrently, one process per head on the same GPU, each stopping by
+3. trains six items concurrently, one process per head on the same GPU, each stopping by
    wall time:
    * ``dflash_target``: DFlash block drafter (2 layers, block 16) for the target;
    * ``dflash_hybrid``: the same for the hybrid;
    * ``mtp_post`` / ``mtp_pre``: a Qwen3.5 MTP head for the hybrid, fed the hybrid's last
      hidden after / before its final norm (both kept; the log marks the better one);
    * ``eagle3_target``: an EAGLE-3 head for the target (draft vocab 1024);
+   * ``drafter_hybrid``: not a head but a 2-layer Qwen3.5 LM (one linear-attention layer, one
+     full-attention layer, warm-started from the hybrid's layers 0 and 3) drafting for the
+     hybrid as an ordinary draft model; it reads tokens only, exported as an mlx-lm folder;
 4. scores every head on held-out generated sequences (teacher-forced acceptance proxies),
    exports them in float16 in their published layouts and packs everything into
    ``<out>/heads.tar`` (split into ``heads.tarNN`` pieces below 16 MiB when larger; join
@@ -118,6 +122,10 @@ HEADS = {
         "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
         "torch_dtype": "float16",
     },
+    # not a head: a small Qwen3.5 LM (mlx-lm folder, flat config as the demo hybrid's) drafting
+    # for the hybrid on its own; its arch keys are train_demo_pair.HYBRID_ARCH's
+    "drafter_hybrid": dict(_HYBRID_CONFIG, num_hidden_layers=2, full_attention_interval=2,
+                           layer_types=["linear_attention", "full_attention"]),
 }
 
 # How each head is trained: the frozen model it drafts for, the features it reads
@@ -135,6 +143,10 @@ TRAIN = {
                     unroll=3, decay=0.6, init="hybrid_layer_7"),
     "eagle3_target": dict(kind="eagle3", source="target", features=["layer1", "layer3", "layer4"],
                           lr=1e-3, bs=32, unroll=3, decay=0.8, init="lm_head_from_embedding"),
+    # next-token CE (generated labels weight 1, prompt text prompt_weight) + kl x KL to the
+    # frozen hybrid's logits, computed on the fly in the worker (the data keeps no logits)
+    "drafter_hybrid": dict(kind="drafter", source="hybrid", features=[], lr=1e-3, bs=32,
+                           prompt_weight=0.3, kl=1.0, init="hybrid_layers_0_3"),
 }
 TRAIN_COMMON = dict(betas=(0.9, 0.95), weight_decay=0.01, grad_clip=1.0, warmup_steps=100,
                     min_lr_frac=0.1, init_std=0.02)
@@ -660,6 +672,72 @@ def eval_chain(model, kind, ev, embed_weight, hid_fn, n_steps, train_steps, seq_
                 mean_accepted_at_eval_steps=round(float(ge.sum()), 4))
 
 
+# ============================================================================ small hybrid draft model
+
+
+def build_drafter(cfg):
+    """A transformers Qwen3_5ForCausalLM with cfg's shape (HYBRID_ARCH's keys, read from cfg)."""
+    tdp = _demo_pair()
+    return tdp.build_model("qwen3_5", {k: cfg[k] for k in tdp.HYBRID_ARCH})
+
+
+def export_drafter(model, cfg, folder):
+    """An mlx-lm model folder: flat qwen3_5 config.json, float16 model.safetensors in mlx-lm's
+    post-sanitize layout and the demo tokenizer files, so mlx_lm.load(folder) opens it."""
+    tdp = _demo_pair()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    assert tdp.hybrid_config_dict({k: cfg[k] for k in tdp.HYBRID_ARCH}) == cfg, "drafter config drifted"
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    tdp.save_weights(tdp.mlx_weights("qwen3_5", model), folder)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / f).write_bytes((DEMO / "hybrid" / f).read_bytes())  # they are links there: copy the bytes
+
+
+def drafter_loss(model, tokens, plen, prompt_weight, teacher=None, kl=0.0):
+    """Next-token CE at every position: weight 1 where the label is generated (the target's own
+    greedy token, what the drafter must predict), prompt_weight on the prompt's text; plus
+    kl x KL(frozen model || drafter) at the same weights when a teacher is given."""
+    logq = model(input_ids=tokens).logits[:, :-1].float().log_softmax(-1)
+    gen = torch.arange(1, tokens.shape[1], device=tokens.device)[None] >= plen[:, None]
+    w = gen.float() * (1.0 - prompt_weight) + prompt_weight
+    loss = -logq.gather(-1, tokens[:, 1:, None])[..., 0]
+    if teacher is not None and kl:
+        with torch.no_grad():
+            logp = teacher(input_ids=tokens).logits[:, :-1].float().log_softmax(-1)
+        loss = loss + kl * (logp.exp() * (logp - logq)).sum(-1)
+    return (loss * w).sum() / w.sum()
+
+
+@torch.no_grad()
+def eval_drafter(model, ev, n_steps, seq_chunk, autocast):
+    """Teacher-forced top-1 agreement with the greedy token at generated positions, and the
+    chain acceptance of eval_chain: a chain of n_steps drafted after slot s (a generated token:
+    the bonus token at inference) accepts the leading matches of slots s..s+n_steps-1; while it
+    matches its inputs are the true tokens, so one teacher-forced pass gives it exactly."""
+    N, T = ev["tokens"].shape
+    t = torch.arange(T - 1, device=ev["tokens"].device)
+    hits, chains, ce_sum = [], [], 0.0
+    for i in range(0, N, seq_chunk):
+        tok, plen = ev["tokens"][i:i + seq_chunk], ev["plen"][i:i + seq_chunk]
+        with autocast():
+            logits = model(input_ids=tok).logits[:, :-1].float()
+        hit = logits.argmax(-1) == tok[:, 1:]  # slot s predicts position s + 1
+        gen = (t[None] + 1) >= plen[:, None]
+        ce = F.cross_entropy(logits.transpose(1, 2), tok[:, 1:], reduction="none")
+        hits.append(hit[gen].cpu())
+        ce_sum += float(ce[gen].sum())
+        chains.append(hit.unfold(1, n_steps, 1)[t[None, :T - n_steps] >= plen[:, None]].cpu())
+    h, c = torch.cat(hits).float(), torch.cat(chains).long()
+    ge = c.cumprod(-1).float().mean(0)
+    return dict(generated_positions=int(h.numel()), top1_generated=round(float(h.mean()), 4),
+                heldout_generated_ce=round(ce_sum / max(1, h.numel()), 4), slots=int(c.shape[0]),
+                eval_steps=n_steps, step_top1=[round(float(x), 4) for x in c.float().mean(0)],
+                p_accept_ge=[round(float(x), 4) for x in ge],
+                mean_accepted_at_eval_steps=round(float(ge.sum()), 4),
+                tokens_per_round=round(1 + float(ge.sum()), 4))
+
+
 # ============================================================================ frozen demo models
 
 
@@ -734,7 +812,8 @@ def capture(model, seqs, layer_ids, post, chunk):
     [N, T, n_features, H]; also the teacher-forced argmax and log-probs."""
     N, T = seqs.shape
     H = model.config.hidden_size
-    feats = torch.empty(N, T, len(layer_ids) + post, H, dtype=torch.bfloat16, device=seqs.device)
+    n_feat = len(layer_ids) + post  # 0 for the drafter alone: no features, feats is None
+    feats = torch.empty(N, T, n_feat, H, dtype=torch.bfloat16, device=seqs.device) if n_feat else None
     argmax = torch.empty(N, T, dtype=torch.long, device=seqs.device)
     logp = torch.empty(N, T - 1, device=seqs.device)
     got = {}
@@ -749,7 +828,8 @@ def capture(model, seqs, layer_ids, post, chunk):
             x = seqs[i:i + chunk]
             logits = model(input_ids=x, use_cache=False).logits.float()
             parts = [got[j] for j in layer_ids] + ([model.model.norm(got[last])] if post else [])
-            feats[i:i + chunk] = torch.stack(parts, 2).to(torch.bfloat16)
+            if n_feat:
+                feats[i:i + chunk] = torch.stack(parts, 2).to(torch.bfloat16)
             argmax[i:i + chunk] = logits.argmax(-1)
             logp[i:i + chunk] = logits[:, :-1].log_softmax(-1).gather(2, x[:, 1:, None])[..., 0]
     finally:
@@ -879,6 +959,13 @@ def _init_head(name, spec, model):
                 own[k] = sd["model.layers.7." + k[len("layers.0."):]]
         own["norm.weight"] = sd["model.norm.weight"]
         model.load_state_dict(own)
+    elif init == "hybrid_layers_0_3":  # the drafter: layer 0 <- 0 (linear attn), 1 <- 3 (full attn)
+        sd, mine = demo_state("hybrid"), model.state_dict()
+        own = {k: sd[k.replace("model.layers.1.", "model.layers.3.")] for k in mine if k != "lm_head.weight"}
+        assert all(v.shape == mine[k].shape for k, v in own.items()), "drafter / hybrid shapes differ"
+        missing, unexpected = model.load_state_dict(own, strict=False)  # lm_head is the tied embedding
+        assert set(missing) <= {"lm_head.weight"} and not unexpected, (missing, unexpected)
+        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), "lm_head not tied"
     elif init == "lm_head_from_embedding":  # the target's tied lm_head rows of the draft vocab
         sd = demo_state("target")
         with torch.no_grad():
@@ -900,12 +987,15 @@ def train_head(name, data, opts, log):
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp)
 
     kind = spec["kind"]
-    model = {"dflash": build_dflash, "mtp": build_mtp, "eagle3": build_eagle3}[kind](cfg)
+    model = {"dflash": build_dflash, "mtp": build_mtp, "eagle3": build_eagle3,
+             "drafter": build_drafter}[kind](cfg)
     _init_linear(model, TRAIN_COMMON["init_std"])
     if kind == "eagle3":
         model.set_draft_vocab(data["draft_vocab"])
     _init_head(name, spec, model)
     model.to(device).train()
+    # the drafter's KL target: the frozen hybrid, run here (the data carries no logits)
+    teacher = load_frozen(spec["source"], device) if kind == "drafter" and spec.get("kl") else None
     embed = demo_state("target" if spec["source"] == "target" else "hybrid")["model.embed_tokens.weight"].to(device)
     # stored bf16; without autocast (CPU) the head computes in float32
     feat_fn = _feature_fn(spec, data["feature_names"], torch.bfloat16 if use_amp else torch.float32)
@@ -941,6 +1031,8 @@ def train_head(name, data, opts, log):
             if kind == "dflash":
                 loss = dflash_loss(model, feat_fn(tr, rows), tok, plen, embed, spec["anchors"],
                                    spec["gamma"], gen)
+            elif kind == "drafter":
+                loss = drafter_loss(model, tok, plen, spec["prompt_weight"], teacher, spec.get("kl", 0.0))
             else:
                 loss = chain_loss(model, kind, tok, plen, feat_fn(tr, rows), embed, spec["unroll"],
                                   spec["decay"], t2d_index)
@@ -965,13 +1057,16 @@ def train_head(name, data, opts, log):
     if kind == "dflash":
         metrics = eval_dflash(model, ev, embed, feat_fn, ev_opts["anchor_stride"], ev_opts["seq_chunk"],
                               ev_opts["anchor_chunk"], spec["gamma"], autocast)
+    elif kind == "drafter":
+        metrics = eval_drafter(model, ev, ev_opts["chain_steps"], ev_opts["seq_chunk"], autocast)
     else:
         metrics = eval_chain(model, kind, ev, embed, feat_fn, ev_opts["chain_steps"], spec["unroll"],
                              ev_opts["seq_chunk"], autocast)
     eval_s = time.time() - te
     folder = Path(opts["stage"]) / name
     model.float().cpu()
-    {"dflash": export_dflash, "mtp": export_mtp, "eagle3": export_eagle3}[kind](model, cfg, folder)
+    {"dflash": export_dflash, "mtp": export_mtp, "eagle3": export_eagle3,
+     "drafter": export_drafter}[kind](model, cfg, folder)
     tail = [v for _, v in curve[-100:]]
     res = dict(
         kind=kind, source=spec["source"], features=spec["features"], init=spec["init"],
@@ -979,7 +1074,8 @@ def train_head(name, data, opts, log):
         steps=step, batch_sequences=bs, lr_peak=lr, warmup_steps=warmup,
         schedule="linear warmup (steps), cosine to min_lr_frac x peak over the wall-clock budget",
         **{k: v for k, v in tc.items() if k != "warmup_steps"},
-        **{k: v for k, v in spec.items() if k in ("anchors", "gamma", "unroll", "decay")},
+        **{k: v for k, v in spec.items()
+           if k in ("anchors", "gamma", "unroll", "decay", "prompt_weight", "kl")},
         train_seconds=round(train_s, 1), ms_per_step=round(1000 * train_s / max(1, step), 1),
         sequences_seen=step * bs, final_train_loss=round(float(np.mean(tail)), 4) if tail else None,
         loss_curve=curve[::max(1, len(curve) // 60)] + curve[-1:],
@@ -1052,7 +1148,7 @@ def _worker(name, opts, queue, result_path):
 
 def _pack(stage, names, out, summary):
     """tar the head folders (+ heads_summary.json) into out/heads.tar, or heads.tarNN pieces
-    below 16 MiB (the five heads together are ~17 MiB)."""
+    below 16 MiB (the five heads together are ~17 MiB, the drafter ~4 MiB more)."""
     def plain(ti):
         ti.mode = 0o755 if ti.isdir() else 0o644
         ti.uid = ti.gid = 0

@@ -237,8 +237,6 @@ def _run(args):
     tokenizer_config["trust_remote_code"] = args.trust_remote_code
     model, tokenizer = _load(model_path, args.adapter_path, tokenizer_config, shard=args.shard)
     if args.shard is not None:
-        import mlx.core as mx
-
         if mx.distributed.init().rank() != 0:  # rank 0 prints; every rank computes the same tokens
             sys.stdout = open(os.devnull, "w")
             args.verbose = False
@@ -285,6 +283,10 @@ def _run(args):
 
         prompt_cache = make_prompt_cache(model, max_kv_size=args.max_kv_size)
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    if args.shard is not None and args.seed is None:  # one draw for the whole launch: rank 0's
+        from .launch import shared_seed
+
+        seed = shared_seed(seed)
 
     def progress(done, total):
         if total > args.prefill_step_size and args.verbose is not False:
@@ -375,3 +377,10 @@ def main(argv=None):
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except RuntimeError as e:
+        if args.shard is None:
+            raise
+        # a collective failed: another process of the launch stopped or cannot be reached
+        print(f"error: {e}: another process of this launch stopped or lost its connection; read "
+              "every process's output (mlx.launch exits 0 whatever its processes do)", file=sys.stderr)
+        sys.exit(1)

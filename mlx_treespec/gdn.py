@@ -776,16 +776,27 @@ def _check_cache(cache):
         raise NotImplementedError("tree decoding needs an unpadded cache (left_padding > 0)")
 
 
-def gdn_layer_tree_forward(layer, x: mx.array, cache, parents) -> Tuple[mx.array, Dict[str, Any]]:
+def gdn_layer_tree_forward(layer, x: mx.array, cache, parents,
+                           prior: Optional[Dict[str, Any]] = None) -> Tuple[mx.array, Dict[str, Any]]:
     """Run a GatedDeltaNet layer over a flattened draft tree without writing its cache.
 
     ``x`` ``[B, T, D]`` holds the tree's nodes in topological order. Returns the layer output
     for every node ``[B, T, D]`` (what plain decoding along the node's root path produces at
     that node; bitwise on CPU) and the replay payload for :func:`gdn_layer_commit`.
+
+    ``prior``: the payload of the round's earlier forwards through this layer (a draft model
+    forwards each draft step over the nodes before it). The new nodes then continue that
+    round: ``parents`` index all its nodes (the prior ones first), -1 the committed state; the
+    scan runs over the whole round so each new node starts from its parent's state, and the
+    payload returned covers every node of the round.
     """
     _check_cache(cache)
     B, S, _ = x.shape
-    plan = tree_plan(parents, S)
+    first = 0 if prior is None else prior["parents"].size
+    parents = np.asarray(parents, np.int64)
+    if prior is not None:
+        parents = np.concatenate([prior["parents"], parents])
+    plan = tree_plan(parents, first + S)
     parents = plan.parents
     K = layer.conv_kernel_size
     conv = layer.conv1d
@@ -793,13 +804,17 @@ def gdn_layer_tree_forward(layer, x: mx.array, cache, parents) -> Tuple[mx.array
         raise ValueError("expected a depthwise conv1d of kernel size conv_kernel_size")
 
     qkv, z, b, a = _project(layer, x)
+    if prior is not None:
+        qkv = mx.concatenate([prior["qkv"], qkv], axis=1)
 
-    if cache is not None and cache[0] is not None:
+    if prior is not None:
+        conv_state = prior["conv_state"]
+    elif cache is not None and cache[0] is not None:
         conv_state = cache[0]
     else:
         conv_state = mx.zeros((B, K - 1, layer.conv_dim), dtype=x.dtype)
     bias = conv["bias"] if "bias" in conv else None
-    conv_out = nn.silu(tree_conv1d(conv.weight, conv_state, qkv, plan, bias=bias))
+    conv_out = nn.silu(tree_conv1d(conv.weight, conv_state, qkv, plan, bias=bias))[:, first:]
 
     q, k, v = [
         t.reshape(B, S, h, d)
@@ -815,6 +830,10 @@ def gdn_layer_tree_forward(layer, x: mx.array, cache, parents) -> Tuple[mx.array
     # gated_delta_update's preamble, op for op.
     beta = mx.sigmoid(b)
     g = compute_g(layer.A_log, a, layer.dt_bias)
+    if prior is not None:  # the round's earlier nodes (row-wise ops: the same values as then)
+        state = prior["state"]
+        q, k, v, g, beta = (mx.concatenate([prior[n], t], axis=1)
+                            for n, t in zip(("q", "k", "v", "g", "beta"), (q, k, v, g, beta)))
     if state is None:
         Hk, Dk = q.shape[2:]
         Hv, Dv = v.shape[2:]
@@ -822,6 +841,7 @@ def gdn_layer_tree_forward(layer, x: mx.array, cache, parents) -> Tuple[mx.array
     use_kernel = not layer.training
 
     y, _ = tree_gated_delta(q, k, v, g, beta, state, plan, use_kernel)
+    y = y[:, first:]
 
     out = layer.norm(y, z)
     out = layer.out_proj(out.reshape(B, S, -1))

@@ -11,6 +11,9 @@ tokens the consumer took: all of them, or, when the stream is abandoned inside t
 those. A prompt cache passed in then holds the prompt and every token delivered, mlx-lm's rule,
 also after an exception.
 """
+import hashlib
+import json
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
@@ -21,6 +24,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .cache import cache_kind, committed_offset, restore, snapshot
 from .draft import check_drafter
+from .launch import agree, drafter_digest, in_launch, model_digest
 from .sampling import make_node_sampler
 from .spec import check_int
 from .support import require_tree_support
@@ -296,6 +300,13 @@ def tree_generate_step(
                                  f"from the start, no window for a draft: raise --max-kv-size above {c.keep}")
     choose = make_node_sampler(temp, top_p, min_p, top_k, min_tokens_to_keep, seed, xtc_probability,
                                xtc_threshold, tuple(xtc_special_tokens))
+    if in_launch():  # every process must decode this request alike (launch.py)
+        request = json.dumps([prompt, max_tokens, temp, top_p, min_p, top_k, min_tokens_to_keep, seed,
+                              xtc_probability, xtc_threshold, list(xtc_special_tokens), max_kv_size, kv_bits,
+                              kv_group_size, quantized_kv_start, prefill_step_size, sorted(stop_tokens),
+                              prompt_cache is not None], default=str)
+        agree(model=model_digest(model), drafter=drafter_digest(drafter, model),
+              request=hashlib.sha256(request.encode()).hexdigest())
     stats = stats if stats is not None else RoundStats()
     quantize = _quantizer(kv_bits, kv_group_size, quantized_kv_start)
 
@@ -309,7 +320,7 @@ def tree_generate_step(
         return
     if can_queue(drafter, caches, choose.greedy, kv_bits):  # chains with no host sync per round
         def land(token):
-            if prompt_cache is not None:
+            if prompt_cache is not None and _may_settle():
                 _forward(model, caches, mx.array([token], mx.uint32), quantize)
                 mx.eval([c.state for c in caches])
 
@@ -335,7 +346,7 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
         tokens = mx.array([root], mx.uint32) if root is not None else None
         if held is not None:
             tokens = held if tokens is None else mx.concatenate([held, tokens])
-        if settle and tokens is not None:
+        if settle and tokens is not None and _may_settle():
             _forward(model, caches, tokens, quantize)
             mx.eval([c.state for c in caches])
 
@@ -475,6 +486,15 @@ def _walk(draft, chosen, room, stop_tokens):
     return tree, path[: len(emitted)], emitted
 
 
+def _may_settle():
+    """Whether a generation that ends now may forward its pending tokens into a prompt cache.
+    Not under a launch while an error other than the consumer's stop unwinds it: the error may
+    be a process of the launch that is gone, and a forward would wait on it for ever. The
+    caches then hold every delivered token but the pending ones (design.md, Sharded targets)."""
+    kind = sys.exc_info()[0]
+    return kind is None or issubclass(kind, GeneratorExit) or not in_launch()
+
+
 def _land_delivered(rnd, path, tokens, emitted, delivered, accepted, held, root):
     """A round cut short after `delivered` of its tokens: keep what the target verified of them
     (the root and up to `delivered` accepted nodes); returns (held, root), the delivered tokens
@@ -502,7 +522,7 @@ def _plain_decode(model, caches, root, max_tokens, choose, quantize, stop_tokens
             if token in stop_tokens:
                 break
     finally:
-        if settle:  # the caches end holding every delivered token
+        if settle and _may_settle():  # the caches end holding every delivered token
             if pending is not None:
                 _forward(model, caches, mx.array([pending], mx.uint32), quantize)
             mx.eval([c.state for c in caches])

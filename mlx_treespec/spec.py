@@ -305,7 +305,7 @@ class DraftSpec:
             from .adaptive import AdaptiveDrafter
             from .costmodel import startup_costs
             from .drafters.lookup import LookupDrafter
-            from .verify import in_launch
+            from .launch import in_launch
 
             base = replace(self, adaptive=False).build(draft_model)
             if in_launch():

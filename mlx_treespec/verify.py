@@ -35,11 +35,12 @@ from .cache import (
     snapshot,
 )
 from .draft import Layout
+from .launch import in_launch
 from .tree import ancestors_of, depths_of
 
 __all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "capturing", "check_capture",
            "row_bucket", "pad_keys_default", "width_step", "compiled_forward", "whole_buffer_forward",
-           "reserve", "grown", "layer_span", "in_launch"]
+           "reserve", "grown", "layer_span"]
 
 
 class _Context:
@@ -49,7 +50,7 @@ class _Context:
 
     def __init__(self):
         self.positions = None  # mx int [L] while a tree forward runs
-        self.parents = None  # np int [L]: parents within the forward (-1: committed state)
+        self.parents = None  # np int [L]: round parents of the forward's nodes (-1: committed state)
         self.captured = None  # {layer index: output} while a capturing forward runs
         self.layer_ids = None  # {id(layer module): its index in the model that captures}
         self.last_layer = None  # the last decoder layer output of a capturing forward
@@ -75,7 +76,7 @@ def _gdn_call(self, inputs, mask=None, cache=None):
         return super(type(self), self).__call__(inputs, mask=mask, cache=cache)
     from .gdn import gdn_layer_tree_forward
 
-    out, payload = gdn_layer_tree_forward(self, inputs, cache.inner, _CTX.parents)
+    out, payload = gdn_layer_tree_forward(self, inputs, cache.inner, _CTX.parents, prior=cache.payload)
     cache.record(self, payload)
     return out
 
@@ -142,18 +143,6 @@ def layer_span(model):
             "num_hidden_layers") or len(inner.layers)
         return inner.start_idx, layers, int(total)
     return 0, layers, len(layers)
-
-
-def in_launch():
-    """Whether this process is one of several of an `mlx.launch` (asked once: the group of a
-    process does not change)."""
-    global _IN_LAUNCH
-    if _IN_LAUNCH is None:
-        _IN_LAUNCH = mx.distributed.is_available() and mx.distributed.init().size() > 1
-    return _IN_LAUNCH
-
-
-_IN_LAUNCH = None
 
 
 def _pipeline_group(model):
@@ -265,9 +254,8 @@ class _ArraysLayer:
         return None
 
     def record(self, layer, payload):
-        if self.payload is not None:
-            raise ValueError("a recurrent layer runs one tree forward per round; "
-                             "use an attention-only model as drafter")
+        """The layer's payload after a forward: every node of the round so far (a later forward
+        of the round continues it: gdn.gdn_layer_tree_forward's `prior`)."""
         self.layer, self.payload = layer, payload
 
 
@@ -706,8 +694,7 @@ class TreeRound:
             self.stand_ins = [_STAND_INS[k](c, rnd) for c, k in zip(self.caches, self.kinds)]
         if positions is None:
             positions = self.base + cached_array(self.depths[self._new].astype(np.int32))
-            local = self.parents[self._new] - first
-            _CTX.parents = np.where(self.parents[self._new] < first, -1, local)
+            _CTX.parents = self.parents[self._new]
         pad = self._pad
         if pad:  # filler rows: they see the history and themselves; no real row sees them
             tokens = mx.concatenate([tokens, mx.zeros((pad,), tokens.dtype)])

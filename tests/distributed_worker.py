@@ -46,5 +46,48 @@ def main(mode, folder, dflash, names, n=N):
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def bad_launch(mode, folder, dflash):
+    """Processes that disagree, then one that leaves: every process must end with the same clear
+    error (no hang), and a prompt cache passed in keeps what was delivered."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_treespec.launch import LaunchMismatch
+
+    group = mx.distributed.init()
+    rank = group.rank()
+    model, tok = sharded_load(folder, **{f"{mode}_group": group})
+    prompt = tok.encode(PROMPT)
+    out = {"rank": rank, "errors": {}}
+
+    def attempt(name, prompt, drafter):
+        try:
+            list(tree_generate_step(prompt, model, drafter, max_tokens=N))
+            out["errors"][name] = None
+        except LaunchMismatch as e:
+            out["errors"][name] = str(e)
+
+    attempt("prompt", prompt if rank == 0 else prompt[:-1], DFlashDrafter(bind_dflash(dflash, model), topk=1, depth=7))
+    attempt("drafter", prompt, DFlashDrafter(bind_dflash(dflash, model), topk=1, depth=7 if rank == 0 else 5))
+    attempt("agreed", prompt, DFlashDrafter(bind_dflash(dflash, model), topk=1, depth=7))
+    ref = [t for t, _, _ in tree_generate_step(prompt, model, None, max_tokens=3 * N)]
+    cache = make_prompt_cache(model)
+    got = []
+    try:
+        for t, _, _ in tree_generate_step(prompt, model, LookupDrafter(8, 6), max_tokens=3 * N, prompt_cache=cache):
+            got.append(t)
+            if rank == 1 and len(got) == 3:  # leaves while the other process decodes
+                print("RESULT " + json.dumps(out), flush=True)
+                sys.exit(0)
+    except RuntimeError as e:
+        out["errors"]["peer_left"] = str(e)
+    # every delivered token but the pending ones (a forward of them would wait on the process gone)
+    out["delivered"], out["cache_offset"], out["prompt"] = len(got), cache[3].offset, len(prompt)
+    out["delivered_are_plain"] = got == ref[: len(got)]
+    print("RESULT " + json.dumps(out), flush=True)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:5])
+    if sys.argv[1] == "bad":
+        bad_launch(*sys.argv[2:5])
+    else:
+        main(*sys.argv[1:5])

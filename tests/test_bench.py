@@ -44,6 +44,18 @@ def test_loop_section_tiny(tmp_path):
     assert (tmp_path / "loop.md").read_text().startswith("# loop: demo")
 
 
+def test_comm_section_tiny(tmp_path):
+    # the demo hybrid tensor-parallel over two local processes: collectives counted per round
+    text = run(["comm", "--target", "demo-hybrid", "--shard", "tensor", "--arms", "plain,dflash:7", "--prompts", "unseen",
+                "--n", "1", "--max-tokens", "8", "--out", str(tmp_path / "comm")])
+    assert "## tensor parallel (1 prompts x 8 tokens)" in text and "A broadcast of one round's tree" in text
+    arms = read_json(tmp_path / "comm.json.gz")["modes"]["tensor"]["arms"]
+    assert arms["plain"]["identical"] == arms["dflash:7"]["identical"] == "1/1"
+    # two all_sums per layer and target forward (8 layers); a round is one forward
+    assert arms["plain"]["per_forward"]["all_sum"][0] == arms["dflash:7"]["per_forward"]["all_sum"][0] == 16
+    assert arms["dflash:7"]["per_round"]["all_sum"][0] == 16
+
+
 def test_acceptance_section_tiny(tmp_path):
     text = run(["acceptance", "--arms", "tree:3:8,ddtree:31", "--prompts", "unseen", "--n", "1",
                 "--max-tokens", "12", "--ratio", "ddtree:31/tree:3:8", "--out", str(tmp_path / "acc")])

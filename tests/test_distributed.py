@@ -18,13 +18,13 @@ from mlx_treespec.demo import demo_path  # noqa: E402
 WORKER = Path(__file__).with_name("distributed_worker.py")
 
 
-def launch(mode, folder, dflash, names, timeout=240):
+def launch(*args, timeout=240):
     launcher = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
-    out = subprocess.run([launcher, "--backend", "ring", "-n", "2", "--python", sys.executable, str(WORKER),
-                          mode, str(folder), dflash, names], capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run([launcher, "--backend", "ring", "-n", "2", "--python", sys.executable, str(WORKER)]
+                         + [str(a) for a in args], capture_output=True, text=True, timeout=timeout)
     rows = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and len(rows) == 2, (out.stdout[-2000:], out.stderr[-2000:])
-    return rows
+    return sorted(rows, key=lambda r: r["rank"])
 
 
 def unsharded(model_name, dflash, names):
@@ -68,6 +68,24 @@ def test_sharded_targets_speculate_exactly(mode, model, names):
         assert rows[0]["plain"] == ref and rows[0]["emitted_per_verify"] == epv
     else:  # partial sums in another order: the drafters still read the right rows
         assert rows[0]["emitted_per_verify"]["dflash"] >= 0.8 * epv["dflash"], (rows[0], epv)
+
+
+def test_a_bad_launch_ends_every_process_with_one_clear_error():
+    # processes that differ in their request or drafter raise the same error on every process,
+    # naming what differs, before any collective of the model could hang; afterwards they still
+    # agree. A process that leaves mid-generation ends the other's with an error (no hang: the
+    # launch is bounded by the timeout), and its prompt cache holds what was delivered
+    rows = launch("bad", "tensor", demo_path("hybrid"), demo_path("hybrid_dflash"), timeout=120)
+    for r in rows:
+        assert "differ in their request" in r["errors"]["prompt"], r
+        assert "differ in their drafter" in r["errors"]["drafter"], r
+        assert r["errors"]["agreed"] is None, r
+    left = rows[0]
+    assert "connection to a peer was lost" in left["errors"]["peer_left"], left
+    assert left["delivered"] >= 3 and left["delivered_are_plain"], left
+    # a prefix of what was delivered (the pending tokens stay out: forwarding them would wait
+    # on the process that left)
+    assert left["prompt"] - 1 <= left["cache_offset"] < left["prompt"] + left["delivered"], left
 
 
 def test_the_cli_shards_under_mlx_launch_and_rank_0_prints():

@@ -83,8 +83,82 @@ def test_hybrid_target_with_attention_drafter(pair):
         assert out == ref
 
 
-def test_recurrent_drafter_refused_in_tree_mode(pair):
-    target, draft = pair("qwen3_5")
-    for shape in (dict(draft_block_size=3), dict(tree_topk=2, tree_depth=3, tree_budget=6)):
-        with pytest.raises(ValueError, match="attention-only"):
-            make_drafter(draft, **shape)
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_a_round_of_several_forwards_is_path_decoding(pair, family):
+    # a draft model's round: later forwards hang nodes from earlier ones; each node's logits are
+    # plain decoding of its root path (bitwise on CPU), and keeping a path leaves the caches as
+    # plain decoding of it leaves them
+    from mlx_treespec import TreeRound
+
+    model, _ = pair(family)
+    prompt = prompt_tokens(3)
+    forwards = [([5, 9, 2], [-1, 0, 1]), ([7, 3], [2, 1]), ([1, 8, 4], [3, 4, 0])]
+    tokens = sum((t for t, _ in forwards), [])
+    parents = sum((p for _, p in forwards), [])
+
+    def committed():
+        c = make_prompt_cache(model)
+        model(mx.array(prompt)[None], cache=c)
+        mx.eval([x.state for x in c])
+        return c
+
+    def path(i):
+        return path(parents[i]) + [i] if i >= 0 else []
+
+    caches = committed()
+    rnd = TreeRound(model, caches)
+    logits = mx.concatenate([rnd.forward(mx.array(t, mx.uint32), p) for t, p in forwards])
+    for i in range(len(tokens)):
+        ref = committed()
+        out = model(mx.array([tokens[j] for j in path(i)])[None], cache=ref)[0, -1]
+        assert mx.array_equal(logits[i], out), i
+    keep = path(6)  # 0, 1, 4, 6: across three forwards
+    rnd.keep(keep)
+    ref = committed()
+    model(mx.array([tokens[j] for j in keep])[None], cache=ref)
+    for a, b in zip(states(caches), states(ref)):
+        assert a.shape == b.shape and mx.array_equal(a, b)
+
+
+HYBRID_DRAFT_SHAPES = [dict(draft_block_size=3), dict(tree_topk=3, tree_lanes=1, tree_depth=4),
+                       dict(tree_topk=3, tree_depth=3, tree_budget=10), dict(draft_block_size=3, draft_lookup=6)]
+
+
+@pytest.mark.parametrize("target_family,kw", [("qwen3_5", {}), ("qwen3", {}), ("qwen3", dict(max_kv_size=16)),
+                                              ("qwen3", dict(kv_bits=8, kv_group_size=32, quantized_kv_start=30))])
+def test_hybrid_draft_model_is_exact(pair, target_family, kw):
+    # a small qwen3_5 drafts for a hybrid target and for an attention target (same vocabulary):
+    # chains, one-lane and EAGLE-2 trees, beside a lookup; rotating and 8-bit target caches
+    head_dim = 32 if "kv_bits" in kw else 16  # 8-bit KV groups of 32
+    target = pair("qwen3_5")[0] if target_family == "qwen3_5" else tiny.build(
+        dict(tiny.CONFIGS["qwen3"], head_dim=head_dim), seed=5)
+    draft = pair("qwen3_5")[1]
+    prompt = prompt_tokens(4, n=20)
+    ref = [t for t, _ in generate_step(mx.array(prompt), target, max_tokens=50, **kw)]
+    for shape in HYBRID_DRAFT_SHAPES if not kw else HYBRID_DRAFT_SHAPES[1:3]:
+        stats = RoundStats()
+        out = [t for t, _, _ in tree_generate_step(prompt, target, make_drafter(draft, **shape), max_tokens=50,
+                                                   stats=stats, **kw)]
+        assert out == ref, shape
+        if target_family == "qwen3_5":
+            assert sum(stats.accepted) > 0 and stats.summary()["draft_forwards_per_round"] > 1
+
+
+def test_a_hybrid_drafter_that_is_the_target_is_accepted_whole(pair):
+    # a wrong recurrent state after a commit (a rollback that kept a rejected token, a replay
+    # from the wrong state) would cost acceptance: the target's own weights must be accepted whole
+    target, _ = pair("qwen3_5")
+    twin = tiny.perturbed(target, noise=0.0)
+    prompt = prompt_tokens(5)
+    for shape, depth in ((dict(draft_block_size=3), 3), (dict(tree_topk=2, tree_lanes=1, tree_depth=4), 4)):
+        stats = RoundStats()
+        list(tree_generate_step(prompt, target, make_drafter(twin, **shape), max_tokens=41, stats=stats))
+        assert stats.accepted[:-1] == [depth] * (stats.rounds - 1), (shape, stats.accepted)
+
+
+def test_a_drafter_whose_layers_cannot_fork_is_refused_naming_them():
+    from test_support import MAMBA2, build
+
+    with pytest.raises(ValueError, match="cannot draft trees") as e:
+        make_drafter(build(MAMBA2), draft_block_size=3)
+    assert "layer 0" in str(e.value) and "Mamba2" in str(e.value)

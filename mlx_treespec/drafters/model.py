@@ -6,6 +6,12 @@ re-rank and the tree's topology stay on the device, so the round's one host sync
 A chain is the tree with one lane and one child per node: plain one-token steps, a trim for
 commit, as in mlx-lm's speculative loop. One lane with K children is that chain plus its best
 siblings as leaves.
+
+A hybrid draft model (GatedDeltaNet layers, e.g. a small qwen3_5 for a qwen3_5 target) drafts
+the same shapes: each step's nodes start from their parents' recurrent states (the round's
+tree scan over every node so far), and commit replays the accepted tokens from the committed
+state (gdn.gdn_layer_commit). Its lanes' parents are read on the host (one sync a step for
+EAGLE-2 trees, as over rotating draft caches).
 """
 from dataclasses import dataclass
 
@@ -13,7 +19,6 @@ import numpy as np
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..cache import cache_kind
 from ..draft import Draft, Layout
 from ..tree import chain_parents
 from ..verify import TreeRound, cached_array
@@ -114,9 +119,12 @@ class ModelDrafter:
     capture = ()  # reads no target hidden state
 
     def __init__(self, model, topk=1, depth=8, budget=None, prefill_step_size=2048, lanes=None):
-        if any(cache_kind(c) == "arrays" for c in make_prompt_cache(model)):
-            # lanes of later steps would need recurrent states of earlier lanes
-            raise ValueError("the draft model has recurrent layers; use an attention-only drafter")
+        from ..support import tree_support
+
+        blockers = tree_support(model)
+        if blockers:  # its steps fork over the round's tree as a target's verify does
+            raise ValueError("the draft model cannot draft trees (" + "; ".join(map(str, blockers))
+                             + "): use a draft model of attention and GatedDeltaNet layers")
         self.model = model
         self.topk = topk
         self.lanes = topk if lanes is None else lanes
