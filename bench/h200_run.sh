@@ -15,7 +15,8 @@
 #            ship it 8-bit into /root/hybrid_drafter (bench/ship_heads.py), and pack both into $OUT
 #   drafters the demo hybrid: its attention draft model (/d1) against the hybrid one (/d2, HYBRID_DRAFTER),
 #            beside plain, the default and the DFlash arms, on unseen, held-out and editing prompts
-#   default  the demo target: the default (queued DFlash, then adaptive) vs plain and the fixed arms
+#   default  the default (queued DFlash where rounds queue, then adaptive) vs plain and the fixed arms,
+#            on DEFAULT_TARGETS (demo; "demo demo-hybrid" for both)
 # DFLASH, HYBRID_DFLASH, EAGLE3 override the shipped demo drafters (folders).
 set -u
 export PYTHONPATH=/root/mlx-site:$PWD PYTHONUNBUFFERED=1
@@ -64,9 +65,11 @@ for section in "$@"; do
               --draft-model demo-drafter,${HYBRID_DRAFTER:-/root/hybrid_drafter} \
               --arms plain,auto:dflash,dflash:15,ddtree:31,lookup:16:8,chain:4,chain:4/d2,tree:3:8,tree:3:8/d2 \
               --prompts unseen,heldout,editing --n $N --max-tokens $TOKENS --seconds ${DRAFTERS_SECONDS:-420} --out "$OUT/drafters" ;;
-    default) timeout ${DEFAULT_TIMEOUT:-500} python3 bench/run.py loop --section default --target demo \
+    default) for t in ${DEFAULT_TARGETS:-demo}; do
+            timeout ${DEFAULT_TIMEOUT:-500} python3 bench/run.py loop --section default_$t --target $t \
               --arms plain,auto:dflash,dflash:15,ddtree:31,lookup:16:8 \
-              --prompts unseen,heldout,editing --n $N --max-tokens $TOKENS --seconds ${DEFAULT_SECONDS:-400} --out "$OUT/default" ;;
+              --prompts unseen,heldout,editing --n $N --max-tokens $TOKENS --seconds ${DEFAULT_SECONDS:-400} --out "$OUT/default_$t"
+          done ;;
   esac
 done
 echo "=== done $(date +%T)"

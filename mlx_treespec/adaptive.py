@@ -63,11 +63,12 @@ MATCHES = 4  # host match lengths told apart (longer ones count as this)
 # booked, unless SPIKES_IN_A_ROW uses in a row did: then that is what the arm costs
 SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # Rounds queued ahead (queued.py): the first QUEUED_WARM pay traces and checks and are not booked;
-# after QUEUED_MIN booked rounds whose rate is below QUEUED_LOSS x plain decoding's, the adaptive
-# rounds take over. Not at 1.0: plain's rate is the start-up fit's, taken in quiet conditions, and
-# on the H200 four of six hand-backs at 1.0 left a chain 1.1-1.5x faster than what followed
-# (bench/RESULTS.md, "The default, queued first"); 0.8 itself is not measured yet
-QUEUED_WARM, QUEUED_MIN, QUEUED_LOSS = 3, 8, 0.8
+# once QUEUED_MIN rounds are booked and their rate over all of them (tokens / ms, not an EWMA: a
+# few hard rounds must not end a generation's queueing for good) is below QUEUED_LOSS x plain
+# decoding's, the adaptive rounds take over. Not at 1.0: plain's rate is the start-up fit's, taken
+# in quiet conditions. On the H200 an EWMA over 8 rounds handed back where the chain ran 1.1-2.2x
+# faster than what followed (bench/RESULTS.md, "The default and the hybrid draft model")
+QUEUED_WARM, QUEUED_MIN, QUEUED_LOSS = 3, 16, 0.8
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,7 @@ class AdaptiveDrafter:
         self.last = None  # (arm, start time, nodes) of the round or stretch under way
         self.emitted = 0
         self.scores = None  # draft probability of each node of the last DFlash draft (draft order)
-        self.queued, self.queued_seen = Rate(), 0  # this generation's queued rounds (queue_more)
+        self.queued, self.queued_seen = (0, 0.0, 0), 0  # this generation's booked queued rounds: tokens, ms, count
 
     def prefill(self, prompt, hidden=None):
         if callable(self.costs):  # measured on the first generation (after the gate passed the target)
@@ -313,16 +314,16 @@ class AdaptiveDrafter:
         """After each queued round: whether queueing goes on (its rate, booked as `_close`
         books a round, at least QUEUED_LOSS x plain decoding's)."""
         self.queued_seen += 1
-        rate = self.queued
+        tokens, total, booked = self.queued
         if self.queued_seen <= QUEUED_WARM:
             return True
-        if rate.ms is not None and ms > SPIKE * rate.ms and self.spikes.get("queued", 0) < SPIKES_IN_A_ROW:
+        if booked and ms > SPIKE * total / booked and self.spikes.get("queued", 0) < SPIKES_IN_A_ROW:
             self.spikes["queued"] = self.spikes.get("queued", 0) + 1  # a new shape, once
             return True
         self.spikes["queued"] = 0
-        rate.add(emitted, ms)
+        tokens, total, booked = self.queued = (tokens + emitted, total + ms, booked + 1)
         plain = self.rates["plain"].value
-        return plain is None or rate.uses < QUEUED_MIN or rate.value >= QUEUED_LOSS * plain
+        return plain is None or booked < QUEUED_MIN or tokens / max(total, 1e-6) >= QUEUED_LOSS * plain
 
     def handed_back(self, start, tokens):
         """Queued rounds ended at `start` context rows, having emitted `tokens` (the last is
