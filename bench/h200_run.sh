@@ -13,7 +13,7 @@
 #            hybrid, on unseen text and the repetitive editing workload
 #   hybrid_drafter  train the small qwen3_5 draft model for the demo hybrid (bench/train_heads.py),
 #            ship it 8-bit into /root/hybrid_drafter (bench/ship_heads.py), and pack both into $OUT
-#   drafters the demo hybrid: its attention draft model (/d1) against the hybrid one (/d2, HYBRID_DRAFTER),
+#   drafters the demo hybrid: the attention draft model (/d1) against the hybrid one (/d2, HYBRID_DRAFTER),
 #            beside plain, the default and the DFlash arms, on unseen, held-out and editing prompts
 #   default  the default (queued DFlash where rounds queue, then adaptive) vs plain and the fixed arms,
 #            on DEFAULT_TARGETS (demo; "demo demo-hybrid" for both)
@@ -62,7 +62,7 @@ for section in "$@"; do
             && tar -C /root -cf "$OUT/hybrid_drafter.tar" shipped/hybrid_drafter hd_stage/drafter_hybrid/train_log.json \
             && cp /root/hd_out/train_heads_log.json "$OUT/" ;;
     drafters) timeout ${DRAFTERS_TIMEOUT:-500} python3 bench/run.py loop --section drafters --target demo-hybrid \
-              --draft-model demo-drafter,${HYBRID_DRAFTER:-/root/hybrid_drafter} \
+              --draft-model demo-drafter,${HYBRID_DRAFTER:-demo-hybrid-drafter} \
               --arms plain,auto:dflash,dflash:15,ddtree:31,lookup:16:8,chain:4,chain:4/d2,tree:3:8,tree:3:8/d2 \
               --prompts unseen,heldout,editing --n $N --max-tokens $TOKENS --seconds ${DRAFTERS_SECONDS:-420} --out "$OUT/drafters" ;;
     default) for t in ${DEFAULT_TARGETS:-demo}; do

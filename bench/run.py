@@ -41,7 +41,7 @@ from mlx_treespec.spec import DraftSpec  # noqa: E402
 
 # the drafter each demo target uses, by kind
 DEMO_DRAFTERS = {"demo": {"model": "demo-drafter", "dflash": "demo-dflash", "eagle3": "demo-eagle3", "mtp": "demo"},
-                 "demo-hybrid": {"model": "demo-drafter", "dflash": "demo-hybrid-dflash", "mtp": "demo-hybrid"}}
+                 "demo-hybrid": {"model": "demo-hybrid-drafter", "dflash": "demo-hybrid-dflash", "mtp": "demo-hybrid"}}
 
 
 def _commit(meta):

@@ -20,11 +20,12 @@ __all__ = ["main", "setup_arg_parser", "resolve_model_path", "DEMO_MODELS"]
 
 # Shipped demo folders (mlx_treespec/demo/<folder>) by the names the CLI takes
 DEMO_MODELS = {"demo": "target", "demo-target": "target", "demo-hybrid": "hybrid",
-               "demo-drafter": "drafter", "demo-dflash": "dflash", "demo-hybrid-dflash": "hybrid_dflash",
-               "demo-eagle3": "eagle3"}
-# The drafter each demo target uses when none is named, by --drafter kind
+               "demo-drafter": "drafter", "demo-hybrid-drafter": "hybrid_drafter", "demo-dflash": "dflash",
+               "demo-hybrid-dflash": "hybrid_dflash", "demo-eagle3": "eagle3"}
+# The drafter each demo target uses when none is named, by --drafter kind (the hybrid's draft
+# model is a small hybrid: it agrees with its target more than the attention drafter does)
 DEMO_DRAFTERS = {("demo", "model"): "demo-drafter", ("demo-target", "model"): "demo-drafter",
-                 ("demo-hybrid", "model"): "demo-drafter", ("demo", "dflash"): "demo-dflash",
+                 ("demo-hybrid", "model"): "demo-hybrid-drafter", ("demo", "dflash"): "demo-dflash",
                  ("demo-target", "dflash"): "demo-dflash", ("demo-hybrid", "dflash"): "demo-hybrid-dflash",
                  ("demo", "eagle3"): "demo-eagle3", ("demo-target", "eagle3"): "demo-eagle3"}
 

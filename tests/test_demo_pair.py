@@ -1,7 +1,8 @@
 """The shipped demo models load with mlx_lm and produce their recorded greedy tokens.
 
 The expectations were recorded on CPU (mlx 0.32.4, mlx-lm 0.32.2) with the shipped
-float16 weights (the drafter is shipped 8-bit since 2026-12-01: the same tokens); a broken
+float16 weights (the drafter is shipped 8-bit since 2026-12-01: the same tokens; the hybrid
+drafter 8-bit since 2026-12-02); a broken
 export (wrong weight names, layout, norm offsets, config keys or tokenizer) changes them.
 """
 
@@ -29,6 +30,9 @@ EXPECTED = {
     # 'code, name, name, name, name, name, name, name, name, name,'
     "hybrid": [1086, 12, 657, 12, 657, 12, 657, 12, 657, 12, 657, 12, 657, 12, 657, 12, 657,
                12, 657, 12],
+    # 'def parse(def parse(def parse(...': a 2-layer model alone, trained on the hybrid's own
+    # continuations, not on prompts like this one (shipped 8-bit, 2026-12-02)
+    "hybrid_drafter": [323, 2513, 8] * 6 + [323, 2513],
 }
 
 TOKENIZER_PROBES = [
@@ -63,10 +67,13 @@ def test_greedy_tokens(loaded, name):
 def test_config_and_files(name):
     path = Path(demo_path(name))
     cfg = json.loads((path / "config.json").read_text())
-    assert cfg["model_type"] == ("qwen3_5" if name == "hybrid" else "qwen3")
+    assert cfg["model_type"] == ("qwen3_5" if name.startswith("hybrid") else "qwen3")
     assert cfg["vocab_size"] == 4096 and cfg["tie_word_embeddings"] is True
     log = json.loads((path / "train_log.json").read_text())
-    assert log["heldout_ppl"] > 1.0 and log["tokens_seen"] > 0
+    if name == "hybrid_drafter":  # bench/train_heads.py's record: agreement with the hybrid's greedy tokens
+        assert log["heldout"]["top1_generated"] > 0.5 and log["sequences_seen"] > 0
+    else:
+        assert log["heldout_ppl"] > 1.0 and log["tokens_seen"] > 0
     for f in path.glob("*.safetensors"):
         assert f.stat().st_size <= 15 * 1024 * 1024, f  # sharded below 15 MiB
 
@@ -85,5 +92,5 @@ def test_tokenizers_identical(loaded):
 
 def test_target_beats_drafter():
     ppl = {n: json.loads((Path(demo_path(n)) / "train_log.json").read_text())["heldout_ppl"]
-           for n in NAMES}
+           for n in ("target", "drafter")}
     assert ppl["target"] < 0.8 * ppl["drafter"]

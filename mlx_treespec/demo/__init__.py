@@ -6,7 +6,9 @@ tokenizer, each an mlx-lm folder that ``mlx_lm.load`` opens offline:
 * ``target``: Qwen3 (mlx-lm ``qwen3``), 8 layers, hidden 384, ~14.2M parameters;
 * ``drafter``: Qwen3, 2 layers, hidden 256, ~2.6M parameters;
 * ``hybrid``: Qwen3.5 text model (mlx-lm ``qwen3_5``): GatedDeltaNet linear attention
-  with full attention every 4th layer, 8 layers, hidden 256, ~4.1M parameters.
+  with full attention every 4th layer, 8 layers, hidden 256, ~4.1M parameters;
+* ``hybrid_drafter``: a Qwen3.5 draft model for the hybrid (one GatedDeltaNet layer, one full
+  attention layer, hidden 256, ~1.9M parameters, 8-bit), trained on the hybrid's own greedy text.
 
 and drafting heads trained on the targets' hidden states (bench/DEMO_PAIR.md, "The drafting
 heads"): ``dflash`` (a DFlash block drafter for the target), ``hybrid_dflash`` (for the hybrid),
@@ -19,7 +21,7 @@ heads"): ``dflash`` (a DFlash block drafter for the target), ``hybrid_dflash`` (
 
 from pathlib import Path
 
-NAMES = ("target", "drafter", "hybrid")  # mlx-lm model folders
+NAMES = ("target", "drafter", "hybrid", "hybrid_drafter")  # mlx-lm model folders
 HEADS = ("dflash", "hybrid_dflash", "eagle3")  # drafting heads (no tokenizer: they use the target's)
 
 
