@@ -34,24 +34,27 @@ class LaunchMismatch(ValueError):
     pass
 
 
-def _sample_digest(h, arrays):
-    """Shapes, dtypes and 64 evenly spaced rows of each array into the hash `h`: exact bytes
-    (no float reduction, whose order could differ between machines), and cheap for a large
-    embedding."""
+def _array_digest(h, arrays):
+    """Shapes, dtypes and two integer checksums of each array's bits into the hash `h`: the sum
+    of its words and the sum weighted by position, both mod 2^32. Integer sums are exact in any
+    order, so machines that reduce in another order agree; any changed element changes them."""
     for name, a in arrays:
         h.update(f"{name}{tuple(a.shape)}{a.dtype}".encode())
-        if a.ndim == 0 or a.size == 0:
+        if a.size == 0:
             continue
-        rows = np.unique(np.linspace(0, a.shape[0] - 1, num=min(64, a.shape[0])).astype(np.int64))
-        part = a[mx.array(rows)]
-        if part.dtype == mx.bfloat16:  # numpy has no bfloat16: its bits as uint16
-            part = part.view(mx.uint16)
-        h.update(np.array(part).tobytes())
+        words = a.reshape(-1).view({1: mx.uint8, 2: mx.uint16}.get(a.dtype.size, mx.uint32)).astype(mx.uint32)
+        sums = []
+        for start in range(0, words.size, 1 << 24):  # bounded temporaries for a large embedding
+            w = words[start: start + (1 << 24)]
+            pos = mx.arange(start, start + w.size, dtype=mx.uint32) * 2654435761 + 1  # wraps
+            sums += [mx.sum(w), mx.sum(w * pos)]
+        h.update(np.array(mx.stack(sums)).astype(np.uint32).tobytes())
 
 
 def model_digest(model):
     """The parts of a model every process holds whole: its config and the parameters outside
-    its decoder layers (tensor and pipeline sharding split only the layers). Kept on the model."""
+    its decoder layers (tensor and pipeline sharding split only the layers). Kept on the model
+    (computed once: a pass over the embedding)."""
     cached = model.__dict__.get("_treespec_launch_digest")
     if cached is not None:
         return cached
@@ -59,7 +62,7 @@ def model_digest(model):
     args = getattr(model, "args", None)
     config = vars(args) if args is not None and hasattr(args, "__dict__") else {}
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
-    _sample_digest(h, [(k, v) for k, v in tree_flatten(model.parameters()) if ".layers." not in f".{k}"])
+    _array_digest(h, [(k, v) for k, v in tree_flatten(model.parameters()) if ".layers." not in f".{k}"])
     model.__dict__["_treespec_launch_digest"] = out = h.hexdigest()
     return out
 
@@ -68,7 +71,7 @@ def drafter_digest(drafter, target):
     """The drafter's kind, shape and weights (its own modules; the target's, which a head binds,
     are the model's digest)."""
     h = hashlib.sha256()
-    seen = {id(target)}
+    seen = {id(m) for _, m in target.named_modules()}  # what a head binds of the target: the model's digest
 
     def visit(obj, depth):
         h.update(type(obj).__name__.encode())
@@ -77,7 +80,7 @@ def drafter_digest(drafter, target):
                 h.update(f"{key}={value!r};".encode())
             elif isinstance(value, nn.Module) and id(value) not in seen:
                 seen.add(id(value))
-                _sample_digest(h, [(f"{key}.{k}", v) for k, v in tree_flatten(value.parameters())])
+                _array_digest(h, [(f"{key}.{k}", v) for k, v in tree_flatten(value.parameters())])
             elif depth < 2 and not isinstance(value, (nn.Module, type)) and (
                     callable(getattr(value, "draft", None)) or isinstance(getattr(value, "model", None), nn.Module)):
                 visit(value, depth + 1)  # a drafter inside (adaptive, merged) or a bound head

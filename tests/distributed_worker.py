@@ -66,6 +66,15 @@ def bad_launch(mode, folder, dflash):
         except LaunchMismatch as e:
             out["errors"][name] = str(e)
 
+    # another model on one process: its embedding (a replicated part) differs in one row
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    name, embed = next((k, v) for k, v in tree_flatten(model.parameters()) if k.endswith("embed_tokens.weight"))
+    if rank == 1:
+        model.update(tree_unflatten([(name, embed.at[7].add(1.0))]))
+    attempt("model", prompt, DFlashDrafter(bind_dflash(dflash, model), topk=1, depth=7))
+    model.update(tree_unflatten([(name, embed)]))
+    model.__dict__.pop("_treespec_launch_digest", None)  # (the digest is kept on the model)
     attempt("prompt", prompt if rank == 0 else prompt[:-1], DFlashDrafter(bind_dflash(dflash, model), topk=1, depth=7))
     attempt("drafter", prompt, DFlashDrafter(bind_dflash(dflash, model), topk=1, depth=7 if rank == 0 else 5))
     attempt("agreed", prompt, DFlashDrafter(bind_dflash(dflash, model), topk=1, depth=7))

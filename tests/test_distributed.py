@@ -71,12 +71,13 @@ def test_sharded_targets_speculate_exactly(mode, model, names):
 
 
 def test_a_bad_launch_ends_every_process_with_one_clear_error():
-    # processes that differ in their request or drafter raise the same error on every process,
+    # processes that differ in their model, request or drafter raise the same error on every process,
     # naming what differs, before any collective of the model could hang; afterwards they still
     # agree. A process that leaves mid-generation ends the other's with an error (no hang: the
     # launch is bounded by the timeout), and its prompt cache holds what was delivered
     rows = launch("bad", "tensor", demo_path("hybrid"), demo_path("hybrid_dflash"), timeout=120)
     for r in rows:
+        assert "differ in their model" in r["errors"]["model"], r
         assert "differ in their request" in r["errors"]["prompt"], r
         assert "differ in their drafter" in r["errors"]["drafter"], r
         assert r["errors"]["agreed"] is None, r
