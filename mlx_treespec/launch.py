@@ -51,20 +51,27 @@ def _array_digest(h, arrays):
         h.update(np.array(mx.stack(sums)).astype(np.uint32).tobytes())
 
 
-def model_digest(model):
-    """The parts of a model every process holds whole: its config and the parameters outside
-    its decoder layers (tensor and pipeline sharding split only the layers). Kept on the model
-    (computed once: a pass over the embedding)."""
-    cached = model.__dict__.get("_treespec_launch_digest")
+def module_digest(module, replicated_only=False):
+    """A module's config (`args`) and parameters; with `replicated_only`, the parameters outside
+    its decoder layers only (tensor and pipeline sharding split only the layers: what every
+    process holds whole). Kept on the module (computed once: a pass over its weights)."""
+    key = "_treespec_launch_digest" + ("_replicated" if replicated_only else "")
+    cached = module.__dict__.get(key)
     if cached is not None:
         return cached
     h = hashlib.sha256()
-    args = getattr(model, "args", None)
+    args = getattr(module, "args", None)
     config = vars(args) if args is not None and hasattr(args, "__dict__") else {}
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
-    _array_digest(h, [(k, v) for k, v in tree_flatten(model.parameters()) if ".layers." not in f".{k}"])
-    model.__dict__["_treespec_launch_digest"] = out = h.hexdigest()
+    _array_digest(h, [(k, v) for k, v in tree_flatten(module.parameters())
+                      if not replicated_only or ".layers." not in f".{k}"])
+    module.__dict__[key] = out = h.hexdigest()
     return out
+
+
+def model_digest(model):
+    """The target's digest: its replicated parts (`module_digest`)."""
+    return module_digest(model, replicated_only=True)
 
 
 def drafter_digest(drafter, target):
@@ -80,7 +87,7 @@ def drafter_digest(drafter, target):
                 h.update(f"{key}={value!r};".encode())
             elif isinstance(value, nn.Module) and id(value) not in seen:
                 seen.add(id(value))
-                _array_digest(h, [(f"{key}.{k}", v) for k, v in tree_flatten(value.parameters())])
+                h.update(f"{key}:{module_digest(value)};".encode())
             elif depth < 2 and not isinstance(value, (nn.Module, type)) and (
                     callable(getattr(value, "draft", None)) or isinstance(getattr(value, "model", None), nn.Module)):
                 visit(value, depth + 1)  # a drafter inside (adaptive, merged) or a bound head

@@ -74,7 +74,7 @@ def bad_launch(mode, folder, dflash):
         model.update(tree_unflatten([(name, embed.at[7].add(1.0))]))
     attempt("model", prompt, DFlashDrafter(bind_dflash(dflash, model), topk=1, depth=7))
     model.update(tree_unflatten([(name, embed)]))
-    model.__dict__.pop("_treespec_launch_digest", None)  # (the digest is kept on the model)
+    model.__dict__.pop("_treespec_launch_digest_replicated", None)  # (the digest is kept on the model)
     attempt("prompt", prompt if rank == 0 else prompt[:-1], DFlashDrafter(bind_dflash(dflash, model), topk=1, depth=7))
     attempt("drafter", prompt, DFlashDrafter(bind_dflash(dflash, model), topk=1, depth=7 if rank == 0 else 5))
     attempt("agreed", prompt, DFlashDrafter(bind_dflash(dflash, model), topk=1, depth=7))
