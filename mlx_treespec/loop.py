@@ -31,7 +31,7 @@ from .support import require_tree_support
 from .tree import MAX_NODES, DraftTree
 from .adaptive import PlainStretch
 from .queued import can_queue, queued_rounds
-from .verify import TreeRound, cached_array, capturing, check_capture
+from .verify import TreeRound, cached_array, capturing, check_capture, rows_are_steps
 from .walk import greedy_walk
 
 DEFAULT_QUANTIZED_KV_START = 5000
@@ -341,6 +341,7 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
     # (accepted, left to lead the next forward) and the root (the last delivered token).
     # `resume`: (root, tokens emitted) where queued rounds handed the generation over
     held, (root, n) = None, (resume or (prompt[-1], 0))
+    rerun = kv_bits is None and rows_are_steps(model)  # held tokens lead a plain forward (a stretch's)
 
     def land():  # put the pending tokens in the caches: a prompt cache's rule (see the docstring)
         tokens = mx.array([root], mx.uint32) if root is not None else None
@@ -396,7 +397,7 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
                 for i, t in enumerate(emitted):
                     delivered = i + 1
                     yield t, logprobs[i], i < accepted
-                held, root = rnd.commit(path, draft.tokens, rerun=kv_bits is None), emitted[-1]   # commit
+                held, root = rnd.commit(path, draft.tokens, rerun=rerun), emitted[-1]               # commit
             except BaseException:  # the consumer stopped after `delivered` tokens, or the commit raised
                 held, root = _land_delivered(rnd, path, draft.tokens, emitted, delivered, accepted, held, root)
                 raise

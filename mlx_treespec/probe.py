@@ -118,6 +118,10 @@ class ProbeReport:
             w = self.worst()
             if w is None:
                 return "no topology probed"
+            if not self.exact:  # on CPU a verify must be bitwise: a difference with no flip yet
+                return (f"verify is not bitwise one-token decoding on {self.device} ({self.dtype}): max "
+                        f"|dlogit| {self.max_abs_diff:.3g} (0 argmax flips in {self.checked} nodes; a near-tie "
+                        "would flip)")
             return (f"verify matches one-token decoding on {self.device} ({self.dtype}): "
                     f"0 argmax flips in {self.checked} nodes, max |dlogit| {self.max_abs_diff:.3g}")
         w = self.worst()

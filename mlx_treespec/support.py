@@ -4,6 +4,7 @@
 its layer index, all of them at once, so a user learns everything that stands in the way from a
 single error.
 """
+import functools
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -11,7 +12,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from .cache import cache_kind
-from .verify import GDN_CLASSES
+from .verify import GDN_CLASSES, ROPE_KEYS
 
 # Families whose trees the test suite pins byte-identical to mlx-lm's decoding on CPU
 # (tests/test_support.py::test_every_pinned_family_verifies_exactly and the drafter tests). A
@@ -91,6 +92,24 @@ def _is_attention(module):
     return "attention" in name or "attn" in name
 
 
+def _ropes(layer):
+    return [r for _, m in layer.named_modules() if isinstance(m, dict)
+            for r in (m.get(k) for k in ROPE_KEYS) if isinstance(r, nn.Module)]
+
+
+@functools.lru_cache(maxsize=None)
+def _source_calls_rope(module_name):
+    """Whether a model file calls mx.fast.rope itself (with the cache's offset: one position for
+    every token of a forward)."""
+    import inspect
+    import sys
+
+    try:
+        return "fast.rope(" in inspect.getsource(sys.modules[module_name])
+    except (KeyError, OSError, TypeError):
+        return False
+
+
 def tree_support(model) -> List[Blocker]:
     """Every reason this model cannot run tree verify, read from its layers and caches (not from
     its family's name); empty when it can."""
@@ -106,9 +125,12 @@ def tree_support(model) -> List[Blocker]:
         else:
             base_names = {c.__name__ for _, m in layer.named_modules() for c in type(m).__mro__}
             has_gdn = bool(base_names & GDN_CLASSES)
-            ropes = [m.get("rope") for _, m in layer.named_modules() if isinstance(m, dict)]
-            ropes = [r for r in ropes if isinstance(r, nn.Module)]
-            attention = any(_is_attention(m) for _, m in layer.named_modules())
+            ropes = _ropes(layer)
+            attention = [m for _, m in layer.named_modules() if _is_attention(m)]
+            if attention and not ropes and any(_source_calls_rope(type(m).__module__) for m in attention):
+                blockers.append(Blocker(i, f"its attention ({type(attention[0]).__name__}) calls mx.fast.rope "
+                                           "itself with the cache offset: no rope module to give each token "
+                                           "of a tree its own position"))
             if has_gdn:
                 has_any_gdn = True
                 if not _gdn_ready():
@@ -124,11 +146,19 @@ def tree_support(model) -> List[Blocker]:
                     blockers.append(Blocker(i, f"its rope ({type(rope).__name__}) takes no per-token "
                                                f"positions: {why}"))
                     break
+    for name, m in model.named_modules():  # gpt2's wpe: one position per forward, the cache offset's
+        if isinstance(m, nn.Embedding) and (name.rsplit(".", 1)[-1] == "wpe" or "position" in name.rsplit(".", 1)[-1]):
+            blockers.append(Blocker(None, f"learned absolute position embeddings ({name}) are read at the "
+                                          "cache offset, not at each token's position in a tree"))
     try:
         caches = make_prompt_cache(model)
     except Exception as e:  # a model that cannot even make its caches cannot be verified
         blockers.append(Blocker(None, f"cannot build the model's caches: {e}"))
         caches = []
+    kinds = [cache_kind(c) for c in caches]
+    if has_any_gdn and kinds and not {"append", "rotating"} & set(kinds):  # forkable, but from where?
+        blockers.append(Blocker(None, "no attention layer: a tree round reads the committed length from an "
+                                      "attention cache (recurrent caches keep none)"))
     for i, c in enumerate(caches):
         kind = cache_kind(c)
         if kind is None:

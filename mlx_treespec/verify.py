@@ -40,7 +40,7 @@ from .tree import ancestors_of, depths_of
 
 __all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "capturing", "check_capture",
            "row_bucket", "pad_keys_default", "width_step", "compiled_forward", "whole_buffer_forward",
-           "reserve", "grown", "layer_span"]
+           "reserve", "grown", "layer_span", "rows_are_steps"]
 
 
 class _Context:
@@ -81,6 +81,39 @@ def _gdn_call(self, inputs, mask=None, cache=None):
     return out
 
 
+def _mla_call(self, x, mask=None, cache=None):
+    """Multi-head latent attention (deepseek_v3's, glm4_moe_lite's) in a tree forward. mlx-lm
+    attends over the latent rows for one token (the query absorbed into the latent space,
+    decoding's arithmetic) and over expanded K/V for several (prefill's): a verify of several
+    nodes must take decoding's arithmetic for every row to be decoding, bitwise on CPU. The
+    same steps as mlx-lm's one-token branch, for any number of rows."""
+    if _CTX.positions is None:
+        return super(type(self), self).__call__(x, mask=mask, cache=cache)
+    from mlx_lm.models.base import scaled_dot_product_attention
+
+    B, L, _ = x.shape
+    q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    q_nope, q_pe = mx.split(q.reshape(B, L, self.num_heads, self.q_head_dim).transpose(0, 2, 1, 3),
+                            [self.qk_nope_head_dim], axis=-1)
+    latent, k_pe = mx.split(self.kv_a_proj_with_mqa(x), [self.kv_lora_rank], axis=-1)
+    k_pe = k_pe.reshape(B, L, 1, self.qk_rope_head_dim).transpose(0, 2, 1, 3)
+    latent = mx.expand_dims(self.kv_a_layernorm(latent), axis=1)
+    q_pe, k_pe = self.rope(q_pe, cache.offset), self.rope(k_pe, cache.offset)  # per-token positions
+    latent, k_pe = cache.update_and_fetch(latent, k_pe)
+    scores = (q_pe * self.scale) @ k_pe.swapaxes(-1, -2)
+    if mask is not None:  # the round's mask: boolean (CPU) or additive (GPU)
+        low = mx.array(mx.finfo(scores.dtype).min, scores.dtype)
+        scores = mx.where(mask, scores, low) if mask.dtype == mx.bool_ else scores + mask.astype(scores.dtype)
+    out = scaled_dot_product_attention(self.embed_q(q_nope), latent, latent, cache=cache, scale=self.scale,
+                                       mask=scores)
+    return self.o_proj(self.unembed_out(out).transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+# Attention classes whose several-token forward is not their one-token arithmetic, and the tree
+# forward that is (by class name)
+MLA_CLASSES = {"DeepseekV3Attention", "Glm4MoeLiteAttention"}
+
+
 def _layer_call(self, *args, **kwargs):
     out = super(type(self), self).__call__(*args, **kwargs)
     captured = _CTX.captured
@@ -114,6 +147,8 @@ def is_tree_module(module):
 
 # Recurrent layer classes that fork over a tree (mlx_treespec.gdn), by class name
 GDN_CLASSES = {"GatedDeltaNet", "Qwen3NextGatedDeltaNet"}
+# Where a layer keeps its rope module (re-classed to take per-token positions)
+ROPE_KEYS = ("rope", "rotary_emb")
 
 
 def install(model):
@@ -123,12 +158,26 @@ def install(model):
     for _, module in model.named_modules():
         if not isinstance(module, nn.Module) or is_tree_module(module):
             continue
-        rope = module.get("rope")
-        if isinstance(rope, nn.Module):
-            _make_tree_module(rope, _rope_call)
+        for key in ROPE_KEYS:
+            rope = module.get(key)
+            if isinstance(rope, nn.Module):
+                _make_tree_module(rope, _rope_call)
         if type(module).__name__ in GDN_CLASSES:
             _make_tree_module(module, _gdn_call)
+        if type(module).__name__ in MLA_CLASSES:
+            _make_tree_module(module, _mla_call)
     model._treespec_installed = True
+    model._treespec_rows_are_steps = not any(type(m).__dict__.get("__call__") is _mla_call
+                                             for _, m in model.named_modules())
+
+
+def rows_are_steps(model):
+    """Whether the model's plain forward of several tokens is, row by row, its one-token
+    decoding (on CPU, bitwise). Not with multi-head latent attention: mlx-lm computes several
+    rows by prefill's arithmetic there. Where it is not, a chain verifies through the tree
+    forward and accepted tokens are never re-run in a plain forward."""
+    install(model)
+    return model._treespec_rows_are_steps
 
 
 def layer_span(model):
@@ -627,7 +676,7 @@ class TreeRound:
         first = self._add(parents)
         self._new = slice(first, self.size)
         self._rows = None
-        if self.all_append and self.chain and (not self.pad_keys or len(parents) == 1):
+        if self.all_append and self.chain and (not self.pad_keys or len(parents) == 1) and rows_are_steps(self.model):
             # Every node sees everything before it: the plain causal forward is the same forward.
             # (One-token attention takes any key length without a new kernel plan.)
             with capturing(self.model, self.capture) as cap:

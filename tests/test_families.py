@@ -18,6 +18,7 @@ with why, as a strict xfail, so a fix shows up as an XPASS and a new gap as a fa
 """
 import functools
 import importlib
+import inspect
 import pkgutil
 import traceback
 
@@ -25,7 +26,9 @@ import numpy as np
 import mlx.core as mx
 import mlx_lm.models
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
+from mlx_lm.utils import _get_classes
 
 import tiny
 from mlx_treespec import support, tree_generate_step
@@ -37,39 +40,54 @@ from mlx_treespec.support import UnsupportedTarget, require_tree_support, tree_s
 POOL = dict(
     # other spellings of BASE's sizes
     n_embd=64, d_model=64, model_dim=64, n_head=4, num_heads=4, n_kv_heads=2, num_kv_heads=2,
-    n_layer=2, n_layers=2, num_layers=2, n_positions=4096, n_ctx=4096, n_inner=128,
-    ffn_hidden_size=128, num_vocab=tiny.VOCAB, kv_channels=16,
+    n_layer=2, n_layers=2, num_layers=2, n_positions=4096, n_ctx=4096, block_size=4096,
+    n_inner=128, ffn_hidden_size=128, shared_intermediate_size=64, num_vocab=tiny.VOCAB,
+    kv_channels=16, num_attention_groups=2,
     layer_norm_eps=1e-5, layer_norm_epsilon=1e-5, norm_eps=1e-5, norm_epsilon=1e-5,
     # projections and norms
     attention_bias=False, mlp_bias=False, use_bias=False, qk_norm=True, use_qk_norm=True,
-    post_norm=False, hidden_act="silu",
+    post_norm=False,
     # rope
-    rope_scaling=None, partial_rotary_factor=0.5, rotary_dim=8, rotary_pct=0.5,
-    rotary_emb_base=10000.0,
+    rope_scaling=None, partial_rotary_factor=0.5, rotary_dim=8, rotary_pct=0.5, rotary_emb_base=10000.0,
     # sliding windows
     sliding_window=8,
     # mixture of experts
-    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_topk=2,
-    moe_intermediate_size=32, expert_ffn_hidden_size=32, n_shared_experts=1, num_shared_experts=1,
+    num_experts=4, num_local_experts=4, n_routed_experts=4, moe_num_experts=4,
+    num_experts_per_tok=2, moe_topk=2, moe_intermediate_size=32, expert_ffn_hidden_size=32,
+    n_shared_experts=1, num_shared_experts=1,
     shared_expert_intermediate_size=64, norm_topk_prob=True, routed_scaling_factor=1.0,
     first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="noaux_tc",
     scoring_func="sigmoid", moe_layer_freq=1, decoder_sparse_step=1, mlp_only_layers=[],
     zero_expert_num=0,
     # multi-head latent attention
-    kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
     # linear attention / state-space layers
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
     linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=2,
     conv_kernel=4, conv_bias=True, use_conv_bias=True, conv_L_cache=3, state_size=16, n_groups=1,
-    time_step_rank="auto", time_step_limit=(0.0, float("inf")),
-    # muP-style multipliers
+    time_step_rank="auto", time_step_limit=(0.0, float("inf")), linear_allow_neg_eigval=False,
+    layer_group_size=2, group_norm_size=1, ssm_state_size=16, mamba_d_state=8, mamba_d_conv=4,
+    mamba_expand=2, mamba_num_heads=4, mamba_head_dim=16, mamba_proj_bias=False, conv1d_width=4,
+    a_low_rank_dim=8, v_low_rank_dim=8, gate_low_rank_dim=8, decay_low_rank_dim=8,
+    # soft-capping and muP-style multipliers
+    logits_soft_cap=30.0, attention_window_size=8,
     logits_scaling=1.0, attention_multiplier=0.25, embedding_multiplier=1.0,
     residual_multiplier=1.0, dim_model_base=64, scale_depth=1.0, scale_emb=1.0,
 )
 
+# Per-layer patterns mean something else to each family that reads them, so they go only to a
+# ModelArgs that requires them; the others keep their own defaults.
+PATTERNS = dict(layer_types=["sliding_attention", "full_attention"],
+                rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+
 PINNED = {c["model_type"]: c for c in list(tiny.CONFIGS.values()) + list(tiny.COVERAGE.values())}
 
 # Families whose tree path fails although mlx-lm decodes them (strict xfail: see module docstring).
+# None today. The sweep found eight when it was written, each mended in the same change: gpt2 and
+# gpt_bigcode (learned absolute positions), nanochat and talkie (mx.fast.rope called with the
+# cache offset) and olmo_hybrid (no attention layer) are refused naming why; qwen's rope module
+# (`rotary_emb`) is re-classed; glm4_moe_lite, kimi_k25 and kimi_vl (multi-head latent attention,
+# whose several-row forward is prefill's arithmetic) verify with decoding's, bitwise.
 KNOWN_GAPS = {}
 
 EXACT, REFUSED, NO_BUILD, PLAIN_FAILS = ("exact", "refused", "does not build from a tiny config",
@@ -77,6 +95,7 @@ EXACT, REFUSED, NO_BUILD, PLAIN_FAILS = ("exact", "refused", "does not build fro
 SETTLED = {EXACT, REFUSED, NO_BUILD, PLAIN_FAILS}
 SHAPES = [(3, 2), (4, 1)]  # (depth, siblings per depth): a tree and a chain
 MAX_TOKENS = 16
+MAX_PARAMS = 5_000_000  # the largest tiny model here has about 1.3M
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,7 +119,9 @@ def one_line(e):
 
 
 def config(name):
-    cfg = dict(POOL, **tiny.BASE, model_type=name)
+    args = importlib.import_module(f"mlx_lm.models.{name}").ModelArgs
+    required = {k for k, p in inspect.signature(args).parameters.items() if p.default is p.empty}
+    cfg = dict(POOL, **{k: v for k, v in PATTERNS.items() if k in required}, **tiny.BASE, model_type=name)
     cfg.update(PINNED.get(name, {}))
     # a multimodal wrapper reads its language model from text_config: the text family's pinned
     # config where there is one, else the same generic config
@@ -114,9 +135,15 @@ def classify(name):
     broken = families()[name]
     if broken:
         return NO_BUILD, broken
-    scale = tiny.SCALES.get(name, tiny.SCALES.get(f"{name}_text"))
+    cfg = config(name)
     try:
-        model = tiny.build(config(name), scale=scale)
+        # sized before any weight is made (mlx initialises lazily): a size key the pool lacks
+        # leaves a real-sized model, whose build and decode would blow the file's time budget
+        model_cls, args_cls = _get_classes(cfg)
+        size = sum(p.size for _, p in tree_flatten(model_cls(args_cls.from_dict(cfg)).parameters()))
+        if size > MAX_PARAMS:
+            return NO_BUILD, f"{size:,} parameters: its size keys are not in the pool"
+        model = tiny.build(cfg, scale=tiny.SCALES.get(name, tiny.SCALES.get(f"{name}_text")))
     except Exception as e:
         return NO_BUILD, one_line(e)
 
@@ -134,6 +161,12 @@ def classify(name):
     prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 8).tolist()
     try:
         ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS)]
+        if len(set(ref)) < 4:  # saturated at x3 (as tiny.SCALES says of soft-capped families):
+            # unscaled weights may vary more, and a repeated token would pin little
+            plain = tiny.build(cfg, scale=1.0)
+            again = [int(t) for t, _ in generate_step(mx.array(prompt), plain, max_tokens=MAX_TOKENS)]
+            if len(set(again)) > len(set(ref)):
+                model, ref = plain, again
     except Exception as e:
         return PLAIN_FAILS, f"mlx-lm's generate_step: {one_line(e)}"
 
@@ -172,4 +205,8 @@ def test_classification_is_complete():
     assert gaps == set(KNOWN_GAPS), {f: classes[f] for f in gaps ^ set(KNOWN_GAPS)}
     exact = {f for f, (kind, _) in classes.items() if kind == EXACT}
     assert support.VERIFIED_FAMILIES & set(classes) <= exact
-    assert {f for f, (kind, _) in classes.items() if kind == REFUSED} >= {"mamba"}
+    # the recurrent families tests/test_support.py refuses by hand are refused here too, and so
+    # are the position schemes a tree cannot follow; the families mended by the sweep stay exact
+    refused = {f for f, (kind, _) in classes.items() if kind == REFUSED}
+    assert refused >= {"mamba", "mamba2", "rwkv7", "gpt2", "gpt_bigcode", "nanochat", "talkie", "olmo_hybrid"}
+    assert exact >= {"qwen", "glm4_moe_lite", "kimi_k25", "kimi_vl", "deepseek_v3"}

@@ -81,6 +81,16 @@ def test_probe_detects_a_perturbed_verify(models, family):
     assert any("argmax flip" in str(w.message) for w in caught)
 
 
+def test_a_difference_with_no_flip_is_not_bitwise_on_cpu(models):
+    # on CPU a verify must be bitwise one-token decoding: a tiny difference that flips no argmax
+    # still fails the probe, and the message says so (not "matches")
+    model = models[FAMILIES[0]]
+    report = probe_exactness(model, [representative_tree_parents(2, 3, 6)], n_inputs=1,
+                             perturb=lambda logits, *a: logits.at[1].add(1e-5))
+    assert report.flips == 0 and not report.exact
+    assert "is not bitwise one-token decoding on cpu" in report.message() and "matches" not in report.message()
+
+
 def test_probe_memoizes_per_model_device_dtype_topology(models, monkeypatch):
     model = models["qwen3"]
     probe.clear_memo()
