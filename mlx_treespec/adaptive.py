@@ -42,6 +42,7 @@ the drafter and the device, not one text), and to the next drafter built for the
 any of it: every arm drafts an exact draft, and a plain stretch is plain decoding.
 """
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -63,12 +64,13 @@ MATCHES = 4  # host match lengths told apart (longer ones count as this)
 # booked, unless SPIKES_IN_A_ROW uses in a row did: then that is what the arm costs
 SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # Rounds queued ahead (queued.py): the first QUEUED_WARM pay traces and checks and are not booked;
-# once QUEUED_MIN rounds are booked and their rate over all of them (tokens / ms, not an EWMA: a
-# few hard rounds must not end a generation's queueing for good) is below QUEUED_LOSS x plain
-# decoding's, the adaptive rounds take over. Not at 1.0: plain's rate is the start-up fit's, taken
-# in quiet conditions. On the H200 an EWMA over 8 rounds handed back where the chain ran 1.1-2.2x
-# faster than what followed (bench/RESULTS.md, "The default and the hybrid draft model")
-QUEUED_WARM, QUEUED_MIN, QUEUED_LOSS = 3, 16, 0.8
+# once QUEUED_MIN rounds are booked and their rate over the last QUEUED_WINDOW booked rounds
+# (tokens / ms: not an EWMA, whose few hard rounds ended a generation's queueing for good; not the
+# whole generation, which late on would never move) is below QUEUED_LOSS x plain decoding's, the
+# adaptive rounds take over. Not at 1.0: plain's rate is the start-up fit's, taken in quiet
+# conditions. On the H200 an EWMA over 8 rounds handed back where the chain ran 1.1-2.2x faster
+# than what followed (bench/RESULTS.md, "The default and the hybrid draft model")
+QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 16, 32, 0.8
 
 
 @dataclass(frozen=True)
@@ -227,7 +229,7 @@ class AdaptiveDrafter:
         self.last = None  # (arm, start time, nodes) of the round or stretch under way
         self.emitted = 0
         self.scores = None  # draft probability of each node of the last DFlash draft (draft order)
-        self.queued, self.queued_seen = (0, 0.0, 0), 0  # this generation's booked queued rounds: tokens, ms, count
+        self.queued, self.queued_seen = deque(maxlen=QUEUED_WINDOW), 0  # booked queued rounds: (tokens, ms)
 
     def prefill(self, prompt, hidden=None):
         if callable(self.costs):  # measured on the first generation (after the gate passed the target)
@@ -311,19 +313,22 @@ class AdaptiveDrafter:
         return getattr(self.primary, "chain_ahead", None) if self.primary is not None else None
 
     def queue_more(self, emitted, ms):
-        """After each queued round: whether queueing goes on (its rate, booked as `_close`
-        books a round, at least QUEUED_LOSS x plain decoding's)."""
+        """After each queued round: whether queueing goes on (the rate of the last
+        QUEUED_WINDOW booked rounds at least QUEUED_LOSS x plain decoding's; warm-up rounds and
+        spikes unbooked, as `_close` leaves them)."""
         self.queued_seen += 1
-        tokens, total, booked = self.queued
         if self.queued_seen <= QUEUED_WARM:
             return True
-        if booked and ms > SPIKE * total / booked and self.spikes.get("queued", 0) < SPIKES_IN_A_ROW:
+        booked = self.queued
+        usual = sum(m for _, m in booked) / len(booked) if booked else None
+        if usual is not None and ms > SPIKE * usual and self.spikes.get("queued", 0) < SPIKES_IN_A_ROW:
             self.spikes["queued"] = self.spikes.get("queued", 0) + 1  # a new shape, once
             return True
         self.spikes["queued"] = 0
-        tokens, total, booked = self.queued = (tokens + emitted, total + ms, booked + 1)
+        booked.append((emitted, ms))
         plain = self.rates["plain"].value
-        return plain is None or booked < QUEUED_MIN or tokens / max(total, 1e-6) >= QUEUED_LOSS * plain
+        rate = sum(t for t, _ in booked) / max(sum(m for _, m in booked), 1e-6)
+        return plain is None or len(booked) < QUEUED_MIN or rate >= QUEUED_LOSS * plain  # (QUEUED_MIN <= the window)
 
     def handed_back(self, start, tokens):
         """Queued rounds ended at `start` context rows, having emitted `tokens` (the last is

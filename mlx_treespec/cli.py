@@ -250,6 +250,10 @@ def _run(args):
     elif draft_path is not None:
         draft_model = draft_path  # a DFlash or head folder: bound to the target by make_drafter
     drafter = make_drafter(draft_model, target=model, **_options(args, spec))
+    if args.shard is not None:  # the processes agree before the probe's collectives (launch.py)
+        from .launch import agree, drafter_digest, model_digest
+
+        agree(model=model_digest(model), drafter=drafter_digest(drafter, model))
     if drafter is not None:
         require_tree_support(model)
         _probe(args, model, drafter)
@@ -381,7 +385,8 @@ def main(argv=None):
     except RuntimeError as e:
         if args.shard is None:
             raise
-        # a collective failed: another process of the launch stopped or cannot be reached
-        print(f"error: {e}: another process of this launch stopped or lost its connection; read "
-              "every process's output (mlx.launch exits 0 whatever its processes do)", file=sys.stderr)
+        # under a launch most often a collective that failed: another process stopped or cannot be reached
+        print(f"error: {e} (under mlx.launch this most often means another process of the launch stopped "
+              "or lost its connection: read every process's output; mlx.launch exits 0 whatever its "
+              "processes do)", file=sys.stderr)
         sys.exit(1)

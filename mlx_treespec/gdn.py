@@ -83,6 +83,7 @@ __all__ = [
     "tree_conv1d",
     "gdn_layer_tree_forward",
     "gdn_layer_commit",
+    "forkable",
     "kernel_body",
     "kernel_backend",
 ]
@@ -764,6 +765,13 @@ def _project(layer, x):
         b = layer.in_proj_b(x)
         a = layer.in_proj_a(x)
     return qkv, z, b, a
+
+
+def forkable(layer) -> bool:
+    """Whether a GatedDeltaNet layer has the layout this tree forward reads (mlx-lm's qwen3_5 /
+    qwen3_next: fused input projections and one depthwise conv1d); olmo_hybrid's, with separate
+    q/k/v projections and convolutions, has not."""
+    return (hasattr(layer, "in_proj_qkv") or hasattr(layer, "in_proj_qkvz")) and hasattr(layer, "conv1d")
 
 
 def _check_cache(cache):

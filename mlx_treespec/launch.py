@@ -34,13 +34,14 @@ class LaunchMismatch(ValueError):
     pass
 
 
-def _array_digest(h, arrays):
+def _array_digest(h, arrays, split=()):
     """Shapes, dtypes and two integer checksums of each array's bits into the hash `h`: the sum
     of its words and the sum weighted by position, both mod 2^32. Integer sums are exact in any
-    order, so machines that reduce in another order agree; any changed element changes them."""
+    order, so machines that reduce in another order agree; any changed element changes them.
+    Arrays under a name prefix in `split` (a process's own slice) give their shape and dtype only."""
     for name, a in arrays:
         h.update(f"{name}{tuple(a.shape)}{a.dtype}".encode())
-        if a.size == 0:
+        if a.size == 0 or any(name.startswith(p) for p in split):
             continue
         words = a.reshape(-1).view({1: mx.uint8, 2: mx.uint16}.get(a.dtype.size, mx.uint32)).astype(mx.uint32)
         sums = []
@@ -63,8 +64,11 @@ def module_digest(module, replicated_only=False):
     args = getattr(module, "args", None)
     config = vars(args) if args is not None and hasattr(args, "__dict__") else {}
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    # mlx.nn's sharded linears hold each process's slice (qwen3_5's untied head split over the
+    # vocabulary): their shapes agree, their values do not
+    split = tuple(f"{n}." for n, m in module.named_modules() if type(m).__module__ == "mlx.nn.layers.distributed")
     _array_digest(h, [(k, v) for k, v in tree_flatten(module.parameters())
-                      if not replicated_only or ".layers." not in f".{k}"])
+                      if not replicated_only or ".layers." not in f".{k}"], split)
     module.__dict__[key] = out = h.hexdigest()
     return out
 
@@ -97,11 +101,11 @@ def drafter_digest(drafter, target):
     return h.hexdigest()
 
 
-def agree(group=None, **fields):
+def agree(**fields):
     """Every process of the launch must pass equal `fields` (name -> digest string): one
     all_gather of their 64-bit prefixes; any difference raises LaunchMismatch on every process
     (each sees the same gathered table), naming the fields that differ."""
-    group = group or mx.distributed.init()
+    group = mx.distributed.init()
     names = sorted(fields)
     # each row: a marker and the rank (a row without them is not a live peer's answer: a
     # collective with a process that left can return unwritten memory), then the digests

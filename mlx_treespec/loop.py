@@ -13,7 +13,6 @@ also after an exception.
 """
 import hashlib
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
@@ -286,6 +285,15 @@ def tree_generate_step(
     prompt = check_prompt(prompt, vocab_size(model))
     if kv_bits is not None and max_kv_size is not None:
         raise ValueError("kv_bits and max_kv_size cannot be combined (mlx-lm cannot quantize a rotating cache)")
+    if in_launch():  # every process must decode this request alike, before any collective (launch.py)
+        request = json.dumps([prompt, max_tokens, temp, top_p, min_p, top_k, min_tokens_to_keep, seed,
+                              xtc_probability, xtc_threshold, list(xtc_special_tokens), max_kv_size, kv_bits,
+                              kv_group_size, quantized_kv_start, prefill_step_size, sorted(stop_tokens),
+                              None if prompt_cache is None else [(type(c).__name__, getattr(c, "offset", None))
+                                                                 for c in prompt_cache]],
+                             default=str)
+        agree(model=model_digest(model), drafter=drafter_digest(drafter, model),
+              request=hashlib.sha256(request.encode()).hexdigest())
     capture = ()
     if drafter is not None:
         check_drafter(drafter)
@@ -300,13 +308,6 @@ def tree_generate_step(
                                  f"from the start, no window for a draft: raise --max-kv-size above {c.keep}")
     choose = make_node_sampler(temp, top_p, min_p, top_k, min_tokens_to_keep, seed, xtc_probability,
                                xtc_threshold, tuple(xtc_special_tokens))
-    if in_launch():  # every process must decode this request alike (launch.py)
-        request = json.dumps([prompt, max_tokens, temp, top_p, min_p, top_k, min_tokens_to_keep, seed,
-                              xtc_probability, xtc_threshold, list(xtc_special_tokens), max_kv_size, kv_bits,
-                              kv_group_size, quantized_kv_start, prefill_step_size, sorted(stop_tokens),
-                              prompt_cache is not None], default=str)
-        agree(model=model_digest(model), drafter=drafter_digest(drafter, model),
-              request=hashlib.sha256(request.encode()).hexdigest())
     stats = stats if stats is not None else RoundStats()
     quantize = _quantizer(kv_bits, kv_group_size, quantized_kv_start)
 
@@ -319,8 +320,8 @@ def tree_generate_step(
                                  stats, settle=prompt_cache is not None)
         return
     if can_queue(drafter, caches, choose.greedy, kv_bits):  # chains with no host sync per round
-        def land(token):
-            if prompt_cache is not None and _may_settle():
+        def land(token, failed):
+            if prompt_cache is not None and _may_settle(failed):
                 _forward(model, caches, mx.array([token], mx.uint32), quantize)
                 mx.eval([c.state for c in caches])
 
@@ -343,14 +344,17 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
     held, (root, n) = None, (resume or (prompt[-1], 0))
     rerun = kv_bits is None and rows_are_steps(model)  # held tokens lead a plain forward (a stretch's)
 
-    def land():  # put the pending tokens in the caches: a prompt cache's rule (see the docstring)
+    def land(failed):  # put the pending tokens in the caches: a prompt cache's rule (see the docstring)
         tokens = mx.array([root], mx.uint32) if root is not None else None
         if held is not None:
             tokens = held if tokens is None else mx.concatenate([held, tokens])
-        if settle and tokens is not None and _may_settle():
-            _forward(model, caches, tokens, quantize)
+        if settle and tokens is not None and _may_settle(failed):
+            steps = rows_are_steps(model)
+            for part in ([tokens] if steps else [tokens[i: i + 1] for i in range(tokens.shape[0])]):
+                _forward(model, caches, part, quantize)  # (one at a time where rows are not steps)
             mx.eval([c.state for c in caches])
 
+    failed = False  # an error (not the consumer's stop) unwinds the generation
     try:
         if resume is None:  # (else the drafter was prefilled and caught up: queued.py)
             drafter.prefill(prompt, hidden) if capture else drafter.prefill(prompt)
@@ -416,8 +420,13 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
                          drafter=draft.source)
             if root in stop_tokens:
                 break
+    except GeneratorExit:
+        raise
+    except BaseException:
+        failed = True
+        raise
     finally:
-        land()
+        land(failed)
 
 
 def _stretch(model, caches, held, root, count, choose, quantize, capture, stats, caught, watch=None,
@@ -487,13 +496,12 @@ def _walk(draft, chosen, room, stop_tokens):
     return tree, path[: len(emitted)], emitted
 
 
-def _may_settle():
-    """Whether a generation that ends now may forward its pending tokens into a prompt cache.
-    Not under a launch while an error other than the consumer's stop unwinds it: the error may
-    be a process of the launch that is gone, and a forward would wait on it for ever. The
+def _may_settle(failed):
+    """Whether a generation that ends now may forward its pending tokens into a prompt cache:
+    not under a launch when an error (`failed`: not the consumer's stop) unwinds it. The error
+    may be a process of the launch that is gone, and a forward would wait on it for ever. The
     caches then hold every delivered token but the pending ones (design.md, Sharded targets)."""
-    kind = sys.exc_info()[0]
-    return kind is None or issubclass(kind, GeneratorExit) or not in_launch()
+    return not (failed and in_launch())
 
 
 def _land_delivered(rnd, path, tokens, emitted, delivered, accepted, held, root):
@@ -515,15 +523,20 @@ def _plain_decode(model, caches, root, max_tokens, choose, quantize, stop_tokens
     generate_step) to the end, the caches holding every token when it is delivered (mlx-lm's
     rule)."""
     count = max_tokens if max_tokens > 0 else float("inf")
-    pending = root  # a token delivered (or the prompt's last) not in the caches
+    pending, failed = root, False  # a token delivered (or the prompt's last) not in the caches
     try:
         for token, lp, pending in _stretch(model, caches, None, root, count, choose, quantize, (), stats, [],
                                            label=""):
             yield token, lp, False
             if token in stop_tokens:
                 break
+    except GeneratorExit:
+        raise
+    except BaseException:
+        failed = True
+        raise
     finally:
-        if settle and _may_settle():  # the caches end holding every delivered token
+        if settle and _may_settle(failed):  # the caches end holding every delivered token
             if pending is not None:
                 _forward(model, caches, mx.array([pending], mx.uint32), quantize)
             mx.eval([c.state for c in caches])

@@ -41,8 +41,9 @@ def can_queue(drafter, caches, greedy, kv_bits):
 
 
 def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, stop_tokens, stats, land):
-    """Yields (token, logprobs, from_draft) as loop.tree_generate_step. `land(token)` forwards
-    a delivered token the caches do not hold (the prompt cache's rule). Returns None at the end
+    """Yields (token, logprobs, from_draft) as loop.tree_generate_step. `land(token, failed)`
+    forwards a delivered token the caches do not hold (the prompt cache's rule; `failed`: an
+    error, not the consumer's stop, ends the generation). Returns None at the end
     of the generation, or (root, tokens emitted) where the drafter's `queue_more` handed it back:
     the caches then hold every emitted token but `root`, and no token is held."""
     verify.install(model)  # per-token RoPE positions
@@ -89,7 +90,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     more = getattr(drafter, "queue_more", None)
     nxt, out = queue(mx.array([root], mx.uint32), None, None, mx.array(start, mx.int32))
     mx.async_eval(out[1], out[2])
-    n, delivered, accepted, handed, everything = 0, 0, 0, False, []
+    n, delivered, accepted, handed, everything, failed = 0, 0, 0, False, [], False
     tic = time.perf_counter()
     try:
         while True:
@@ -125,6 +126,11 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             if more is not None and not more(len(emitted), ms):
                 handed = True
                 break
+    except GeneratorExit:
+        raise
+    except BaseException:
+        failed = True  # an error, not the consumer's stop: `land` may not forward (loop._may_settle)
+        raise
     finally:
         # the caches: every row a delivered token needs; rows queued past them are dead
         if delivered > 0:
@@ -134,7 +140,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         for c, k, v in zip(caches, keys, values):
             c.keys, c.values, c.offset = k, v, start
         if root is not None and not handed:
-            land(root)
+            land(root, failed)
     if handed:  # the queued round past this one wrote only dead rows (and the drafter's context)
         drafter.handed_back(start, everything)
         return root, n

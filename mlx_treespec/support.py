@@ -56,6 +56,9 @@ _PLAIN_MODULES = {"Linear", "QuantizedLinear", "RMSNorm", "LayerNorm", "Embeddin
 class Blocker:
     layer: Optional[int]  # None: the whole model
     reason: str
+    # the model runs a round's forwards, but a tree's tokens get wrong positions: a target's
+    # verify would be wrong; a draft model's drafts are only poorer (the target decides)
+    positions: bool = False
 
     def __str__(self):
         where = "model" if self.layer is None else f"layer {self.layer}"
@@ -85,6 +88,12 @@ def _gdn_ready():
         return hasattr(gdn, "gdn_layer_tree_forward")
     except ImportError:
         return False
+
+
+def _gdn_forkable(layer):
+    from .gdn import forkable
+
+    return forkable(layer)
 
 
 def _is_attention(module):
@@ -130,11 +139,15 @@ def tree_support(model) -> List[Blocker]:
             if attention and not ropes and any(_source_calls_rope(type(m).__module__) for m in attention):
                 blockers.append(Blocker(i, f"its attention ({type(attention[0]).__name__}) calls mx.fast.rope "
                                            "itself with the cache offset: no rope module to give each token "
-                                           "of a tree its own position"))
+                                           "of a tree its own position", positions=True))
             if has_gdn:
                 has_any_gdn = True
+                gdn = [m for _, m in layer.named_modules() if {c.__name__ for c in type(m).__mro__} & GDN_CLASSES]
                 if not _gdn_ready():
                     blockers.append(Blocker(i, "GatedDeltaNet recurrence: tree-forking scan not available"))
+                elif not all(_gdn_forkable(m) for m in gdn):
+                    blockers.append(Blocker(i, f"a GatedDeltaNet variant ({type(gdn[0]).__module__.rsplit('.', 1)[-1]}'s: "
+                                               "separate q/k/v projections and convolutions) with no tree forward here"))
             elif not ropes and not attention:
                 mixers = sorted(n for n in names if n not in _PLAIN_MODULES)
                 blockers.append(Blocker(i, "neither an attention nor a tree-forking recurrence "
@@ -144,12 +157,14 @@ def tree_support(model) -> List[Blocker]:
                             if c in {k.__name__ for k in type(rope).__mro__}), None)
                 if why:
                     blockers.append(Blocker(i, f"its rope ({type(rope).__name__}) takes no per-token "
-                                               f"positions: {why}"))
+                                               f"positions: {why}", positions=True))
                     break
     for name, m in model.named_modules():  # gpt2's wpe: one position per forward, the cache offset's
-        if isinstance(m, nn.Embedding) and (name.rsplit(".", 1)[-1] == "wpe" or "position" in name.rsplit(".", 1)[-1]):
+        towers = ("vision", "visual", "audio", "image")  # a multimodal model's encoders run no round
+        if isinstance(m, nn.Embedding) and not any(t in name for t in towers) and (
+                name.rsplit(".", 1)[-1] == "wpe" or "position" in name.rsplit(".", 1)[-1]):
             blockers.append(Blocker(None, f"learned absolute position embeddings ({name}) are read at the "
-                                          "cache offset, not at each token's position in a tree"))
+                                          "cache offset, not at each token's position in a tree", positions=True))
     try:
         caches = make_prompt_cache(model)
     except Exception as e:  # a model that cannot even make its caches cannot be verified

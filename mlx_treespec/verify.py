@@ -51,6 +51,7 @@ class _Context:
     def __init__(self):
         self.positions = None  # mx int [L] while a tree forward runs
         self.parents = None  # np int [L]: round parents of the forward's nodes (-1: committed state)
+        self.first = 0  # the round node the forward's first node is
         self.captured = None  # {layer index: output} while a capturing forward runs
         self.layer_ids = None  # {id(layer module): its index in the model that captures}
         self.last_layer = None  # the last decoder layer output of a capturing forward
@@ -76,6 +77,10 @@ def _gdn_call(self, inputs, mask=None, cache=None):
         return super(type(self), self).__call__(inputs, mask=mask, cache=cache)
     from .gdn import gdn_layer_tree_forward
 
+    done = 0 if cache.payload is None else cache.payload["parents"].size
+    if done != _CTX.first:  # its payload must hold exactly the round's earlier nodes
+        raise ValueError(f"GatedDeltaNet layer ran over {done} of the round's {_CTX.first} earlier nodes "
+                         "(called twice in a forward, or skipped one): no tree forward for this model")
     out, payload = gdn_layer_tree_forward(self, inputs, cache.inner, _CTX.parents, prior=cache.payload)
     cache.record(self, payload)
     return out
@@ -163,7 +168,10 @@ def install(model):
             if isinstance(rope, nn.Module):
                 _make_tree_module(rope, _rope_call)
         if type(module).__name__ in GDN_CLASSES:
-            _make_tree_module(module, _gdn_call)
+            from .gdn import forkable
+
+            if forkable(module):  # (the gate refuses the others)
+                _make_tree_module(module, _gdn_call)
         if type(module).__name__ in MLA_CLASSES:
             _make_tree_module(module, _mla_call)
     model._treespec_installed = True
@@ -676,7 +684,8 @@ class TreeRound:
         first = self._add(parents)
         self._new = slice(first, self.size)
         self._rows = None
-        if self.all_append and self.chain and (not self.pad_keys or len(parents) == 1) and rows_are_steps(self.model):
+        if self.all_append and self.chain and (not self.pad_keys or len(parents) == 1) and (
+                len(parents) == 1 or rows_are_steps(self.model)):
             # Every node sees everything before it: the plain causal forward is the same forward.
             # (One-token attention takes any key length without a new kernel plan.)
             with capturing(self.model, self.capture) as cap:
@@ -743,7 +752,7 @@ class TreeRound:
             self.stand_ins = [_STAND_INS[k](c, rnd) for c, k in zip(self.caches, self.kinds)]
         if positions is None:
             positions = self.base + cached_array(self.depths[self._new].astype(np.int32))
-            _CTX.parents = self.parents[self._new]
+            _CTX.parents, _CTX.first = self.parents[self._new], first
         pad = self._pad
         if pad:  # filler rows: they see the history and themselves; no real row sees them
             tokens = mx.concatenate([tokens, mx.zeros((pad,), tokens.dtype)])

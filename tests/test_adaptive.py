@@ -317,13 +317,13 @@ def test_the_default_queues_dflash_chains_and_hands_back_when_they_lose(tmp_path
 
 
 def test_a_few_hard_queued_rounds_do_not_end_queueing():
-    # the hand-back reads every booked round (tokens / ms over all of them): 20 good rounds then
-    # three that emit one token each keep queueing (an EWMA would have dropped below the
-    # margin), while rounds that keep losing hand back
+    # the hand-back reads the last QUEUED_WINDOW booked rounds (tokens / ms over all of them): 20
+    # good rounds then three that emit one token each keep queueing (an EWMA would have dropped
+    # below the margin), while rounds that keep losing hand back within a window
     d = AdaptiveDrafter(host=LookupDrafter(8, 6), costs=(1.0, flat(1.0)))
     good = [d.queue_more(20, 10.0) for _ in range(adaptive.QUEUED_WARM + 20)]
     assert all(good) and all(d.queue_more(1, 10.0) for _ in range(3))
-    assert False in [d.queue_more(1, 10.0) for _ in range(200)]
+    assert False in [d.queue_more(1, 10.0) for _ in range(adaptive.QUEUED_WINDOW)]  # the window, not the generation
 
 
 def test_queued_rounds_hand_back_below_the_margin_only():

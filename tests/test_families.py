@@ -85,7 +85,8 @@ PINNED = {c["model_type"]: c for c in list(tiny.CONFIGS.values()) + list(tiny.CO
 # Families whose tree path fails although mlx-lm decodes them (strict xfail: see module docstring).
 # None today. The sweep found eight when it was written, each mended in the same change: gpt2 and
 # gpt_bigcode (learned absolute positions), nanochat and talkie (mx.fast.rope called with the
-# cache offset) and olmo_hybrid (no attention layer) are refused naming why; qwen's rope module
+# cache offset) and olmo_hybrid (a GatedDeltaNet variant of its own; at 2 layers no attention
+# layer either) are refused naming why; qwen's rope module
 # (`rotary_emb`) is re-classed; glm4_moe_lite, kimi_k25 and kimi_vl (multi-head latent attention,
 # whose several-row forward is prefill's arithmetic) verify with decoding's, bitwise.
 KNOWN_GAPS = {}
@@ -210,3 +211,33 @@ def test_classification_is_complete():
     refused = {f for f, (kind, _) in classes.items() if kind == REFUSED}
     assert refused >= {"mamba", "mamba2", "rwkv7", "gpt2", "gpt_bigcode", "nanochat", "talkie", "olmo_hybrid"}
     assert exact >= {"qwen", "glm4_moe_lite", "kimi_k25", "kimi_vl", "deepseek_v3"}
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe_lite"])
+def test_latent_attention_verifies_with_decodings_arithmetic(family):
+    # multi-head latent attention: mlx-lm's several-row forward is prefill's arithmetic, so the
+    # verify re-classes the layer (bitwise decoding, probe max |dlogit| 0), chains verify through
+    # the tree forward, and accepted tokens are kept by a gather, never re-run in a plain forward:
+    # the prompt cache ends as mlx-lm's decoding leaves it, bitwise
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_treespec import RoundStats
+    from mlx_treespec.probe import probe_exactness, representative_tree_parents
+    from mlx_treespec.tree import chain_parents
+    from mlx_treespec.verify import rows_are_steps
+
+    model = tiny.build(config(family))
+    assert not rows_are_steps(model)
+    report = probe_exactness(model, [chain_parents(4), representative_tree_parents(2, 4, 10)], n_inputs=1,
+                             history=12)
+    assert report.exact and report.max_abs_diff == 0.0
+    prompt = np.random.default_rng(1).integers(0, tiny.VOCAB, 8).tolist()
+    ref_cache, ours, stats = make_prompt_cache(model), make_prompt_cache(model), RoundStats()
+    ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=20, prompt_cache=ref_cache)]
+    out = [int(t) for t, _, _ in tree_generate_step(prompt, model, tiny.SiblingDrafter(tiny.perturbed(model), 3, 2),
+                                                    max_tokens=20, prompt_cache=ours, stats=stats)]
+    assert out == ref and not any(stats.held) and sum(stats.accepted) > 0
+    for a, b in zip(ours, ref_cache):
+        assert a.offset == b.offset
+        assert mx.array_equal(a.keys[..., : a.offset, :], b.keys[..., : b.offset, :])
+        assert mx.array_equal(a.values[..., : a.offset, :], b.values[..., : b.offset, :])

@@ -370,3 +370,40 @@ def test_long_run_memory_is_bounded(models):
     print(f"active memory after 500 tokens {m1 / 1e6:.3f} MB, after 2000 {m4 / 1e6:.3f} MB "
           f"(draft KV buffers grew {(rows4 - rows1) * kv_row / 1e6:.3f} MB)")
     assert m4 - m1 <= (rows4 - rows1) * kv_row + 128 * 1024
+
+
+def test_under_a_launch_an_error_leaves_the_pending_tokens_out(models, monkeypatch):
+    # under mlx.launch a generation that an error unwinds does not forward its pending tokens
+    # into the prompt cache (the error may be a process that is gone: the forward would wait for
+    # ever), so the cache holds a prefix of what was delivered; the consumer's stop still
+    # settles, also when the generation is consumed inside an `except` block
+    monkeypatch.setattr(loop, "in_launch", lambda: True)
+    target, draft = models("qwen3")
+    prompt = repetitive()
+
+    def run(stop_after, fail=False, inside_except=False):
+        drafter = make_drafter(draft, draft_block_size=3)
+        if fail:
+            boom, draft_fn = _raise_on(3, RuntimeError), drafter.draft
+            drafter.draft = lambda *a: (boom(), draft_fn(*a))[1]
+        cache, got = make_prompt_cache(target), []
+        gen = tree_generate_step(prompt, target, drafter, max_tokens=40, prompt_cache=cache)
+        try:
+            for t, _, _ in gen:
+                got.append(t)
+                if len(got) == stop_after:
+                    break
+        except RuntimeError:
+            pass
+        gen.close()
+        return cache[0].offset, len(got)
+
+    offset, n = run(5)  # the consumer stopped: prompt + delivered
+    assert offset == len(prompt) + n
+    try:
+        raise KeyError("the caller is handling an exception")
+    except KeyError:
+        offset, n = run(5)
+    assert offset == len(prompt) + n
+    offset, n = run(40, fail=True)  # the drafter failed in its third round
+    assert n > 0 and offset < len(prompt) + n

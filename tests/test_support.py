@@ -139,3 +139,20 @@ def test_made_up_layer_type_refused():
     # the gate reads layers, not family names: only the layer whose mixer is unknown is named
     assert [b.layer for b in blockers] == [1]
     assert "StrangeMixer" in blockers[0].reason
+
+
+def test_position_schemes_a_tree_cannot_follow_are_refused_for_targets_not_drafters():
+    # gpt2's learned absolute positions and olmo_hybrid's GatedDeltaNet variant: named blockers for
+    # a target; a draft model with learned positions still drafts (poorer drafts, exact output)
+    from mlx_treespec import make_drafter
+
+    gpt2 = build(dict(tiny.BASE, model_type="gpt2", n_embd=64, n_head=4, n_layer=2, n_positions=256,
+                      n_ctx=256, layer_norm_epsilon=1e-5))
+    blockers = tree_support(gpt2)
+    assert [b.positions for b in blockers] == [True] and "wpe" in blockers[0].reason
+    assert make_drafter(gpt2, draft_block_size=3) is not None
+    olmo = build(dict(tiny.BASE, model_type="olmo_hybrid", num_hidden_layers=4, linear_num_key_heads=2,
+                      linear_num_value_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                      linear_conv_kernel_dim=4, linear_allow_neg_eigval=False, attention_bias=False))
+    refused = [b for b in tree_support(olmo) if "GatedDeltaNet variant" in b.reason]
+    assert [b.layer for b in refused] == [0, 1, 2]  # layer 3 is its attention

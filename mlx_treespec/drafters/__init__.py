@@ -76,4 +76,12 @@ def target_io(target):
     head = getattr(lm, "lm_head", None)
     if head is None or tied:
         head = embed.as_linear
+    elif getattr(lm, "sharding_group", None) is not None and "Sharded" in type(head).__name__:
+        # mlx-lm's shard splits an untied head over the vocabulary (qwen3_5) and gathers its
+        # output in the model's own call: a drafter binding it must gather too, or each process
+        # would draft from its own slice of the vocabulary
+        from mlx_lm.models.base import gather_last_axis
+
+        sliced, group = head, lm.sharding_group
+        head = lambda x: gather_last_axis(sliced(x), group)  # noqa: E731
     return args, embed, head

@@ -19,6 +19,7 @@ import numpy as np
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..cache import cache_kind
 from ..draft import Draft, Layout
 from ..tree import chain_parents
 from ..verify import TreeRound, cached_array
@@ -121,11 +122,14 @@ class ModelDrafter:
     def __init__(self, model, topk=1, depth=8, budget=None, prefill_step_size=2048, lanes=None):
         from ..support import tree_support
 
-        blockers = tree_support(model)
-        if blockers:  # its steps fork over the round's tree as a target's verify does
+        # its steps fork over the round's tree as a target's verify does; positions a tree cannot
+        # give per token only make its drafts poorer (the target decides every token)
+        blockers = [b for b in tree_support(model) if not b.positions]
+        if blockers:
             raise ValueError("the draft model cannot draft trees (" + "; ".join(map(str, blockers))
                              + "): use a draft model of attention and GatedDeltaNet layers")
         self.model = model
+        self.recurrent = any(cache_kind(c) == "arrays" for c in make_prompt_cache(model))
         self.topk = topk
         self.lanes = topk if lanes is None else lanes
         self.depth = depth
@@ -154,6 +158,11 @@ class ModelDrafter:
         )
         if depth == 0 or budget == 0:
             return Draft.root_only(root)
+        if self.recurrent and len(self.pending) > 2:
+            # a recurrent layer scans every node of the round at each draft step: the text that
+            # piled up (a plain stretch's) goes into the caches first, leaving the root
+            self.model(mx.array(self.pending[:-1])[None], cache=self.cache)
+            self.pending = self.pending[-1:]
         # The pending tokens (the last is the root) are round nodes too: they always stay.
         rnd = TreeRound(self.model, self.cache)
         try:
