@@ -8,6 +8,7 @@
     python bench/run.py long --config bench/configs/qwen3_8b.json --contexts 1024,8192,32768 --q-bits 0,4
     python bench/run.py pieces --target demo --history 300 --repeats 30   # a DDTree round's pieces
     python bench/run.py comm --target demo-hybrid --arms plain,dflash:7,ddtree:12 --n 4   # sharded: collectives
+    python bench/run.py paths      # verify paths on this device (tiny models: latent attention, hybrid drafters)
     python bench/run.py unseen-prompts        # (re)writes bench/unseen_prompts.json.gz
 
 Arms use mlx_treespec.spec's grammar (plain, chain:K, tree:K:S[:B[:L]], lookup:B:D,
@@ -820,6 +821,49 @@ def run_comm_rank(args):
         print("RESULT " + json.dumps(result, default=_json), flush=True)
 
 
+def run_paths(args):
+    """Verify paths on this device, tiny float32 models (tests/tiny.py): for deepseek_v3 (latent
+    attention), qwen3 and qwen3_5, tree speculation (a sibling tree, depth 3, two per depth)
+    against mlx-lm's generate_step and the exactness probe; for qwen3_5 also a hybrid draft
+    model's chain and EAGLE-2 tree. A device check for paths the CPU tests pin bitwise."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import tiny
+    from mlx_lm.generate import generate_step
+
+    from mlx_treespec import make_drafter
+    from mlx_treespec.probe import probe_exactness, representative_tree_parents
+    from mlx_treespec.tree import chain_parents
+
+    report = dict(meta=run_meta(section=args.section), rows=[])
+    md = [f"# {args.section} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
+          f"`python bench/run.py {' '.join(sys.argv[1:])}`", "", "| target | drafter | probe | tokens equal |",
+          "|---|---|---|---|"]
+    for name, cfg in (("deepseek_v3", tiny.COVERAGE["deepseek_v3"]), ("qwen3", tiny.CONFIGS["qwen3"]),
+                      ("qwen3_5", tiny.CONFIGS["qwen3_5"])):
+        model = tiny.build(cfg)
+        drafters = {"siblings 3x2": tiny.SiblingDrafter(tiny.perturbed(model), 3, 2)}
+        if name == "qwen3_5":  # (copies made before the probe keeps compiled state on the model)
+            drafters.update({k: make_drafter(tiny.perturbed(model), **v) for k, v in (
+                ("hybrid draft model, chain 3", dict(draft_block_size=3)),
+                ("hybrid draft model, tree K2 S3 B6", dict(tree_topk=2, tree_depth=3, tree_budget=6)))})
+        prompt = np.random.default_rng(1).integers(0, tiny.VOCAB, 8).tolist()
+        ref = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=32)]
+        rows = []
+        for label, drafter in drafters.items():
+            stats = RoundStats()
+            out = [int(t) for t, _, _ in tree_generate_step(prompt, model, drafter, max_tokens=32, stats=stats)]
+            rows.append(dict(target=name, drafter=label, identical=out == ref,
+                             emitted_per_verify=stats.summary()["emitted_per_verify"]))
+        probe = probe_exactness(model, [chain_parents(4), representative_tree_parents(2, 4, 10)], n_inputs=2,
+                                history=12)
+        for r in rows:
+            r["probe"] = probe.message()
+            md.append(f"| {r['target']} | {r['drafter']} ({r['emitted_per_verify']:.2f} emitted/verify) | "
+                      f"{r['probe']} | {r['identical']} |")
+        report["rows"] += rows
+    write(args, report, md)
+
+
 def make_unseen_prompts(args):
     """Prompts from text the demo models never saw: this project's own source files (written
     after the demo corpus was collected from a Python installation's stdlib and site-packages).
@@ -888,7 +932,7 @@ def _json(o):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "comm", "comm-rank",
-                                       "unseen-prompts"])
+                                       "paths", "unseen-prompts"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
     p.add_argument("--target", default="demo")
     p.add_argument("--draft-model", default=None, help="draft model(s), comma separated: an arm ending in /di "
@@ -922,7 +966,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.section = args.section or args.command
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
-     "pieces": run_pieces, "comm": run_comm, "comm-rank": run_comm_rank,
+     "pieces": run_pieces, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
      "unseen-prompts": make_unseen_prompts}[args.command](args)
 
 
