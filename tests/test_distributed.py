@@ -116,3 +116,36 @@ def test_shard_outside_a_launch_is_a_one_line_error():
     with pytest.raises(SystemExit) as e:
         main(["--model", "demo", "--prompt", "x", "--shard", "tensor", "--max-tokens", "2"])
     assert e.value.code == 2
+
+
+def test_the_model_digest_agrees_across_the_shards_of_a_split_head():
+    # mlx-lm's shard splits an untied qwen3_5 head over the vocabulary (outside the decoder
+    # layers): each process holds another slice, and the processes must still agree; a changed
+    # replicated weight must still differ
+    import tiny
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from mlx_treespec.launch import model_digest
+
+    class Group:  # two processes of a launch, as mlx-lm's shard reads them (no collective runs)
+        def __init__(self, rank):
+            self._rank = rank
+
+        def size(self):
+            return 2
+
+        def rank(self):
+            return self._rank
+
+    cfg = dict(tiny.CONFIGS["qwen3_5"], tie_word_embeddings=False)
+    shards = []
+    for rank in (0, 1):
+        model = tiny.build(cfg)
+        model.shard(group=Group(rank))
+        shards.append(model)
+    assert "Sharded" in type(shards[0].language_model.lm_head).__name__
+    assert model_digest(shards[0]) == model_digest(shards[1])
+    name, embed = next((k, v) for k, v in tree_flatten(shards[1].parameters()) if k.endswith("embed_tokens.weight"))
+    shards[1].update(tree_unflatten([(name, embed.at[3].add(1.0))]))
+    shards[1].__dict__.pop("_treespec_launch_digest_replicated")
+    assert model_digest(shards[0]) != model_digest(shards[1])
