@@ -2,6 +2,7 @@
 target or hybrid sharded with mlx-lm's `sharded_load` (tensor or pipeline parallel); plain greedy
 decoding, then tree speculation with prompt lookup, a DFlash chain and a DDTree, each compared
 token for token with the sharded plain output. Prints one `RESULT {json}` line per rank."""
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 from mlx_lm.utils import sharded_load  # noqa: E402
 
 from mlx_treespec import RoundStats, tree_generate_step  # noqa: E402
@@ -40,8 +42,17 @@ def main(mode, folder, dflash, names, n=N):
         make, stats = make_all[name], RoundStats()
         drafter = make()
         out.setdefault("kinds", {})[name] = type(drafter).__name__
+        drafted, draft = [], drafter.draft
+
+        def recorded(*a, draft=draft, drafted=drafted):  # what this process drafted, round by round
+            d = draft(*a)
+            drafted.append(np.array(d.tokens).tolist() if hasattr(d, "tokens") else None)
+            return d
+
+        drafter.draft = recorded
         got = [t for t, _, _ in tree_generate_step(prompt, model, drafter, max_tokens=n, stats=stats)]
         out["identical"][name] = got == ref
+        out.setdefault("drafted", {})[name] = hashlib.sha256(json.dumps(drafted).encode()).hexdigest()
         out["emitted_per_verify"][name] = stats.summary()["emitted_per_verify"]
     print("RESULT " + json.dumps(out), flush=True)
 

@@ -56,6 +56,7 @@ def test_sharded_targets_speculate_exactly(mode, model, names):
     rows = launch(mode, folder, dflash, names)
     assert sorted(r["rank"] for r in rows) == [0, 1]
     assert rows[0]["emitted_per_verify"] == rows[1]["emitted_per_verify"]  # the ranks agree
+    assert rows[0]["drafted"] == rows[1]["drafted"]  # and drafted the same trees
     for r in rows:
         assert all(r["identical"].values()) and len(r["identical"]) == len(names.split(",")), r
     if "auto" in names:  # the default drafts a fixed shape under a launch (alike on every rank)
@@ -149,3 +150,27 @@ def test_the_model_digest_agrees_across_the_shards_of_a_split_head():
     shards[1].update(tree_unflatten([(name, embed.at[3].add(1.0))]))
     shards[1].__dict__.pop("_treespec_launch_digest_replicated")
     assert model_digest(shards[0]) != model_digest(shards[1])
+
+
+def test_a_vocabulary_split_head_drafts_alike_on_every_process(tmp_path):
+    # an untied qwen3_5 sharded tensor-parallel: mlx-lm splits its output head over the
+    # vocabulary; a DFlash drafter binds that head and must gather it (drafters.target_io), or
+    # each process would draft from its own slice and the processes would part ways
+    import shutil as sh
+
+    import tiny
+    from mlx_lm.utils import save_config, save_model
+    from test_dflash import dflash_config, save_random
+
+    cfg = dict(tiny.CONFIGS["qwen3_5"], tie_word_embeddings=False, vocab_size=4096)
+    folder = tmp_path / "untied"
+    save_model(str(folder), tiny.build(cfg))
+    save_config(dict(cfg), str(folder / "config.json"))
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        sh.copy(Path(demo_path("target")) / f, folder / f)
+    dflash = save_random(tmp_path / "dflash", dflash_config(cfg))
+    rows = launch("tensor", folder, dflash, "dflash,ddtree")
+    assert rows[0]["drafted"] == rows[1]["drafted"]  # the same trees on both processes
+    assert rows[0]["emitted_per_verify"] == rows[1]["emitted_per_verify"]
+    for r in rows:
+        assert all(r["identical"].values()) and len(r["identical"]) == 2, r
