@@ -21,6 +21,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache import cache_kind
 from ..draft import Draft, Layout
+from ..support import tree_support
 from ..tree import chain_parents
 from ..verify import TreeRound, cached_array
 
@@ -120,8 +121,6 @@ class ModelDrafter:
     capture = ()  # reads no target hidden state
 
     def __init__(self, model, topk=1, depth=8, budget=None, prefill_step_size=2048, lanes=None):
-        from ..support import tree_support
-
         # its steps fork over the round's tree as a target's verify does; positions a tree cannot
         # give per token only make its drafts poorer (the target decides every token)
         blockers = [b for b in tree_support(model) if not b.positions]
