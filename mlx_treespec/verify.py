@@ -160,6 +160,8 @@ def install(model):
     """Re-class every rope module and GatedDeltaNet layer of `model` (once per module)."""
     if getattr(model, "_treespec_installed", False):
         return
+    from .gdn import forkable
+
     for _, module in model.named_modules():
         if not isinstance(module, nn.Module) or is_tree_module(module):
             continue
@@ -167,11 +169,8 @@ def install(model):
             rope = module.get(key)
             if isinstance(rope, nn.Module):
                 _make_tree_module(rope, _rope_call)
-        if type(module).__name__ in GDN_CLASSES:
-            from .gdn import forkable
-
-            if forkable(module):  # (the gate refuses the others)
-                _make_tree_module(module, _gdn_call)
+        if type(module).__name__ in GDN_CLASSES and forkable(module):  # (the gate refuses the others)
+            _make_tree_module(module, _gdn_call)
         if type(module).__name__ in MLA_CLASSES:
             _make_tree_module(module, _mla_call)
     model._treespec_installed = True
@@ -762,7 +761,7 @@ class TreeRound:
             if out is None:
                 out = self._run_eager(tokens, positions, n)
         finally:
-            _CTX.parents = None
+            _CTX.parents, _CTX.first = None, 0
             if pad:  # (all caches append) the next forward of this round writes over the filler K/V
                 for c in self.caches:
                     c.offset -= pad
