@@ -12,13 +12,18 @@
 
 Estimates, all of wall time (what the round costs the user, host work included):
 
-- An arm's rate is emitted tokens per ms, averaged over its recent uses (EWMA, `ALPHA`); the
-  host's is kept per length of its match (a 4-token match drafts far more than a 1-token one).
-  Plain's starts from the start-up cost fit (`costmodel.startup_costs`: measured once per target
-  shape, device and MLX version and kept on disk); the others from their uses. An arm's first
-  use in a generation is not booked (it pays traces and first buffers, not what a round costs),
-  nor a use over `SPIKE` times what such a use costs (the start-up fit, or the arm's own
-  average: a new shape's trace and kernels), unless `SPIKES_IN_A_ROW` in a row of that arm were.
+- An arm's rate is its emitted tokens per use over its ms per use. The ms is averaged over its
+  recent uses (EWMA, `ALPHA`) and carries over from one generation to the next (it describes the
+  device and the draft's shape); plain's starts from the start-up cost fit
+  (`costmodel.startup_costs`: measured once per target shape, device and MLX version and kept on
+  disk). The tokens describe the text too, so each generation re-learns them: the carried
+  average counts as `CARRIED_USES` uses beside this generation's own (on the H200 the demo
+  hybrid's DFlash rounds, learned on unseen text, stayed underrated on the held-out split, where
+  they emit twice as much). The host's rate is kept per length of its match (a 4-token match
+  drafts far more than a 1-token one). An arm's first use in a generation books its tokens but
+  not its ms (it pays traces and first buffers, not what a round costs), nor does a use over
+  `SPIKE` times what such a use costs (the start-up fit, or the arm's own average: a new
+  shape's trace and kernels), unless `SPIKES_IN_A_ROW` in a row of that arm were.
 - A DFlash round picks its tree's node budget after its block forward. Each node's draft
   probability (its best-first score: the product of its tokens' marginals) is calibrated online
   into the probability that the target accepts it (`Calibration`, by probability bin, from every
@@ -28,7 +33,8 @@ Estimates, all of wall time (what the round costs the user, host work included):
   fit at the row count the device runs: `verify.row_bucket` on GPUs). The budget with the best
   ratio is drafted (`choose_budget`).
 
-Exploration: an arm never used is tried the first time it is available; a model or host arm
+Exploration: an arm never used is tried the first time it is available, and the model arm once
+early in each generation (its tokens are this text's); a model or host arm
 passed over for `REPROBE` rounds in which it was available is tried once; after a plain
 stretch the best speculative arm is tried once, and a stretch chosen again right after that
 probe is twice as long (`STRETCH` up to `MAX_STRETCH` tokens), while a round that speculation
@@ -36,8 +42,7 @@ wins outright sets it back to `STRETCH`. During a stretch the host drafter sees 
 is read (`watch`, host work only): where it matches with a length whose rounds beat plain
 decoding (or were never measured), the stretch ends at the next token and the host drafts.
 
-Rates and the calibration carry over from one generation to the next (they describe the target,
-the drafter and the device, not one text), and to the next drafter built for the same pair
+Rates (tokens as a prior) and the calibration carry over from one generation to the next, and to the next drafter built for the same pair
 (`memory`: `make_drafter` makes one per call); `reset` clears them. Exactness does not depend on
 any of it: every arm drafts an exact draft, and a plain stretch is plain decoding.
 """
@@ -58,6 +63,7 @@ __all__ = ["AdaptiveDrafter", "PlainStretch", "Calibration", "Rate"]
 ALPHA = 0.3  # weight of the newest use in an arm's averages
 STRETCH, MAX_STRETCH = 16, 256  # tokens of a plain stretch: first, and after repeated losses
 REPROBE = 16  # available rounds after which an arm not taken is tried once
+CARRIED_USES = 1  # weight of the tokens per use carried from earlier generations, in uses
 MATCHES = 4  # host match lengths told apart (longer ones count as this)
 # A use that took over SPIKE x what the start-up fit says it costs paid for a new shape once (a
 # trace, new kernels: on the H200 such a round costs several times a usual one) and is not
@@ -225,6 +231,7 @@ class AdaptiveDrafter:
         self.match = 0  # the host's match length this round (its rate's key)
         self.fed = 0  # tokens of the stretch under way the host drafter has seen (`watch`)
         self.warm = set()  # arms used in this generation: an arm's first use pays one-off costs
+        self.seen = {}  # rate key -> (tokens, uses) of this generation's speculative uses
         self.spikes = {}  # per rate: uses in a row not booked as spikes (SPIKE)
         self.last = None  # (arm, start time, nodes) of the round or stretch under way
         self.emitted = 0
@@ -292,8 +299,8 @@ class AdaptiveDrafter:
         match, _ = self._host_match(int(token), getattr(self.host, "max_depth", self.depth) or 1)
         if not match:
             return False
-        rate = self.rates[("host", min(int(match), MATCHES))].value
-        plain = self.rates["plain"].value
+        rate = self.value(("host", min(int(match), MATCHES)))
+        plain = self.value("plain")
         return rate is None or plain is None or rate > plain
 
     def _host_match(self, root, max_depth):
@@ -371,13 +378,28 @@ class AdaptiveDrafter:
 
     def rate(self, arm):
         """The Rate an arm books to (the host's by this round's match length)."""
-        return self.rates[("host", self.match) if arm == "host" else arm]
+        return self.rates[self._key(arm)]
+
+    def _key(self, arm):
+        return ("host", self.match) if arm == "host" else arm
+
+    def value(self, key):
+        """A rate's expected tokens per ms in this generation (`key`: an arm, or ("host", match
+        length)): its carried ms per use, and its tokens per use this generation with the
+        carried average as `CARRIED_USES` uses (None before any booked use)."""
+        rate = self.rates[key]
+        if rate.ms is None or key == "plain":
+            return rate.value
+        tokens, uses = self.seen.get(key, (0.0, 0))
+        return (CARRIED_USES * rate.tokens + tokens) / (CARRIED_USES + uses) / max(rate.ms, 1e-6)
 
     def _choose(self, available):
-        rates = {a: self.rate(a).value for a in available + ["plain"]}
+        rates = {a: self.value(self._key(a)) for a in available + ["plain"]}
         for a in available:  # never used: try it
             if rates[a] is None:
                 return a
+        if "primary" in available and "primary" not in self.seen:  # once per text
+            return "primary"
         if not available or rates["plain"] is None:
             return "plain"
         if self.after_stretch:  # back from a stretch: the best speculative arm, once
@@ -445,10 +467,13 @@ class AdaptiveDrafter:
         arm, start, nodes = self.last
         self.last = None
         ms = 1e3 * (now - start)
+        key = self._key(arm)
+        if arm != "plain":  # what it emitted is this text's, whatever the round cost
+            tokens, uses = self.seen.get(key, (0.0, 0))
+            self.seen[key] = (tokens + self.emitted, uses + 1)
         if arm != "plain" and arm not in self.warm:  # traces, first buffers: not what it costs
             self.warm.add(arm)
             return
-        key = ("host", self.match) if arm == "host" else arm
         if ms > SPIKE * self._expected_ms(arm, nodes) and self.spikes.get(key, 0) < SPIKES_IN_A_ROW:
             self.spikes[key] = self.spikes.get(key, 0) + 1  # a new shape's trace and kernels, once
             return

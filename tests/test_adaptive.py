@@ -47,6 +47,13 @@ class Scripted(AdaptiveDrafter):
         return "plain"
 
 
+def book(d, arm, emitted, ms):
+    """A use of `arm` that emitted `emitted` tokens in `ms` ms, booked as the loop books it."""
+    d.warm.add(arm)
+    d.last, d.emitted = (arm, 0.0, 2), emitted
+    d._close(ms / 1e3)
+
+
 def repetitive(n=12, seed=0):
     """A prompt that repeats itself, over every token id, so prompt lookup matches."""
     base = np.random.default_rng(seed).integers(0, tiny.VOCAB, n).tolist()
@@ -143,7 +150,7 @@ def test_calibration_learns_the_acceptance_of_a_probability_bin():
 def test_controller_turns_off_when_plain_is_faster_and_probes_with_backoff(monkeypatch):
     d = AdaptiveDrafter(host=LookupDrafter(), primary=LookupDrafter(), costs=(1.0, flat(1.0)))
     assert d.choose(["primary"]) == "primary"  # never used: tried first
-    d.rates["primary"].add(2, 4.0)  # 0.5 tokens/ms against plain's 1.0
+    book(d, "primary", 2, 4.0)  # 0.5 tokens/ms against plain's 1.0
     assert d.choose(["primary"]) == "plain" and d.stretch == adaptive.STRETCH
     assert d.choose(["primary"]) == "primary"  # the probe after the stretch
     assert d.choose(["primary"]) == "plain" and d.stretch == 2 * adaptive.STRETCH  # it lost: longer
@@ -151,22 +158,22 @@ def test_controller_turns_off_when_plain_is_faster_and_probes_with_backoff(monke
     for _ in range(10):
         d.choose(["primary"])
     assert d.stretch == adaptive.MAX_STRETCH
-    d.rates["primary"].add(40, 4.0)  # text got easy
+    book(d, "primary", 40, 4.0)  # text got easy
     d.after_stretch = False
     assert d.choose(["primary"]) == "primary" and d.stretch == adaptive.STRETCH
 
 
 def test_controller_prefers_the_faster_arm_and_reprobes_the_other():
     d = AdaptiveDrafter(primary=LookupDrafter(), host=LookupDrafter(), costs=(10.0, flat(1.0)))
-    d.rates["primary"].add(3, 3.0)
+    book(d, "primary", 3, 3.0)
     d.match = 3
-    d.rate("host").add(6, 2.0)
+    book(d, "host", 6, 2.0)
     picks = [d.choose(["primary", "host"]) for _ in range(adaptive.REPROBE + 1)]
     assert picks[:-1] == ["host"] * adaptive.REPROBE and picks[-1] == "primary"
     assert d.choose(["primary"]) == "primary"  # the host did not match: the model drafts
     # the host's rate is kept per match length: a 1-token match that drafts little loses
     d.match = 1
-    d.rate("host").add(1, 2.0)
+    book(d, "host", 1, 2.0)
     assert d.choose(["primary", "host"]) == "primary"
     d.match = 3
     assert d.choose(["primary", "host"]) == "host"
@@ -177,10 +184,31 @@ def test_first_use_of_an_arm_in_a_generation_is_not_booked():
     d.prefill([1, 2, 3])
     d.last, d.emitted = ("primary", 0.0, 2), 1  # a round that took ~forever (a trace)
     d._close(1.0)
-    assert d.rates["primary"].value is None  # not booked: tried again
+    assert d.rates["primary"].value is None  # its ms not booked: tried again
+    assert d.seen["primary"] == (1, 1)  # what it emitted is booked (this text's)
     d.last = ("primary", 1.0, 2)
     d._close(1.002)
     assert d.rates["primary"].value == pytest.approx(0.5)
+
+
+def test_each_generation_relearns_what_an_arm_emits():
+    """The tokens an arm emits describe the text: a new generation tries the model arm once and
+    weighs what it emitted there against the carried average as one use; the ms carry over."""
+    d = AdaptiveDrafter(primary=LookupDrafter(), costs=(1.0, flat(1.0)))
+    d.prefill([1, 2, 3])
+    for _ in range(3):
+        book(d, "primary", 2, 4.0)  # 0.5 tokens/ms against plain's 1.0
+    assert d.choose(["primary"]) == "plain"
+    d.prefill([4, 5, 6])  # the next text
+    assert d.choose(["primary"]) == "primary"  # once per text
+    d.last, d.emitted = ("primary", 0.0, 2), 12
+    d._close(0.030)  # its first use: 30 ms (a trace) not booked, its 12 tokens are
+    assert d.rates["primary"].ms == pytest.approx(4.0)
+    assert d.value("primary") == pytest.approx((2 + 12) / 2 / 4.0)
+    assert d.choose(["primary"]) == "primary"
+    d.prefill([7, 8, 9])
+    book(d, "primary", 1, 4.0)  # a hard text
+    assert d.choose(["primary"]) == "plain"
 
 
 def test_a_spike_is_not_booked_unless_it_repeats():
