@@ -34,6 +34,34 @@ class MergedState:
     first_extra: int
 
 
+def merge(b, e):
+    """`b`'s tree with `e`'s nodes under the same root, after `b`'s (cut to fit `MAX_NODES`):
+    one verify for both; the state (`MergedState`) tells whose nodes are whose."""
+    nb = b.size
+    m = min(e.size - 1, MAX_NODES - nb)
+    state = MergedState(b, e, nb)
+    if m <= 0:
+        return Draft(b.tokens, b.layout, state, fetch=b.fetch, budget=b.budget, depth=b.depth,
+                     forwards=b.forwards)
+    e_parents = np.asarray(e.layout.host_parents()[1 : m + 1], np.int64)
+    shifted = np.where(e_parents == 0, 0, e_parents + nb - 1)  # lookup node i -> nb + i - 1
+    tokens = mx.concatenate([b.tokens, e.tokens[1 : m + 1]])
+    if b.layout.parents is None:  # the model's topology is on the device: extend it there
+        e_all = np.concatenate([[-1], e_parents])
+        e_vis = ancestors_of(e_all)[1:]  # [m, m + 1]: lookup rows over root + lookup nodes
+        b_parents, b_depths, b_visible = b.layout.device
+        parents = mx.concatenate([b_parents.astype(mx.int32), cached_array(shifted.astype(np.int32))])
+        depths = mx.concatenate([b_depths.astype(mx.int32), cached_array(depths_of(e_all)[1:].astype(np.int32))])
+        lower = mx.concatenate([cached_array(e_vis[:, :1]), mx.zeros((m, nb - 1), mx.bool_),
+                                cached_array(e_vis[:, 1:])], axis=1)
+        upper = mx.concatenate([b_visible, mx.zeros((nb, m), mx.bool_)], axis=1)
+        layout = Layout.on_device(parents, depths, mx.concatenate([upper, lower], axis=0))
+    else:
+        layout = Layout.fixed(np.concatenate([b.layout.parents, shifted]))
+    return Draft(tokens, layout, state, fetch=b.fetch, budget=b.budget + m, depth=b.depth,
+                 forwards=b.forwards)
+
+
 class MergedDrafter:
     """`base` (a draft-model drafter) with the nodes of `extra` (a host drafter, e.g. prompt
     lookup) under the same root, cut to fit `MAX_NODES`; with `trust` n > 0, `extra` alone where
@@ -67,29 +95,7 @@ class MergedDrafter:
         alone = self.trust > 0 and e.size > 1 and self.extra.last_match >= self.trust
         self.rounds_alone += alone
         b = Draft.root_only(root) if alone else self.base.draft(root, max_depth)
-        nb = b.size
-        m = min(e.size - 1, MAX_NODES - nb)
-        state = MergedState(b, e, nb)
-        if m <= 0:
-            return Draft(b.tokens, b.layout, state, fetch=b.fetch, budget=b.budget, depth=b.depth,
-                         forwards=b.forwards)
-        e_parents = np.asarray(e.layout.host_parents()[1 : m + 1], np.int64)
-        shifted = np.where(e_parents == 0, 0, e_parents + nb - 1)  # lookup node i -> nb + i - 1
-        tokens = mx.concatenate([b.tokens, e.tokens[1 : m + 1]])
-        if b.layout.parents is None:  # the model's topology is on the device: extend it there
-            e_all = np.concatenate([[-1], e_parents])
-            e_vis = ancestors_of(e_all)[1:]  # [m, m + 1]: lookup rows over root + lookup nodes
-            b_parents, b_depths, b_visible = b.layout.device
-            parents = mx.concatenate([b_parents.astype(mx.int32), cached_array(shifted.astype(np.int32))])
-            depths = mx.concatenate([b_depths.astype(mx.int32), cached_array(depths_of(e_all)[1:].astype(np.int32))])
-            lower = mx.concatenate([cached_array(e_vis[:, :1]), mx.zeros((m, nb - 1), mx.bool_),
-                                    cached_array(e_vis[:, 1:])], axis=1)
-            upper = mx.concatenate([b_visible, mx.zeros((nb, m), mx.bool_)], axis=1)
-            layout = Layout.on_device(parents, depths, mx.concatenate([upper, lower], axis=0))
-        else:
-            layout = Layout.fixed(np.concatenate([b.layout.parents, shifted]))
-        return Draft(tokens, layout, state, fetch=b.fetch, budget=b.budget + m, depth=b.depth,
-                     forwards=b.forwards)
+        return merge(b, e)
 
     def commit(self, draft, path, emitted, *hidden):
         st = draft.state
