@@ -99,8 +99,20 @@ class RoundStats:
             "walk_ms_per_round": sum(self.walk_ms) / n,
             "draft_forwards_per_round": sum(self.draft_forwards) / n,
             "rounds_by_drafter": self.rounds_by_drafter(),
+            "emitted_ms_by_drafter": self.emitted_ms_by_drafter(),
             "prompt_ms": self.prompt_ms,
         }
+
+    def emitted_ms_by_drafter(self):
+        """{what drafted: [tokens emitted, wall ms]} over the rounds that say: each arm's rate as
+        a generation saw it (adaptive drafting)."""
+        out = {}
+        for d, e, ms in zip(self.drafter, self.emitted, self.round_ms):
+            if d:
+                acc = out.setdefault(d, [0, 0.0])
+                acc[0] += int(e)
+                acc[1] += float(ms)
+        return out
 
     def rounds_by_drafter(self):
         """{what drafted: rounds} over the rounds that say (adaptive drafting; 'plain': one
