@@ -6,9 +6,9 @@
   EAGLE-3 head);
 - `host`: a model-free drafter (prompt lookup, a suffix index), in rounds where it matched the
   text (it drafts nothing otherwise);
-- `both`: where the host matched and the primary is a block drafter (DDTree): its tree and the
-  host's under one root, one verify (`drafters.merged.merge`); the target takes whichever path
-  it agrees with longer, for the cost of the extra rows;
+- `both`: where the host matched and the primary is a block drafter (DDTree): the host's tree
+  and a best-first tree of the rest of the block drafter's budget under one root, one verify
+  (`drafters.merged.merge`); the target takes whichever path it agrees with longer;
 - `plain`: no speculation. `draft` returns `PlainStretch(n)`: the loop decodes n tokens plainly,
   pipelined as mlx-lm's generate_step (the device never waits on the host), then hands the
   drafters what they did not see (`catch_up`: the tokens, and the target rows a drafter reads).
@@ -453,7 +453,9 @@ class AdaptiveDrafter:
             return p.draft(root, max_depth)
         depth = min(p.depth, max_depth)
         ids, top = p.ranked(root, depth)
-        tree = best_first_tree(0, top, min(p.budget, MAX_NODES - 1 - extra))
+        # a merged round's nodes within the block drafter's own budget: on the H200 the hybrid's
+        # first verifies of more rows than that cost ~300 ms each (new kernel shapes per prompt)
+        tree = best_first_tree(0, top, max(min(p.budget, MAX_NODES - 1) - extra, 1))
         B = self.choose_budget(np.exp(tree.scores[1:]), extra)
         tree = DraftTree(tree.tokens[: B + 1], tree.parents[: B + 1], tree.scores[: B + 1])
         self.scores = np.exp(tree.scores[preorder(tree.parents)][1:])  # as as_draft numbers them

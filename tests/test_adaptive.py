@@ -91,6 +91,8 @@ def test_switching_dflash_lookup_and_plain_is_exact(tmp_path, monkeypatch, famil
     # whoever drafted, the block drafter's context is every delivered token's target rows
     d = drafter.primary
     assert d.length + (0 if d.pending is None else d.pending.shape[0]) == len(prompt) + len(out) - 1
+    merged = [k for k, s in zip(stats.nodes, stats.drafter) if s == "oracledflash+lookup"]
+    assert max(merged) <= 12 + 1  # within the block drafter's budget (+ the root)
 
 
 def test_switching_model_drafter_and_sampling_is_exact(monkeypatch):
