@@ -1,14 +1,11 @@
 """Adaptive drafting: before every round, the draft with the most expected tokens per millisecond.
 
-`AdaptiveDrafter` is a drafter that picks one of four arms each round:
+`AdaptiveDrafter` is a drafter that picks one of three arms each round:
 
 - `primary`: the drafter that runs a model (a DFlash block drafter, a draft model, an MTP or
   EAGLE-3 head);
 - `host`: a model-free drafter (prompt lookup, a suffix index), in rounds where it matched the
   text (it drafts nothing otherwise);
-- `both`: where the host matched and the primary is a block drafter (DDTree): the host's tree
-  and a best-first tree of the rest of the block drafter's budget under one root, one verify
-  (`drafters.merged.merge`); the target takes whichever path it agrees with longer;
 - `plain`: no speculation. `draft` returns `PlainStretch(n)`: the loop decodes n tokens plainly,
   pipelined as mlx-lm's generate_step (the device never waits on the host), then hands the
   drafters what they did not see (`catch_up`: the tokens, and the target rows a drafter reads).
@@ -58,7 +55,6 @@ import numpy as np
 
 from .builders import best_first_tree
 from .draft import Draft
-from .drafters.merged import merge
 from .tree import MAX_NODES, DraftTree, preorder
 from .verify import pad_keys_default, row_bucket
 
@@ -146,8 +142,7 @@ class Learned:
 
     def __init__(self, plain_ms=None):
         # the host's rate by the length of its match (1..MATCHES): a long match drafts far more
-        self.rates = {"primary": Rate(), "plain": Rate(plain_ms),
-                      **{(arm, m): Rate() for arm in ("host", "both") for m in range(MATCHES + 1)}}
+        self.rates = {"primary": Rate(), "plain": Rate(plain_ms), **{("host", m): Rate() for m in range(MATCHES + 1)}}
         self.calibration = Calibration()
         self.overhead = None  # EWMA of a DFlash round's ms beyond its verify's
 
@@ -179,14 +174,11 @@ class AdaptiveDrafter:
         self.capture = tuple(getattr(primary, "capture", ())) if primary is not None else ()
         # DDTree drafters (ranked + as_draft) get their budget chosen per round
         self.blocks = primary is not None and callable(getattr(primary, "ranked", None)) and primary.topk != 1
-        # a block drafter's commit reads the accepted rows only, whoever drafted them: it merges
-        self.merges = self.blocks and host is not None
         if verify_rows is None:
             verify_rows = row_bucket if pad_keys_default() else (lambda n: n)
         self.verify_rows = verify_rows
         self.names = {"primary": _kind(primary) if primary is not None else "",
                       "host": _kind(host) if host is not None else "", "plain": "plain"}
-        self.names["both"] = self.names["primary"] + "+" + self.names["host"]
         self.memory = memory
         if memory is not None and memory in LEARNED:
             self.learned = LEARNED[memory]
@@ -232,7 +224,7 @@ class AdaptiveDrafter:
                 d.reset()
 
     def _restart(self):
-        self.idle = {"primary": 0, "host": 0, "both": 0}
+        self.idle = {"primary": 0, "host": 0}
         self.stretch = STRETCH
         self.probing = False  # the round under way is the probe after a stretch
         self.after_stretch = False
@@ -265,19 +257,15 @@ class AdaptiveDrafter:
         match, e = self._host_match(root, max_depth) if self.host is not None else (0, None)
         available = ["primary"] if self.primary is not None else []
         if match:
-            available += ["host", "both"] if self.merges else ["host"]
+            available.append("host")
             self.match = min(match, MATCHES)
         arm = self.choose(available)
         if arm == "plain":
             self.last = ("plain", now, 1)
             self.fed = 0
             return PlainStretch(self.stretch, self.watch if self.host is not None else None)
-        if arm != "primary":
-            e = e if e is not None else self.host.draft(root, max_depth)
         if arm == "host":
-            d = e
-        elif arm == "both":
-            d = merge(self._primary_draft(root, max_depth, extra=e.size - 1), e)
+            d = e if e is not None else self.host.draft(root, max_depth)
         else:
             d = self._primary_draft(root, max_depth)
         d.source = self.names[arm]
@@ -287,10 +275,8 @@ class AdaptiveDrafter:
     def commit(self, draft, path, emitted, hidden=None):
         self.emitted = len(emitted)
         arm = self.last[0] if self.last is not None else None
-        if arm in ("primary", "both") and self.blocks and self.scores is not None:
-            # the block's nodes come first (a merged draft's host nodes after them); the verify
-            # may have dropped the last nodes
-            n = min(draft.size, len(self.scores) + 1)
+        if arm == "primary" and self.blocks and self.scores is not None:
+            n = min(draft.size, len(self.scores) + 1)  # the verify may have dropped the last nodes
             accepted = np.zeros(n - 1, bool)
             nodes = np.asarray(path, np.int64)[1:]
             accepted[nodes[nodes < n] - 1] = True
@@ -313,9 +299,9 @@ class AdaptiveDrafter:
         match, _ = self._host_match(int(token), getattr(self.host, "max_depth", self.depth) or 1)
         if not match:
             return False
-        rates = [self.value((arm, min(int(match), MATCHES))) for arm in ("host", "both")[: 1 + self.merges]]
+        rate = self.value(("host", min(int(match), MATCHES)))
         plain = self.value("plain")
-        return None in rates or plain is None or max(rates) > plain
+        return rate is None or plain is None or rate > plain
 
     def _host_match(self, root, max_depth):
         """(the host drafter's match length at `root`, 0 for none; its draft where building it
@@ -395,7 +381,7 @@ class AdaptiveDrafter:
         return self.rates[self._key(arm)]
 
     def _key(self, arm):
-        return (arm, self.match) if arm in ("host", "both") else arm
+        return ("host", self.match) if arm == "host" else arm
 
     def value(self, key):
         """A rate's expected tokens per ms in this generation (`key`: an arm, or ("host", match
@@ -436,27 +422,24 @@ class AdaptiveDrafter:
             self._verify_table = (key, np.array([fit(self.verify_rows(n)) for n in range(MAX_NODES + 1)]))
         return self._verify_table[1][np.atleast_1d(np.asarray(nodes, np.int64))]
 
-    def choose_budget(self, probs, extra=0):
+    def choose_budget(self, probs):
         """Nodes of the best-first tree to draft, given its nodes' draft probabilities in
-        best-first order (and `extra` host nodes verified beside them): the B in 1..len(probs)
-        with the most expected emitted tokens per ms."""
+        best-first order: the B in 1..len(probs) with the most expected emitted tokens per ms."""
         n = len(probs)
         if self.costs is None or self.overhead is None:
             return n
         gain = 1.0 + np.cumsum(self.calibration(probs))
-        ms = np.maximum(self.overhead + self.verify_ms(np.arange(2, n + 2) + extra), 1e-6)
+        ms = np.maximum(self.overhead + self.verify_ms(np.arange(2, n + 2)), 1e-6)
         return int(np.argmax(gain / ms)) + 1
 
-    def _primary_draft(self, root, max_depth, extra=0):
+    def _primary_draft(self, root, max_depth):
         p = self.primary
         if not self.blocks:
             return p.draft(root, max_depth)
         depth = min(p.depth, max_depth)
         ids, top = p.ranked(root, depth)
-        # a merged round's nodes within the block drafter's own budget: on the H200 the hybrid's
-        # first verifies of more rows than that cost ~300 ms each (new kernel shapes per prompt)
-        tree = best_first_tree(0, top, max(min(p.budget, MAX_NODES - 1) - extra, 1))
-        B = self.choose_budget(np.exp(tree.scores[1:]), extra)
+        tree = best_first_tree(0, top, min(p.budget, MAX_NODES - 1))
+        B = self.choose_budget(np.exp(tree.scores[1:]))
         tree = DraftTree(tree.tokens[: B + 1], tree.parents[: B + 1], tree.scores[: B + 1])
         self.scores = np.exp(tree.scores[preorder(tree.parents)][1:])  # as as_draft numbers them
         return p.as_draft(root, ids, tree, depth, B)
@@ -474,7 +457,7 @@ class AdaptiveDrafter:
             fit = float(self.costs[0]) * max(self.emitted, 1)
         else:
             fit = float(self.verify_ms([nodes])[0]) + (
-                self.overhead if arm in ("primary", "both") and self.overhead is not None else 0.0)
+                self.overhead if arm == "primary" and self.overhead is not None else 0.0)
         return max(fit, own or 0.0)
 
     def _close(self, now):

@@ -68,7 +68,7 @@ def dflash_folder(tmp_path_factory):
     return get
 
 
-SCRIPT = ["primary", "plain", "host", "both", "primary", "primary", "plain", "plain", "host", "both"]
+SCRIPT = ["primary", "plain", "host", "primary", "primary", "plain", "plain", "host"]
 
 
 @pytest.mark.parametrize("family,opts", [("qwen3", {}), ("qwen3_5", {}), ("qwen3", dict(max_kv_size=20)),
@@ -86,13 +86,8 @@ def test_switching_dflash_lookup_and_plain_is_exact(tmp_path, monkeypatch, famil
     out, stats = run(target, drafter, prompt, **opts)
     assert out == ref
     used = stats.rounds_by_drafter()
-    assert all(used.get(k, 0) > 0 for k in ("oracledflash", "lookup", "oracledflash+lookup", "plain"))
+    assert used.get("oracledflash", 0) > 0 and used.get("lookup", 0) > 0 and used.get("plain", 0) > 0
     assert sum(stats.accepted) > 0
-    # whoever drafted, the block drafter's context is every delivered token's target rows
-    d = drafter.primary
-    assert d.length + (0 if d.pending is None else d.pending.shape[0]) == len(prompt) + len(out) - 1
-    merged = [k for k, s in zip(stats.nodes, stats.drafter) if s == "oracledflash+lookup"]
-    assert max(merged) <= 12 + 1  # within the block drafter's budget (+ the root)
 
 
 def test_switching_model_drafter_and_sampling_is_exact(monkeypatch):
@@ -182,37 +177,6 @@ def test_controller_prefers_the_faster_arm_and_reprobes_the_other():
     assert d.choose(["primary", "host"]) == "primary"
     d.match = 3
     assert d.choose(["primary", "host"]) == "host"
-
-
-class BlockStub:
-    """A block drafter's face (DDTree: `ranked`, topk 0) for choices alone."""
-
-    topk = 0
-
-    def ranked(self, root, depth):
-        raise AssertionError("not drafted here")
-
-    def reset(self):
-        pass
-
-
-def test_merged_rounds_are_an_arm_of_their_own():
-    """Where the host matched and the primary drafts blocks, a merged round (both trees, one
-    verify) is chosen when its own rate, per match length, is the best; never otherwise."""
-    d = AdaptiveDrafter(primary=BlockStub(), host=LookupDrafter(), costs=(10.0, flat(1.0)))
-    assert d.merges and d.names["both"] == "blockstub+lookup"
-    book(d, "primary", 3, 3.0)
-    d.match = 3
-    book(d, "host", 4, 2.0)
-    book(d, "both", 9, 3.0)
-    assert d.choose(["primary", "host", "both"]) == "both"
-    d.match = 1  # a short match: its own record (never used: tried), then the better of the two
-    assert d.choose(["primary", "host", "both"]) == "host"
-    book(d, "host", 1, 2.0)
-    assert d.choose(["primary", "host", "both"]) == "both"
-    book(d, "both", 2, 3.0)
-    assert d.choose(["primary", "host", "both"]) == "primary"
-    assert not AdaptiveDrafter(primary=LookupDrafter(), host=LookupDrafter()).merges  # not a block drafter
 
 
 def test_first_use_of_an_arm_in_a_generation_is_not_booked():
