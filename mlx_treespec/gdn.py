@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .tree import chain_parents, depths_of, root_path
+from .tree import chain_parents, depths_of, preorder, root_path
 from .tree import check_parents as _check_parents
 
 
@@ -124,25 +124,10 @@ def tree_levels(parents) -> List[np.ndarray]:
 
 
 def dfs_order(parents) -> np.ndarray:
-    """Depth-first visiting order (roots and children in ascending index order).
-
-    The kernel walks the tree in this order: every node except a parent's first child then
-    continues from the registers, whatever order the tree's nodes were numbered in (a
-    breadth-first numbering would otherwise reload at every node).
-    """
-    p = check_parents(parents)
-    n = p.size
-    children: List[List[int]] = [[] for _ in range(n)]
-    roots = []
-    for i in range(n):
-        (roots if p[i] < 0 else children[p[i]]).append(i)
-    order = []
-    stack = roots[::-1]
-    while stack:
-        j = stack.pop()
-        order.append(j)
-        stack.extend(children[j][::-1])
-    return np.array(order, dtype=np.int64)
+    """Depth-first visiting order (`tree.preorder`). The kernel walks the tree in this order:
+    every node but a parent's first child then continues from the registers, whatever order
+    the nodes were numbered in (a breadth-first numbering would reload at every node)."""
+    return preorder(check_parents(parents))
 
 
 def branch_points(parents, order=None) -> np.ndarray:

@@ -270,19 +270,6 @@ class DraftSpec:
         return base
 
     @property
-    def series(self):
-        """Which curve an arm belongs to in a sweep plot."""
-        if self.drafter == "none":
-            return "plain"
-        if self.adaptive:
-            return "adaptive"
-        if self.drafter == "model":
-            return "chain" if self.is_chain and not self.lookup else "tree"
-        if self.drafter in HEADS:
-            return f"{self.drafter} " + ("chain" if self.is_chain and not self.lookup else "tree")
-        return self.drafter
-
-    @property
     def requested_nodes(self):
         """Nodes a round of this shape verifies at most (root included)."""
         return min(MAX_NODES, 1 + self.budget + self.lookup) if self.drafter != "none" else 1

@@ -95,10 +95,6 @@ class Arm:
         return "plain decode" if self.kind == "plain" else self.spec.label
 
     @property
-    def requested_nodes(self):
-        return self.spec.requested_nodes
-
-    @property
     def series(self):
         """Which curve the arm is on: a chain or tree with a lookup chain under its root is
         plotted apart ("tree + lookup"), at the nodes it verifies."""
@@ -692,10 +688,6 @@ def build_parser():
     return p
 
 
-def _meta(args, **kw):
-    return run_meta(**kw)
-
-
 def main(argv=None):
     args = build_parser().parse_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -739,7 +731,7 @@ def main(argv=None):
         if args.draft_model and not args.cost_model_draft_config:
             draft_model = load(args.draft_model)[0]
         json_path, md_path = out_dir / "projection.json", out_dir / "projection.md"
-        doc = dict(meta=_meta(args, acceptance_from=str(args.acceptance_from)), arms=sweep["arms"],
+        doc = dict(meta=run_meta(acceptance_from=str(args.acceptance_from)), arms=sweep["arms"],
                    cost_model=dict(pair=pair, projections=[]))
         md = [f"# {PROJECTION}s from {args.acceptance_from}", ""]
     else:
@@ -774,7 +766,7 @@ def main(argv=None):
                           save_rounds=args.save_rounds, max_seconds=args.max_seconds, log=log)
         if sweep["prompts_run"] < len(prompts):
             texts, prompts = texts[: sweep["prompts_run"]], prompts[: sweep["prompts_run"]]
-        sweep["meta"] = _meta(args, model=model_path, draft_model=draft_path if need_draft else None,
+        sweep["meta"] = run_meta(model=model_path, draft_model=draft_path if need_draft else None,
                               target_dtype=weights_dtype(target),
                               draft_dtype=weights_dtype(draft_model) if draft_model is not None else None,
                               prompts_file=str(pfile) if pfile else None, num_prompts=len(prompts),

@@ -47,10 +47,6 @@ class SuffixIndex:
         self.last: List[int] = [0]  # clock of its most recent occurrence (end token)
         self.clock = 0  # tokens appended over all sequences
 
-    @property
-    def num_nodes(self):
-        return len(self.count)
-
     def sequence(self, tokens=()) -> "SuffixCursor":
         """Start a new sequence (optionally with its first tokens); returns its cursor."""
         cur = SuffixCursor(self)
