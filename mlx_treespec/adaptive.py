@@ -245,7 +245,7 @@ class AdaptiveDrafter:
                 self.rates["plain"] = Rate(self.costs[0])
         self._restart()
         if self.primary is not None:
-            self.primary.prefill(prompt, hidden) if self.capture else self.primary.prefill(prompt)
+            self.primary.prefill(prompt, *self._rows(hidden))
         if self.host is not None:
             self.host.prefill(prompt)
 
@@ -283,12 +283,13 @@ class AdaptiveDrafter:
             self.calibration.update(self.scores[: n - 1], accepted)
         self.scores = None
         if self.primary is not None:
-            if self.capture:
-                self.primary.commit(draft, path, emitted, hidden)
-            else:
-                self.primary.commit(draft, path, emitted)
+            self.primary.commit(draft, path, emitted, *self._rows(hidden))
         if self.host is not None:
             self.host.commit(draft, path, emitted)
+
+    def _rows(self, hidden):
+        """The target rows for the primary's calls: passed only to a drafter that reads them."""
+        return (hidden,) if self.capture else ()
 
     def watch(self, token):
         """A stretch's token as it is read: the host drafter sees it, and the stretch ends at the
@@ -351,10 +352,7 @@ class AdaptiveDrafter:
         self.emitted = len(tokens)
         d, path = Draft.root_only(root), np.zeros(1, np.int64)
         if self.primary is not None:
-            if self.capture:
-                self.primary.commit(d, path, tokens, hidden)
-            else:
-                self.primary.commit(d, path, tokens)
+            self.primary.commit(d, path, tokens, *self._rows(hidden))
         if self.host is not None and len(tokens) > self.fed:
             self.host.commit(d, path, tokens[self.fed:])
         self.fed = 0

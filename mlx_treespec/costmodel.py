@@ -147,32 +147,20 @@ def _time_rows(model, caches, tokens, parents, repeats, warmup):
     return statistics.median(times)
 
 
-def time_verify(model, Ts: Sequence[int] = VERIFY_TS, history=256, repeats=5, warmup=2, seed=0,
-                progress=None):
+def _time_shapes(model, sizes, parents_of, history, repeats, warmup):
+    caches, vocab, rng = _prefilled(model, history, 0)
+    return {int(n): _time_rows(model, caches, mx.array(rng.integers(0, vocab, n).astype(np.uint32)),
+                               parents_of(n), repeats, warmup) for n in sizes}
+
+
+def time_verify(model, Ts: Sequence[int] = VERIFY_TS, history=256, repeats=5, warmup=2):
     """Median ms of a TreeRound forward of a chain of T nodes over `history` committed tokens."""
-    caches, vocab, rng = _prefilled(model, history, seed)
-    out = {}
-    for T in Ts:
-        tokens = mx.array(rng.integers(0, vocab, T).astype(np.uint32))
-        parents = np.arange(T) - 1
-        out[int(T)] = _time_rows(model, caches, tokens, parents, repeats, warmup)
-        if progress:
-            progress(f"verify T={T}: {out[int(T)]:.3f} ms")
-    return out
+    return _time_shapes(model, Ts, lambda T: np.arange(T) - 1, history, repeats, warmup)
 
 
-def time_draft(model, lanes: Sequence[int] = DRAFT_LANES, history=256, repeats=5, warmup=2, seed=0,
-               progress=None):
+def time_draft(model, lanes: Sequence[int] = DRAFT_LANES, history=256, repeats=5, warmup=2):
     """Median ms of one draft step of `lanes` sibling nodes (a one-token step when lanes == 1)."""
-    caches, vocab, rng = _prefilled(model, history, seed)
-    out = {}
-    for L in lanes:
-        tokens = mx.array(rng.integers(0, vocab, L).astype(np.uint32))
-        parents = np.full(L, -1) if L > 1 else np.array([-1])
-        out[int(L)] = _time_rows(model, caches, tokens, parents, repeats, warmup)
-        if progress:
-            progress(f"draft lanes={L}: {out[int(L)]:.3f} ms")
-    return out
+    return _time_shapes(model, lanes, lambda L: np.full(L, -1), history, repeats, warmup)
 
 
 # ---------------------------------------------------------------------------- models from configs

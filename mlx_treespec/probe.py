@@ -19,11 +19,10 @@ argmax flips (unless allowed).
 from __future__ import annotations
 
 import copy
-import hashlib
 import warnings
 import weakref
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import mlx.core as mx
@@ -31,7 +30,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from .builders import Eagle2Builder
-from .tree import MAX_NODES, chain_parents, check_draft_parents
+from .tree import MAX_NODES, chain_parents, check_draft_parents, depths_of
 from .verify import TreeRound
 
 __all__ = [
@@ -186,7 +185,7 @@ def weights_dtype(model):
     return "+".join(names) or "none"
 
 
-# (id(model), device, dtype, topology bytes, n_inputs, history, seed, prompt digest)
+# (id(model), device, dtype, topology bytes, n_inputs, history, seed)
 #   -> (weakref to the model, TopologyProbe)
 _MEMO: Dict[tuple, tuple] = {}
 
@@ -238,13 +237,11 @@ def _compare(verify, ref):
 
 
 def probe_exactness(model, tree_parents_list, n_inputs=3, history=32, seed=0,
-                    perturb: Optional[Callable] = None, prompt: Optional[Sequence[int]] = None,
-                    memo=True) -> ProbeReport:
+                    perturb: Optional[Callable] = None, memo=True) -> ProbeReport:
     """Compare one T-row tree verify with one-token decoding along each node's root path.
 
     tree_parents_list: parents arrays (or DraftTrees), one per topology, e.g. a chain and the
-    configured tree. history: length of the random prompt prefilled first (ignored when
-    `prompt` is given). perturb: test-only hook applied to the verify logits [T, V] before the
+    configured tree. history: length of the random prompt prefilled first. perturb: test-only hook applied to the verify logits [T, V] before the
     comparison (never memoized). Returns a ProbeReport with one entry per topology.
     """
     if n_inputs < 1:
@@ -252,20 +249,12 @@ def probe_exactness(model, tree_parents_list, n_inputs=3, history=32, seed=0,
     topologies = [_as_parents(t) for t in tree_parents_list]
     device = device_name()
     dtype = weights_dtype(model)
-    if prompt is not None:
-        prompt = [int(t) for t in prompt]
-        if not prompt:
-            raise ValueError("the probe prompt is empty")
-        history = len(prompt)
-        prompt_key = hashlib.sha1(np.asarray(prompt, np.int64).tobytes()).hexdigest()
-    else:
-        if history < 1:
-            raise ValueError(f"history must be >= 1, got {history}")
-        prompt_key = None
+    if history < 1:
+        raise ValueError(f"history must be >= 1, got {history}")
 
     def key(parents):
         return (id(model), device, dtype, parents.astype(np.int64).tobytes(), n_inputs, history,
-                seed, prompt_key)
+                seed)
 
     results: List[Optional[TopologyProbe]] = [None] * len(topologies)
     todo = []
@@ -281,7 +270,7 @@ def probe_exactness(model, tree_parents_list, n_inputs=3, history=32, seed=0,
         acc = {j: dict(flips=0, diff=0.0, per_input=[]) for j in todo}
         for i in range(n_inputs):
             rng = np.random.default_rng([seed, i])
-            hist = prompt if prompt is not None else rng.integers(0, vocab, history).tolist()
+            hist = rng.integers(0, vocab, history).tolist()
             committed = make_prompt_cache(model)
             if len(hist) > 1:
                 model(mx.array(hist[:-1])[None], cache=committed)
@@ -308,11 +297,7 @@ def probe_exactness(model, tree_parents_list, n_inputs=3, history=32, seed=0,
         for j in todo:
             parents = topologies[j]
             a = acc[j]
-            depth = 0
-            depths = np.zeros(len(parents), np.int64)
-            for k in range(1, len(parents)):
-                depths[k] = depths[parents[k]] + 1
-            depth = int(depths.max())
+            depth = int(depths_of(parents).max())
             exact = a["flips"] == 0 and (device != "cpu" or a["diff"] == 0.0)
             tp = TopologyProbe(parents=tuple(int(p) for p in parents), nodes=len(parents),
                                depth=depth, n_inputs=n_inputs, checked=len(parents) * n_inputs,

@@ -6,14 +6,44 @@
 - `dflash.DFlashDrafter`: a DFlash block drafter over the target's hidden states, its chain and
   DDTree's best-first tree.
 """
+import numpy as np
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..draft import Draft, Layout
 from ..spec import check_int
 from ..tree import MAX_NODES
+
+
+class GatedMLP(nn.Module):
+    """The SwiGLU MLP of the heads' layers (DFlash, EAGLE-3): the published weight names."""
+
+    def __init__(self, dim, hidden_dim, bias=False):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def check_budget_depth(budget, max_depth):
     """The bounds every model-free drafter shares: both count draft nodes, root excluded."""
     check_int(budget, "budget (draft nodes without the root)", 0, MAX_NODES - 1)
     check_int(max_depth, "max_depth", 0, MAX_NODES - 1)
+
+
+def check_branches(branches):
+    if branches is not None and branches < 1:
+        raise ValueError(f"branches must be >= 1 or None, got {branches}")
+
+
+def host_draft(root, tree, budget, depth):
+    """A model-free drafter's host tree as a Draft (the root alone where it holds no node)."""
+    if tree.size == 1:
+        return Draft.root_only(root)
+    return Draft(mx.array(tree.tokens.astype(np.uint32)), Layout.host(tree.parents), budget=budget, depth=depth)
 
 
 def host_probe_parents(branches, budget, max_depth):

@@ -35,7 +35,7 @@ from ..builders import best_first_tree
 from ..draft import Draft, Layout
 from ..tree import MAX_NODES, chain_parents, preorder, relabel
 from ..verify import layer_span, width_step
-from . import dequantize_linears, target_io
+from . import GatedMLP, dequantize_linears, target_io
 
 __all__ = ["DFlashModel", "DFlashDrafter", "load_dflash", "bind_dflash", "probe_parents", "default_layer_ids"]
 
@@ -82,18 +82,7 @@ class _Layer(nn.Module):
         self.input_layernorm = nn.RMSNorm(H, eps=eps)
         self.post_attention_layernorm = nn.RMSNorm(H, eps=eps)
         self.self_attn = _Attention(a)
-        self.mlp = _MLP(H, I)
-
-
-class _MLP(nn.Module):
-    def __init__(self, H, I):
-        super().__init__()
-        self.gate_proj = nn.Linear(H, I, bias=False)
-        self.up_proj = nn.Linear(H, I, bias=False)
-        self.down_proj = nn.Linear(I, H, bias=False)
-
-    def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        self.mlp = GatedMLP(H, I)
 
 
 class DFlashModel(nn.Module):

@@ -47,11 +47,11 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .mtp import _one_line, load_checked, quantize_like, read_tensors, step_rows, target_io
-from . import dequantize_linears
+from . import GatedMLP, dequantize_linears
 
 __all__ = ["Eagle3Head", "load_eagle3", "default_capture"]
 
-_STATE = ("pending_hidden", "pending_first", "out_hidden", "_embed", "_ids", "_gather", "config", "capture")
+_STATE = ("pending_hidden", "pending_first", "out_hidden", "_embed", "_gather", "config", "capture")
 
 
 def default_capture(num_layers):
@@ -93,17 +93,6 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
-class _MLP(nn.Module):
-    def __init__(self, dim, hidden_dim, bias=False):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden_dim, bias=bias)
-        self.up_proj = nn.Linear(dim, hidden_dim, bias=bias)
-        self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
-
-    def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _MidLayer(nn.Module):
     def __init__(self, c):
         super().__init__()
@@ -117,7 +106,7 @@ class _MidLayer(nn.Module):
                                          c["head_dim"], rope, qk_norm=c.get("qk_norm", False), eps=eps,
                                          bias=c.get("attention_bias", False))
         self.post_attention_layernorm = nn.RMSNorm(H, eps=eps)
-        self.mlp = _MLP(H, c["intermediate_size"], bias=c.get("mlp_bias", False))
+        self.mlp = GatedMLP(H, c["intermediate_size"], bias=c.get("mlp_bias", False))
 
 
 class Eagle3Head(nn.Module):
@@ -147,7 +136,7 @@ class Eagle3Head(nn.Module):
         self.pending_first = None
         self.out_hidden = None
         self._embed = None
-        self._ids, self._gather = None, None  # set_vocab_map: identity until a d2t is given
+        self._gather = None  # set_vocab_map: identity until a d2t is given
 
     def __setattr__(self, key, value):
         if key in _STATE:  # per-call state and the target's modules: not this head's parameters
@@ -161,18 +150,13 @@ class Eagle3Head(nn.Module):
             if self.draft_vocab_size != self.vocab_size:
                 raise ValueError(f"draft vocab {self.draft_vocab_size} != target vocab {self.vocab_size} "
                                  "needs a d2t map")
-            self._ids, self._gather = None, None
+            self._gather = None
             return
         ids = mx.arange(self.draft_vocab_size, dtype=mx.int32) + d2t.astype(mx.int32)
         gather = mx.full((self.vocab_size,), self.draft_vocab_size, mx.int32)
         gather[ids] = mx.arange(self.draft_vocab_size, dtype=mx.int32)
         mx.eval(ids, gather)
-        self._ids, self._gather = ids, gather
-
-    @property
-    def draft_to_target(self):
-        """int32 [Vd]: the target id of each draft id (None: identity)."""
-        return self._ids
+        self._gather = gather
 
     def bind(self, target, embed=None):
         """Use `target`'s embedding (or `embed`, an embedding module the checkpoint ships)."""

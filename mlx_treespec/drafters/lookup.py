@@ -32,11 +32,10 @@ from itertools import islice
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-import mlx.core as mx
 
 from ..tree import MAX_NODES, DraftTree
-from ..draft import Draft, Layout
-from . import check_budget_depth, host_probe_parents
+from ..draft import Draft
+from . import check_branches, check_budget_depth, host_draft, host_probe_parents
 
 __all__ = ["NgramIndex", "ngram_matches", "merge_continuations", "LookupDrafter"]
 
@@ -100,8 +99,7 @@ def merge_continuations(root: int, continuations, budget: int, max_depth: Option
     budget = min(int(budget), MAX_NODES - 1)
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
-    if branches is not None and branches < 1:
-        raise ValueError(f"branches must be >= 1 or None, got {branches}")
+    check_branches(branches)
     m = len(continuations)
     weights = [1.0] * m if weights is None else [float(w) for w in weights]
     lengths = [0] * m if lengths is None else [int(x) for x in lengths]
@@ -170,8 +168,7 @@ class LookupDrafter:
         check_budget_depth(budget, max_depth)
         if max_matches < 1:
             raise ValueError(f"max_matches must be >= 1, got {max_matches}")
-        if branches is not None and branches < 1:
-            raise ValueError(f"branches must be >= 1 or None, got {branches}")
+        check_branches(branches)
         NgramIndex(ngram_max, ngram_min)  # validates the n range
         self.budget = int(budget)
         self.max_depth = int(max_depth)
@@ -235,10 +232,7 @@ class LookupDrafter:
             return Draft.root_only(root)
         self.last_match = max(lens)
         tree = merge_continuations(root, conts, self.budget, depth, lengths=lens, branches=self.branches)
-        if tree.size == 1:
-            return Draft.root_only(root)
-        return Draft(mx.array(tree.tokens.astype(np.uint32)), Layout.host(tree.parents),
-                     budget=self.budget, depth=depth)
+        return host_draft(root, tree, self.budget, depth)
 
     def commit(self, draft, path, emitted):
         self.index.extend(int(t) for t in emitted)

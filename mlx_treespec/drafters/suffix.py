@@ -26,11 +26,10 @@ import heapq
 from typing import Callable, Hashable, List, Optional, Tuple
 
 import numpy as np
-import mlx.core as mx
 
 from ..tree import MAX_NODES, DraftTree
-from ..draft import Draft, Layout
-from . import check_budget_depth, host_probe_parents
+from ..draft import Draft
+from . import check_branches, check_budget_depth, host_draft, host_probe_parents
 
 __all__ = ["SuffixIndex", "SuffixCursor", "expand_best_first", "SuffixDrafter"]
 
@@ -123,8 +122,7 @@ def expand_best_first(root: int, start: Hashable, ranked_children: Callable, cou
     earlier push (which follows the children's ranking); nodes are numbered in pop order.
     ``branches`` caps the children kept per node (1: a chain, the most frequent continuation).
     """
-    if branches is not None and branches < 1:
-        raise ValueError(f"branches must be >= 1 or None, got {branches}")
+    check_branches(branches)
     budget = min(int(budget), MAX_NODES - 1)
     tokens, parents = [int(root)], [-1]
     heap, seq = [], 0
@@ -183,8 +181,7 @@ class SuffixDrafter:
         self.index_depth = self.index.depth
         self.max_match = int(max_match)
         self.min_prob = float(min_prob)
-        if branches is not None and branches < 1:
-            raise ValueError(f"branches must be >= 1 or None, got {branches}")
+        check_branches(branches)
         self.branches = branches
         self.cursor: Optional[SuffixCursor] = None
         self.last_match = 0  # length of the last draft's matched suffix (0: none)
@@ -217,10 +214,7 @@ class SuffixDrafter:
         idx = self.index
         tree = expand_best_first(root, node, idx.ranked_children, idx.count.__getitem__, self.budget, depth,
                                  self.min_prob, self.branches)
-        if tree.size == 1:
-            return Draft.root_only(root)
-        return Draft(mx.array(tree.tokens.astype(np.uint32)), Layout.host(tree.parents),
-                     budget=self.budget, depth=depth)
+        return host_draft(root, tree, self.budget, depth)
 
     def commit(self, draft, path, emitted):
         self.cursor.extend(int(t) for t in emitted)
