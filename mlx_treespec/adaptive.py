@@ -32,6 +32,10 @@ Estimates, all of wall time (what the round costs the user, host work included):
   round's overhead beyond its verify (measured online) plus a verify of B + 1 rows (the start-up
   fit at the row count the device runs: `verify.row_bucket` on GPUs). The budget with the best
   ratio is drafted (`choose_budget`).
+- The start-up fit is taken over a short context; from `costmodel.LONG_FROM` rows on, plain's
+  and the verify's costs are those at the generation's context (`costmodel.costs_at`:
+  interpolated with a second fit over a long context), repriced every `REPRICE` rows: a verify
+  of many rows costs more against a long context than one row does, so budgets shrink.
 
 Exploration: an arm never used is tried the first time it is available, and the model arm once
 early in each generation (its tokens are this text's); a model or host arm
@@ -64,6 +68,7 @@ ALPHA = 0.3  # weight of the newest use in an arm's averages
 STRETCH, MAX_STRETCH = 16, 256  # tokens of a plain stretch: first, and after repeated losses
 REPROBE = 16  # available rounds after which an arm not taken is tried once
 CARRIED_USES = 1  # weight of the tokens per use carried from earlier generations, in uses
+REPRICE = 1024  # context rows between two asks of `context_costs`
 MATCHES = 4  # host match lengths told apart (longer ones count as this)
 # A use that took over SPIKE x what the start-up fit says it costs paid for a new shape once (a
 # trace, new kernels: on the H200 such a round costs several times a usual one) and is not
@@ -161,16 +166,19 @@ class AdaptiveDrafter:
     prefill), or None to learn plain's rate from a first stretch and draft DFlash's whole
     budget until a round's overhead is known; `verify_rows`: the verify's row count for n
     nodes (default: the device's, `row_bucket` on GPUs); `memory`: a key under which what it
-    learns is shared with later drafters of the same key (`Learned`). `reset` starts a fresh
-    record (under the same key)."""
+    learns is shared with later drafters of the same key (`Learned`); `context_costs`: a
+    function of the context's rows returning `costs` there (`costmodel.costs_at`), asked at
+    each prefill and every `REPRICE` rows. `reset` starts a fresh record (under the same key)."""
 
-    def __init__(self, primary=None, host=None, costs=None, verify_rows=None, memory=None):
+    def __init__(self, primary=None, host=None, costs=None, verify_rows=None, memory=None,
+                 context_costs=None):
         if primary is None and host is None:
             raise ValueError("an adaptive drafter needs a drafter to choose: pass primary= or host=")
         if getattr(host, "capture", ()):
             raise ValueError("host= is a model-free drafter (lookup, suffix); a drafter that reads the "
                              "target goes in primary=")
         self.primary, self.host, self.costs = primary, host, costs
+        self.context_costs, self.context, self.priced = context_costs, 0, None
         self.capture = tuple(getattr(primary, "capture", ())) if primary is not None else ()
         # DDTree drafters (ranked + as_draft) get their budget chosen per round
         self.blocks = primary is not None and callable(getattr(primary, "ranked", None)) and primary.topk != 1
@@ -244,10 +252,19 @@ class AdaptiveDrafter:
             if self.rates["plain"].value is None:
                 self.rates["plain"] = Rate(self.costs[0])
         self._restart()
+        self._advance(len(prompt))
         if self.primary is not None:
             self.primary.prefill(prompt, *self._rows(hidden))
         if self.host is not None:
             self.host.prefill(prompt)
+
+    def _advance(self, rows):
+        """The context grew to `rows`: price the rounds at it (every REPRICE rows)."""
+        self.context = rows
+        if self.context_costs is not None and self.costs is not None and not callable(self.costs):
+            if self.priced != rows // REPRICE:
+                self.priced = rows // REPRICE
+                self.costs = self.context_costs(rows)
 
     def draft(self, root, max_depth):
         now = time.perf_counter()
@@ -274,6 +291,7 @@ class AdaptiveDrafter:
 
     def commit(self, draft, path, emitted, hidden=None):
         self.emitted = len(emitted)
+        self._advance(self.context + len(emitted))
         arm = self.last[0] if self.last is not None else None
         if arm == "primary" and self.blocks and self.scores is not None:
             n = min(draft.size, len(self.scores) + 1)  # the verify may have dropped the last nodes
@@ -342,6 +360,7 @@ class AdaptiveDrafter:
         """Queued rounds ended at `start` context rows, having emitted `tokens` (the last is
         the next root): the drafters catch up, and the adaptive rounds go on."""
         self.primary.handed_back(start, tokens)
+        self._advance(start + 1)
         if self.host is not None:
             self.host.commit(Draft.root_only(tokens[-1]), np.zeros(1, np.int64), tokens)
 
@@ -350,6 +369,7 @@ class AdaptiveDrafter:
         and the target rows of the tokens it forwarded (root first, one per token); the host
         drafter saw the first `fed` of them in `watch`."""
         self.emitted = len(tokens)
+        self._advance(self.context + len(tokens))
         d, path = Draft.root_only(root), np.zeros(1, np.int64)
         if self.primary is not None:
             self.primary.commit(d, path, tokens, *self._rows(hidden))
@@ -412,13 +432,14 @@ class AdaptiveDrafter:
         return best
 
     def verify_ms(self, nodes):
-        """The start-up fit's verify ms of `nodes` nodes (an array), at the device's row count
-        (a table per fit and row rule, built once: this runs every DFlash round)."""
-        key = (id(self.costs[1]), self.verify_rows)
-        if getattr(self, "_verify_table", (None,))[0] != key:
-            fit = self.costs[1]
-            self._verify_table = (key, np.array([fit(self.verify_rows(n)) for n in range(MAX_NODES + 1)]))
-        return self._verify_table[1][np.atleast_1d(np.asarray(nodes, np.int64))]
+        """The verify fit's ms of `nodes` nodes (an array), at the device's row count (a table
+        per fit and row rule, built once: this runs every DFlash round). The table is kept with
+        the fit itself, not its id: a repriced fit may take a freed one's id."""
+        fit, rows = self.costs[1], self.verify_rows
+        table = getattr(self, "_verify_table", None)
+        if table is None or table[0] is not fit or table[1] is not rows:
+            table = self._verify_table = (fit, rows, np.array([fit(rows(n)) for n in range(MAX_NODES + 1)]))
+        return table[2][np.atleast_1d(np.asarray(nodes, np.int64))]
 
     def choose_budget(self, probs):
         """Nodes of the best-first tree to draft, given its nodes' draft probabilities in

@@ -13,8 +13,12 @@
   dict, to price a pairing that cannot be trained here. Anything computed from such a model is a
   *projection* and is labelled so wherever it is shown.
 - `startup_costs(model)`: what the adaptive drafter (adaptive.py) starts from: plain decoding's
-  ms per token (`time_plain`, pipelined) and the verify curve, measured once per target shape,
-  device and MLX version and kept on disk (`cost_cache_dir`).
+  ms per token (`time_plain`, pipelined) and the verify curve over `SHORT_HISTORY` rows,
+  measured once per target shape, device and MLX version and kept on disk (`cost_cache_dir`).
+- `costs_at(model, context)`: the same at a context of `context` rows: from `LONG_FROM` rows on,
+  interpolated between the start-up fit and a second one over `LONG_HISTORY` rows (measured the
+  first time a generation needs it, kept beside the first): attention's cost grows with the
+  context, and faster for a verify of many rows than for one.
 """
 from __future__ import annotations
 
@@ -288,6 +292,10 @@ def cost_cache_dir():
     return Path(os.environ.get("MLX_TREESPEC_CACHE") or Path.home() / ".cache" / "mlx_treespec") / "costs"
 
 
+SHORT_HISTORY = 256  # the start-up fit's context (time_verify's and time_plain's default)
+LONG_HISTORY, LONG_FROM = 8192, 2048  # the second fit's context; contexts that use it
+
+
 def startup_costs(model):
     """(plain ms per token, verify CostFit over T nodes) of this target on this device: measured
     once (a few dozen forwards) and kept on disk per model shape, device and MLX version."""
@@ -297,13 +305,57 @@ def startup_costs(model):
         return float(d["plain_ms"]), CostFit.from_dict(d["verify"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    verify = fit_curve(time_verify(model, VERIFY_TS, repeats=3, warmup=CHECKS))  # checks, then compiled
-    plain = time_plain(model, own=True)
+    plain, verify = _measure(model, SHORT_HISTORY)
+    _keep(path, {"plain_ms": plain, "verify": verify.to_dict()})
+    return plain, verify
+
+
+def _measure(model, history):
+    verify = fit_curve(time_verify(model, VERIFY_TS, history=history, repeats=3, warmup=CHECKS))  # checks, then compiled
+    return time_plain(model, history=history, own=True), verify
+
+
+def _keep(path, d):
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"plain_ms": plain, "verify": verify.to_dict()}))
+        tmp.write_text(json.dumps(d))
         tmp.replace(path)
     except OSError:  # a read-only home: measure again next time
         pass
-    return plain, verify
+
+
+_AT = {}  # (model key, context) -> costs_at's answer, for this process
+
+
+def costs_at(model, context):
+    """(plain ms per token, verify CostFit over T nodes) at a context of `context` rows: the
+    start-up fit below `LONG_FROM`; from there on, each figure interpolated linearly in the
+    context between the start-up fit (`SHORT_HISTORY` rows) and one over `LONG_HISTORY` rows,
+    extrapolated past it, never below the start-up fit. The long fit is measured once, the
+    first time it is asked for, and kept beside the start-up fit."""
+    plain0, fit0 = startup_costs(model)
+    if context < LONG_FROM:
+        return plain0, fit0
+    path = cost_cache_dir() / f"{_cost_key(model)}.json"
+    key = (path.name, LONG_HISTORY, int(context))
+    if key in _AT:
+        return _AT[key]
+    d = json.loads(path.read_text()) if path.exists() else {"plain_ms": plain0, "verify": fit0.to_dict()}
+    try:
+        long = d["long"]
+        assert long["history"] == LONG_HISTORY
+        plain1, fit1 = float(long["plain_ms"]), CostFit.from_dict(long["verify"])
+    except (AssertionError, KeyError, TypeError, ValueError):
+        plain1, fit1 = _measure(model, LONG_HISTORY)
+        d["long"] = {"history": LONG_HISTORY, "plain_ms": plain1, "verify": fit1.to_dict()}
+        _keep(path, d)
+    f = (context - SHORT_HISTORY) / (LONG_HISTORY - SHORT_HISTORY)
+
+    def at(a, b):
+        return max(a + (b - a) * f, a)
+
+    if len(_AT) >= 256:
+        _AT.clear()
+    _AT[key] = at(plain0, plain1), fit_curve({T: at(fit0(T), fit1(T)) for T in VERIFY_TS})
+    return _AT[key]

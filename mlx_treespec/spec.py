@@ -281,7 +281,7 @@ class DraftSpec:
         drafter bound to its target ('dflash'; drafters.dflash.bind_dflash), a head bound to its
         target ('mtp', 'eagle3'; drafters.mtp.load_mtp, drafters.eagle3.load_eagle3). An
         adaptive spec prices its arms with `target`'s start-up costs (costmodel.startup_costs;
-        without a target, from its first rounds)."""
+        without a target, from its first rounds), at the generation's context (costmodel.costs_at)."""
         if self.drafter == "none":
             return None
         if self.needs_draft_model and draft_model is None:
@@ -290,7 +290,7 @@ class DraftSpec:
             from dataclasses import replace
 
             from .adaptive import AdaptiveDrafter
-            from .costmodel import startup_costs
+            from .costmodel import costs_at, startup_costs
             from .drafters.lookup import LookupDrafter
             from .launch import in_launch
 
@@ -300,12 +300,13 @@ class DraftSpec:
                 # choices by wall time would differ between them; the fixed shape drafts alike
                 return base
             costs = (lambda: startup_costs(target)) if target is not None else None
+            at = (lambda rows: costs_at(target, rows)) if target is not None else None
             # what one call learned, the next call over the same target and drafter starts from
             memory = (self.arm, id(target), id(draft_model)) if target is not None else None
             if self.drafter in ("lookup", "suffix"):
-                return AdaptiveDrafter(host=base, costs=costs, memory=memory)
+                return AdaptiveDrafter(host=base, costs=costs, memory=memory, context_costs=at)
             return AdaptiveDrafter(primary=base, host=LookupDrafter(DEFAULT_FREE_BUDGET, DEFAULT_DEPTH),
-                                   costs=costs, memory=memory)
+                                   costs=costs, memory=memory, context_costs=at)
         if self.drafter == "lookup":
             from .drafters.lookup import LookupDrafter
 

@@ -11,6 +11,7 @@ from test_dflash import speculative as run
 from mlx_treespec import make_drafter, tree_generate_step
 from mlx_treespec import adaptive
 from mlx_treespec.adaptive import AdaptiveDrafter, Calibration, PlainStretch
+from mlx_treespec.draft import Draft
 from mlx_treespec.costmodel import CostFit, cost_cache_dir, startup_costs
 from mlx_treespec.drafters.dflash import bind_dflash
 from mlx_treespec.drafters.lookup import LookupDrafter
@@ -142,6 +143,47 @@ def test_budget_is_what_the_arithmetic_says():
     d.costs = (1.0, CostFit(points={1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 9.0}, t1=1.0, a=0.0, b=0.0,
                             kind="interp", linear_max_rel_err=1.0, max_rel_err=0.0))
     assert d.choose_budget(probs) == 7
+
+
+def test_budget_follows_the_context():
+    """Costs are asked at the generation's context (every REPRICE rows): against a long context
+    a verify of many rows costs more, and the budget is the arithmetic's at that context."""
+    probs = np.array([0.9, 0.8, 0.6, 0.3, 0.2, 0.1, 0.05, 0.01])
+    asked = []
+
+    def at(rows):
+        asked.append(rows)
+        return (1.0, flat(2.0)) if rows < 2048 else (1.5, linear(0.5, 0.5))
+
+    d = AdaptiveDrafter(host=LookupDrafter(), costs=(1.0, flat(2.0)), verify_rows=lambda n: n, context_costs=at)
+    d.overhead = 1.0
+    d.prefill(list(range(100)))
+    assert asked == [100] and d.choose_budget(probs) == len(probs)
+    for _ in range(3):
+        d.commit(Draft.root_only(0), np.zeros(1, np.int64), [1] * 400)  # 500, 900, 1300 rows
+    assert asked == [100, 1300]  # asked once per REPRICE rows
+    d.catch_up(1, [2] * 2000)  # 3300 rows: a long context
+    assert d.costs[0] == 1.5 and asked[-1] == 3300
+    ratios = (1 + np.cumsum(probs)) / (1.0 + 0.5 + 0.5 * (np.arange(len(probs)) + 2))
+    assert d.choose_budget(probs) == int(np.argmax(ratios)) + 1 == 3
+
+
+def test_costs_at_a_long_context_are_measured_once_and_kept(monkeypatch):
+    from mlx_treespec import costmodel
+
+    monkeypatch.setattr(costmodel, "LONG_HISTORY", 640)
+    monkeypatch.setattr(costmodel, "LONG_FROM", 400)
+    target = tiny.build(dict(tiny.CONFIGS["qwen3"], rope_theta=23456.0))  # a shape measured nowhere else
+    plain0, fit0 = startup_costs(target)
+    assert costmodel.costs_at(target, 399) == (plain0, fit0)
+    plain1, fit1 = costmodel.costs_at(target, 640)  # measured now, kept
+    kept = json.loads((cost_cache_dir() / f"{costmodel._cost_key(target)}.json").read_text())
+    assert kept["long"]["history"] == 640 and kept["long"]["plain_ms"] == pytest.approx(plain1)
+    assert plain1 >= plain0 and all(fit1.points[T] >= fit0(T) for T in costmodel.VERIFY_TS)
+    monkeypatch.setattr(costmodel, "time_verify", lambda *a, **k: pytest.fail("measured twice"))
+    monkeypatch.setattr(costmodel, "_AT", {})
+    half, _ = costmodel.costs_at(target, (256 + 640) // 2)  # halfway in context: halfway in cost
+    assert half == pytest.approx((plain0 + plain1) / 2)
 
 
 def test_calibration_learns_the_acceptance_of_a_probability_bin():
