@@ -179,6 +179,7 @@ class AdaptiveDrafter:
                              "target goes in primary=")
         self.primary, self.host, self.costs = primary, host, costs
         self.context_costs, self.context, self.priced = context_costs, 0, None
+        self.window = None  # a rotating cache's rows (the loop sets it): what a verify attends to
         self.capture = tuple(getattr(primary, "capture", ())) if primary is not None else ()
         # DDTree drafters (ranked + as_draft) get their budget chosen per round
         self.blocks = primary is not None and callable(getattr(primary, "ranked", None)) and primary.topk != 1
@@ -261,6 +262,8 @@ class AdaptiveDrafter:
     def _advance(self, rows):
         """The context grew to `rows`: price the rounds at it (every REPRICE rows)."""
         self.context = rows
+        if self.window is not None:
+            rows = min(rows, self.window)
         if self.context_costs is not None and self.costs is not None and not callable(self.costs):
             if self.priced != rows // REPRICE:
                 self.priced = rows // REPRICE

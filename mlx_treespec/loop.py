@@ -318,6 +318,8 @@ def tree_generate_step(
             if cache_kind(c) == "rotating" and c.max_size <= c.keep:
                 raise ValueError(f"a rotating cache of {c.max_size} tokens holds only the {c.keep} it keeps "
                                  f"from the start, no window for a draft: raise --max-kv-size above {c.keep}")
+        if hasattr(drafter, "window"):  # the most rows a verify attends to (adaptive drafting's costs)
+            drafter.window = min((c.max_size for c in caches if cache_kind(c) == "rotating"), default=None)
     choose = make_node_sampler(temp, top_p, min_p, top_k, min_tokens_to_keep, seed, xtc_probability,
                                xtc_threshold, tuple(xtc_special_tokens))
     stats = stats if stats is not None else RoundStats()

@@ -88,6 +88,8 @@ def test_switching_dflash_lookup_and_plain_is_exact(tmp_path, monkeypatch, famil
     assert out == ref
     used = stats.rounds_by_drafter()
     assert used.get("oracledflash", 0) > 0 and used.get("lookup", 0) > 0 and used.get("plain", 0) > 0
+    if family == "qwen3":  # (the hybrid's caches do not rotate)
+        assert drafter.window == opts.get("max_kv_size")  # the loop tells it a rotating cache's rows
     earned = stats.emitted_ms_by_drafter()  # what each arm emitted, and its wall ms
     assert earned.keys() == used.keys()
     assert sum(t for t, _ in earned.values()) == sum(e for e, d in zip(stats.emitted, stats.drafter) if d)
@@ -166,6 +168,9 @@ def test_budget_follows_the_context():
     assert d.costs[0] == 1.5 and asked[-1] == 3300
     ratios = (1 + np.cumsum(probs)) / (1.0 + 0.5 + 0.5 * (np.arange(len(probs)) + 2))
     assert d.choose_budget(probs) == int(np.argmax(ratios)) + 1 == 3
+    d.window = 1500  # a rotating cache: a verify attends to its window only
+    d.prefill(list(range(3000)))
+    assert asked[-1] == 1500 and d.choose_budget(probs) == len(probs)
 
 
 def test_costs_at_a_long_context_are_measured_once_and_kept(monkeypatch):
