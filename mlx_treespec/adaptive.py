@@ -16,14 +16,15 @@ Estimates, all of wall time (what the round costs the user, host work included):
   recent uses (EWMA, `ALPHA`) and carries over from one generation to the next (it describes the
   device and the draft's shape); plain's starts from the start-up cost fit
   (`costmodel.startup_costs`: measured once per target shape, device and MLX version and kept on
-  disk). The tokens describe the text too, so each generation re-learns them: the carried
-  average counts as `CARRIED_USES` uses beside this generation's own (on the H200 the demo
-  hybrid's DFlash rounds, learned on unseen text, stayed underrated on the held-out split, where
-  they emit twice as much). The host's rate is kept per length of its match (a 4-token match
-  drafts far more than a 1-token one). An arm's first use in a generation books its tokens but
-  not its ms (it pays traces and first buffers, not what a round costs), nor does a use over
-  `SPIKE` times what such a use costs (the start-up fit, or the arm's own average: a new
-  shape's trace and kernels), unless `SPIKES_IN_A_ROW` in a row of that arm were.
+  disk). The tokens describe the text too, so each generation re-learns them: the average
+  carried in at the generation's start counts as `CARRIED_USES` uses beside this generation's
+  own (on the H200 the demo hybrid's DFlash rounds, learned on unseen text, stayed underrated
+  on held-out text, where they emit more). The host's rate is kept per length of its match (a
+  4-token match drafts far more than a 1-token one). An arm's first use in a generation books
+  its tokens but not its ms (it pays traces and first buffers, not what a round costs), nor
+  does a use over `SPIKE` times what such a use costs (the start-up fit, or the arm's own
+  average: a new shape's trace and kernels), unless `SPIKES_IN_A_ROW` in a row of that arm
+  were.
 - A DFlash round picks its tree's node budget after its block forward. Each node's draft
   probability (its best-first score: the product of its tokens' marginals) is calibrated online
   into the probability that the target accepts it (`Calibration`, by probability bin, from every
@@ -46,8 +47,8 @@ wins outright sets it back to `STRETCH`. During a stretch the host drafter sees 
 is read (`watch`, host work only): where it matches with a length whose rounds beat plain
 decoding (or were never measured), the stretch ends at the next token and the host drafts.
 
-Rates (tokens as a prior) and the calibration carry over from one generation to the next, and to the next drafter built for the same pair
-(`memory`: `make_drafter` makes one per call); `reset` clears them. Exactness does not depend on
+Rates (tokens as a prior) and the calibration carry over from one generation to the next, and
+to the next drafter built for the same pair (`memory`: `make_drafter` makes one per call); `reset` clears them. Exactness does not depend on
 any of it: every arm drafts an exact draft, and a plain stretch is plain decoding.
 """
 import time
@@ -80,7 +81,7 @@ SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # whole generation, which late on would never move) is below QUEUED_LOSS x plain decoding's, the
 # adaptive rounds take over. Not at 1.0: plain's rate is the start-up fit's, taken in quiet
 # conditions. On the H200 an EWMA over 8 rounds handed back where the chain ran 1.1-2.2x faster
-# than what followed (bench/RESULTS.md, "The default and the hybrid draft model")
+# than what followed (bench/RESULTS.md, first section)
 QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 16, 32, 0.8
 
 
@@ -241,6 +242,8 @@ class AdaptiveDrafter:
         self.fed = 0  # tokens of the stretch under way the host drafter has seen (`watch`)
         self.warm = set()  # arms used in this generation: an arm's first use pays one-off costs
         self.seen = {}  # rate key -> (tokens, uses) of this generation's speculative uses
+        # tokens per use carried in (what `value` weighs this generation's own against)
+        self.prior = {k: r.tokens for k, r in self.rates.items() if r.ms is not None}
         self.spikes = {}  # per rate: uses in a row not booked as spikes (SPIKE)
         self.last = None  # (arm, start time, nodes) of the round or stretch under way
         self.emitted = 0
@@ -412,7 +415,10 @@ class AdaptiveDrafter:
         if rate.ms is None or key == "plain":
             return rate.value
         tokens, uses = self.seen.get(key, (0.0, 0))
-        return (CARRIED_USES * rate.tokens + tokens) / (CARRIED_USES + uses) / max(rate.ms, 1e-6)
+        prior = self.prior.get(key)
+        if prior is None:  # first learned in this generation: its own uses (the EWMA before any)
+            return (tokens / uses if uses else rate.tokens) / max(rate.ms, 1e-6)
+        return (CARRIED_USES * prior + tokens) / (CARRIED_USES + uses) / max(rate.ms, 1e-6)
 
     def _choose(self, available):
         rates = {a: self.value(self._key(a)) for a in available + ["plain"]}
