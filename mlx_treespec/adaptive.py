@@ -151,6 +151,7 @@ class Learned:
         self.rates = {"primary": Rate(), "plain": Rate(plain_ms), **{("host", m): Rate() for m in range(MATCHES + 1)}}
         self.calibration = Calibration()
         self.overhead = None  # EWMA of a DFlash round's ms beyond its verify's
+        self.plain_at = plain_ms  # the plain ms per token the plain rate stands at (repricing scales it)
 
 
 LEARNED = {}  # memory key -> Learned, for this process
@@ -180,7 +181,9 @@ class AdaptiveDrafter:
                              "target goes in primary=")
         self.primary, self.host, self.costs = primary, host, costs
         self.context_costs, self.context, self.priced = context_costs, 0, None
-        self.window = None  # a rotating cache's rows (the loop sets it): what a verify attends to
+        # set by the loop: the most rows an attention layer reads (None: all), the rows the
+        # caches held before the prompt (a prompt cache's earlier turns)
+        self.window, self.prefix = None, 0
         self.capture = tuple(getattr(primary, "capture", ())) if primary is not None else ()
         # DDTree drafters (ranked + as_draft) get their budget chosen per round
         self.blocks = primary is not None and callable(getattr(primary, "ranked", None)) and primary.topk != 1
@@ -255,26 +258,32 @@ class AdaptiveDrafter:
             self.costs = self.costs()
             if self.rates["plain"].value is None:
                 self.rates["plain"] = Rate(self.costs[0])
+                self.learned.plain_at = self.costs[0]
         self._restart()
-        self._advance(len(prompt))
+        self.context, self.priced = self.prefix + len(prompt), None
+        self._reprice()
         if self.primary is not None:
             self.primary.prefill(prompt, *self._rows(hidden))
         if self.host is not None:
             self.host.prefill(prompt)
 
-    def _advance(self, rows):
-        """The context grew to `rows`: price the rounds at it (every REPRICE rows)."""
-        self.context = rows
-        if self.window is not None:
-            rows = min(rows, self.window)
-        if self.context_costs is not None and self.costs is not None and not callable(self.costs):
-            if self.priced != rows // REPRICE:
-                self.priced = rows // REPRICE
-                self.costs = self.context_costs(rows)
+    def _reprice(self):
+        """Costs at the context the next round reads (asked every REPRICE rows): the verify fit,
+        and plain's rate scaled by plain's new cost over the one it stands at."""
+        rows = self.context if self.window is None else min(self.context, self.window)
+        if self.context_costs is None or self.costs is None or callable(self.costs) or self.priced == rows // REPRICE:
+            return
+        self.priced = rows // REPRICE
+        self.costs = self.context_costs(rows)
+        plain, at = self.rates["plain"], self.learned.plain_at
+        if plain.ms is not None and at:
+            plain.ms *= self.costs[0] / at
+        self.learned.plain_at = self.costs[0]
 
     def draft(self, root, max_depth):
         now = time.perf_counter()
         self._close(now)
+        self._reprice()  # (after the last round was booked at the costs it ran under)
         if max_depth <= 0:
             return Draft.root_only(root)
         match, e = self._host_match(root, max_depth) if self.host is not None else (0, None)
@@ -297,7 +306,7 @@ class AdaptiveDrafter:
 
     def commit(self, draft, path, emitted, hidden=None):
         self.emitted = len(emitted)
-        self._advance(self.context + len(emitted))
+        self.context += len(emitted)
         arm = self.last[0] if self.last is not None else None
         if arm == "primary" and self.blocks and self.scores is not None:
             n = min(draft.size, len(self.scores) + 1)  # the verify may have dropped the last nodes
@@ -366,7 +375,7 @@ class AdaptiveDrafter:
         """Queued rounds ended at `start` context rows, having emitted `tokens` (the last is
         the next root): the drafters catch up, and the adaptive rounds go on."""
         self.primary.handed_back(start, tokens)
-        self._advance(start + 1)
+        self.context = start + 1
         if self.host is not None:
             self.host.commit(Draft.root_only(tokens[-1]), np.zeros(1, np.int64), tokens)
 
@@ -375,7 +384,7 @@ class AdaptiveDrafter:
         and the target rows of the tokens it forwarded (root first, one per token); the host
         drafter saw the first `fed` of them in `watch`."""
         self.emitted = len(tokens)
-        self._advance(self.context + len(tokens))
+        self.context += len(tokens)
         d, path = Draft.root_only(root), np.zeros(1, np.int64)
         if self.primary is not None:
             self.primary.commit(d, path, tokens, *self._rows(hidden))

@@ -297,35 +297,52 @@ LONG_HISTORY, LONG_FROM = 8192, 2048  # the second fit's context; contexts that 
 
 
 def startup_costs(model):
-    """(plain ms per token, verify CostFit over T nodes) of this target on this device: measured
-    once (a few dozen forwards) and kept on disk per model shape, device and MLX version."""
-    path = cost_cache_dir() / f"{_cost_key(model)}.json"
+    """(plain ms per token, verify CostFit over T nodes) of this target on this device over
+    `SHORT_HISTORY` rows: measured once (a few dozen forwards) and kept on disk per model
+    shape, device and MLX version."""
+    return _fits(model, _cost_key(model), SHORT_HISTORY)
+
+
+_FITS = {}  # (cost key, history) -> (plain ms, CostFit): what this process read or measured
+
+
+def _fits(model, key, history):
+    """The fit over `history` rows: this process's, else the kept file's, else measured and kept
+    (a home that cannot be written measures once per process)."""
+    if (key, history) in _FITS:
+        return _FITS[(key, history)]
+    path = cost_cache_dir() / f"{key}.json"
     try:
         d = json.loads(path.read_text())
-        return float(d["plain_ms"]), CostFit.from_dict(d["verify"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    plain, verify = _measure(model, SHORT_HISTORY)
-    _keep(path, {"plain_ms": plain, "verify": verify.to_dict()})
-    return plain, verify
+        entry = d if history == SHORT_HISTORY else d["long"]
+        if history != SHORT_HISTORY and entry["history"] != history:
+            raise ValueError(f"kept over {entry['history']} rows")
+        got = float(entry["plain_ms"]), CostFit.from_dict(entry["verify"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        try:
+            d = json.loads(path.read_text())
+            d = d if isinstance(d, dict) else {}
+        except (OSError, ValueError):
+            d = {}
+        verify = fit_curve(time_verify(model, VERIFY_TS, history=history, repeats=3, warmup=CHECKS))  # checks, then compiled
+        got = time_plain(model, history=history, own=True), verify
+        entry = {"plain_ms": got[0], "verify": verify.to_dict()}
+        if history == SHORT_HISTORY:
+            d.update(entry)
+        else:
+            d["long"] = {"history": history, **entry}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(d))
+            tmp.replace(path)
+        except OSError:  # a read-only home: measured again by the next process
+            pass
+    _FITS[(key, history)] = got
+    return got
 
 
-def _measure(model, history):
-    verify = fit_curve(time_verify(model, VERIFY_TS, history=history, repeats=3, warmup=CHECKS))  # checks, then compiled
-    return time_plain(model, history=history, own=True), verify
-
-
-def _keep(path, d):
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(d))
-        tmp.replace(path)
-    except OSError:  # a read-only home: measure again next time
-        pass
-
-
-_AT = {}  # (model key, context) -> costs_at's answer, for this process
+_AT = {}  # (cost key, LONG_HISTORY, context) -> costs_at's answer, for this process
 
 
 def costs_at(model, context):
@@ -334,28 +351,19 @@ def costs_at(model, context):
     context between the start-up fit (`SHORT_HISTORY` rows) and one over `LONG_HISTORY` rows,
     extrapolated past it, never below the start-up fit. The long fit is measured once, the
     first time it is asked for, and kept beside the start-up fit."""
-    plain0, fit0 = startup_costs(model)
+    key = _cost_key(model)
+    plain0, fit0 = _fits(model, key, SHORT_HISTORY)
     if context < LONG_FROM:
         return plain0, fit0
-    path = cost_cache_dir() / f"{_cost_key(model)}.json"
-    key = (path.name, LONG_HISTORY, int(context))
-    if key in _AT:
-        return _AT[key]
-    d = json.loads(path.read_text()) if path.exists() else {"plain_ms": plain0, "verify": fit0.to_dict()}
-    try:
-        long = d["long"]
-        assert long["history"] == LONG_HISTORY
-        plain1, fit1 = float(long["plain_ms"]), CostFit.from_dict(long["verify"])
-    except (AssertionError, KeyError, TypeError, ValueError):
-        plain1, fit1 = _measure(model, LONG_HISTORY)
-        d["long"] = {"history": LONG_HISTORY, "plain_ms": plain1, "verify": fit1.to_dict()}
-        _keep(path, d)
-    f = (context - SHORT_HISTORY) / (LONG_HISTORY - SHORT_HISTORY)
+    at_key = (key, LONG_HISTORY, int(context))
+    if at_key not in _AT:
+        plain1, fit1 = _fits(model, key, LONG_HISTORY)
+        f = (context - SHORT_HISTORY) / (LONG_HISTORY - SHORT_HISTORY)
 
-    def at(a, b):
-        return max(a + (b - a) * f, a)
+        def at(a, b):
+            return max(a + (b - a) * f, a)
 
-    if len(_AT) >= 256:
-        _AT.clear()
-    _AT[key] = at(plain0, plain1), fit_curve({T: at(fit0(T), fit1(T)) for T in VERIFY_TS})
-    return _AT[key]
+        if len(_AT) >= 256:
+            _AT.clear()
+        _AT[at_key] = at(plain0, plain1), fit_curve({T: at(fit0(T), fit1(T)) for T in VERIFY_TS})
+    return _AT[at_key]

@@ -318,8 +318,8 @@ def tree_generate_step(
             if cache_kind(c) == "rotating" and c.max_size <= c.keep:
                 raise ValueError(f"a rotating cache of {c.max_size} tokens holds only the {c.keep} it keeps "
                                  f"from the start, no window for a draft: raise --max-kv-size above {c.keep}")
-        if hasattr(drafter, "window"):  # the most rows a verify attends to (adaptive drafting's costs)
-            drafter.window = min((c.max_size for c in caches if cache_kind(c) == "rotating"), default=None)
+        if hasattr(drafter, "window"):  # what a verify reads: adaptive drafting prices its rounds by it
+            drafter.window, drafter.prefix = attended_rows(caches), committed_offset(caches)
     choose = make_node_sampler(temp, top_p, min_p, top_k, min_tokens_to_keep, seed, xtc_probability,
                                xtc_threshold, tuple(xtc_special_tokens))
     stats = stats if stats is not None else RoundStats()
@@ -348,6 +348,15 @@ def tree_generate_step(
     yield from _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose, quantize,
                        stop_tokens, stats, kv_bits, quantized_kv_start, settle=prompt_cache is not None,
                        resume=resume)
+
+
+def attended_rows(caches):
+    """The most context rows an attention layer reads: None (all of them) where any layer keeps
+    the whole context, else the largest rotating window (recurrent layers read no rows)."""
+    kinds = [cache_kind(c) for c in caches]
+    if "append" in kinds or "rotating" not in kinds:
+        return None
+    return max(c.max_size for c, k in zip(caches, kinds) if k == "rotating")
 
 
 def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose, quantize, stop_tokens,

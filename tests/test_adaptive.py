@@ -163,9 +163,12 @@ def test_budget_follows_the_context():
     assert asked == [100] and d.choose_budget(probs) == len(probs)
     for _ in range(3):
         d.commit(Draft.root_only(0), np.zeros(1, np.int64), [1] * 400)  # 500, 900, 1300 rows
+        d._reprice()  # (what the next round's draft does first, after booking this one)
     assert asked == [100, 1300]  # asked once per REPRICE rows
     d.catch_up(1, [2] * 2000)  # 3300 rows: a long context
+    d._reprice()
     assert d.costs[0] == 1.5 and asked[-1] == 3300
+    assert d.rates["plain"].value == pytest.approx(1 / 1.5)  # plain's rate follows its cost
     ratios = (1 + np.cumsum(probs)) / (1.0 + 0.5 + 0.5 * (np.arange(len(probs)) + 2))
     assert d.choose_budget(probs) == int(np.argmax(ratios)) + 1 == 3
     d.window = 1500  # a rotating cache: a verify attends to its window only
@@ -188,6 +191,7 @@ def test_costs_at_a_long_context_are_measured_once_and_kept(monkeypatch):
     assert all(fit1.points[T] >= fit0(T) for T in costmodel.VERIFY_TS)
     monkeypatch.setattr(costmodel, "time_verify", lambda *a, **k: pytest.fail("measured twice"))
     monkeypatch.setattr(costmodel, "_AT", {})
+    monkeypatch.setattr(costmodel, "_FITS", {})  # read back from the kept file
     half, _ = costmodel.costs_at(target, (256 + 640) // 2)  # halfway in context: halfway in cost
     assert half == pytest.approx((plain0 + plain1) / 2)
 
@@ -261,6 +265,28 @@ def test_each_generation_relearns_what_an_arm_emits():
     d.prefill([7, 8, 9])
     book(d, "primary", 1, 4.0)  # a hard text
     assert d.choose(["primary"]) == "plain"
+
+
+def test_costs_are_priced_at_the_rows_a_verify_reads():
+    """A rotating window bounds the rows (unless a layer keeps the whole context), and a
+    prompt cache's earlier turns count."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+
+    from mlx_treespec.loop import attended_rows
+
+    assert attended_rows([RotatingKVCache(8), RotatingKVCache(16)]) == 16
+    assert attended_rows([ArraysCache(2), RotatingKVCache(8)]) == 8
+    assert attended_rows([RotatingKVCache(8), KVCache()]) is None  # a global layer reads it all
+    assert attended_rows([ArraysCache(2), KVCache()]) is None
+    target = tiny.build(tiny.CONFIGS["qwen3"])
+    cache = make_prompt_cache(target)
+    target(mx.array([list(range(10))]), cache=cache)  # an earlier turn: 10 rows
+    asked = []
+    d = AdaptiveDrafter(host=LookupDrafter(), costs=(1.0, flat(1.0)),
+                        context_costs=lambda rows: asked.append(rows) or (1.0, flat(1.0)))
+    list(zip(tree_generate_step(list(range(20, 26)), target, d, max_tokens=2, prompt_cache=cache), range(2)))
+    assert asked[0] == 16 and d.prefix == 10 and d.window is None
 
 
 def test_the_host_relearns_per_match_length():
@@ -343,7 +369,9 @@ def test_startup_costs_are_measured_once_and_kept(monkeypatch):
     from mlx_treespec import costmodel
 
     monkeypatch.setattr(costmodel, "time_verify", lambda *a, **k: pytest.fail("measured twice"))
-    assert startup_costs(target)[0] == plain_ms
+    assert startup_costs(target)[0] == plain_ms  # this process's
+    monkeypatch.setattr(costmodel, "_FITS", {})
+    assert startup_costs(target)[0] == plain_ms  # the kept file's
 
 
 def test_adaptive_is_the_default_without_a_shape_and_a_shape_fixes_it():
