@@ -11,7 +11,7 @@ import sys
 
 import mlx.core as mx
 
-from .loop import DEFAULT_QUANTIZED_KV_START, RoundStats
+from .loop import DEFAULT_QUANTIZED_KV_START, RoundStats, vocab_size
 from .spec import DRAFTERS, DraftSpec
 from .support import require_tree_support
 from .tree import MAX_NODES
@@ -59,8 +59,9 @@ def _load(path, adapter_path=None, tokenizer_config=None, shard=None):
     if shard is not None:
         return _sharded(path, adapter_path, tokenizer_config, shard)
 
-    if adapter_path is not None and not os.path.exists(os.path.expanduser(adapter_path)):
-        raise FileNotFoundError(f"--adapter-path {adapter_path} does not exist: pass the folder "
+    if adapter_path is not None and not os.path.isfile(os.path.join(os.path.expanduser(adapter_path),
+                                                                   "adapter_config.json")):
+        raise FileNotFoundError(f"--adapter-path {adapter_path} holds no adapter_config.json: pass the folder "
                                 "mlx_lm.lora wrote (adapters.safetensors and adapter_config.json)")
     try:
         return load(path, adapter_path=adapter_path, tokenizer_config=tokenizer_config or {})
@@ -93,8 +94,21 @@ def _sharded(path, adapter_path, tokenizer_config, shard):
         raise
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as every other bad input (argparse prints its usage too)
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
+def _switch(v):
+    if str(v).lower() in ("1", "t", "true", "yes"):
+        return True
+    if str(v).lower() in ("0", "f", "false", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"{v!r} is not T or F")
+
+
 def setup_arg_parser():
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m mlx_treespec.generate",
         description="Generate text with draft-tree speculative decoding (mlx-lm's flags plus tree flags).",
     )
@@ -150,7 +164,7 @@ def setup_arg_parser():
                    help="when --kv-bits is set, quantize the cache from this many tokens on")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens per prefill step")
     p.add_argument("--verbose", nargs="?", const=True, default=None,
-                   type=lambda v: str(v).lower() in ("1", "t", "true", "yes"),
+                   type=_switch,
                    help="print round statistics too (--verbose F prints only the response)")
     t = p.add_argument_group("tree", "with a draft model and none of these: --tree-topk 3 "
                                      "--tree-lanes 1 --tree-depth 8")
@@ -211,6 +225,13 @@ def _run(args):
     if args.min_tokens_to_keep < 1:
         raise ValueError(f"--min-tokens-to-keep must be >= 1, got {args.min_tokens_to_keep}")
     template_kwargs = _template_kwargs(args.chat_template_config)
+    if args.save_prompt_cache is not None:  # before anything is computed, not after the response
+        target = os.path.abspath(os.path.expanduser(args.save_prompt_cache))
+        if not target.endswith(".safetensors") or not os.path.isdir(os.path.dirname(target)):
+            raise ValueError(f"--save-prompt-cache {args.save_prompt_cache}: pass a .safetensors file in an "
+                             "existing folder")
+    if args.prompt_cache_file is not None and args.max_kv_size is not None:
+        raise ValueError("--max-kv-size sizes a new cache; a --prompt-cache-file keeps its own: drop one of them")
     prompt_cache, metadata = _read_prompt_cache(args)
     if args.model is None:
         args.model = metadata.get("model", "demo")
@@ -242,6 +263,11 @@ def _run(args):
             sys.stdout = open(os.devnull, "w")
             args.verbose = False
     for token in args.extra_eos_token:
+        if token.lstrip("-").isdigit() and not 0 <= int(token) < vocab_size(model):
+            raise ValueError(f"--extra-eos-token {token} is not a token id of this model (0..{vocab_size(model) - 1})")
+        if not token.lstrip("-").isdigit() and token not in tokenizer.get_vocab():
+            raise ValueError(f"--extra-eos-token {token!r} is not a token of this tokenizer: pass a token "
+                             "string it knows or a token id")
         tokenizer.add_eos_token(token)
     draft_model = None
     if draft_path is not None and spec.drafter == "model":
@@ -341,7 +367,11 @@ def _read_prompt_cache(args):
     if not os.path.isfile(args.prompt_cache_file):
         raise FileNotFoundError(f"--prompt-cache-file {args.prompt_cache_file} does not exist: make one "
                                 "with mlx_lm.cache_prompt or --save-prompt-cache")
-    cache, metadata = load_prompt_cache(args.prompt_cache_file, return_metadata=True)
+    try:
+        cache, metadata = load_prompt_cache(args.prompt_cache_file, return_metadata=True)
+    except (ValueError, RuntimeError, KeyError, TypeError) as e:
+        raise ValueError(f"--prompt-cache-file {args.prompt_cache_file} is not a prompt cache ({e}): make one "
+                         "with mlx_lm.cache_prompt or --save-prompt-cache") from None
     if isinstance(cache[0], QuantizedKVCache) and (
             (args.kv_bits is not None and args.kv_bits != cache[0].bits) or args.kv_group_size != cache[0].group_size):
         raise ValueError("--kv-bits / --kv-group-size differ from the quantized cache in --prompt-cache-file: "

@@ -293,8 +293,22 @@ def tree_generate_step(
     if isinstance(stop_tokens, (int, np.integer)) or not hasattr(stop_tokens, "__iter__"):
         raise ValueError(f"stop_tokens must be a collection of token ids, got {stop_tokens!r}: "
                          "pass e.g. stop_tokens=[eos_id]")
+    vocab = vocab_size(model)
     stop_tokens = {check_int(t, "stop_tokens entry", 0) for t in stop_tokens}
-    prompt = check_prompt(prompt, vocab_size(model))
+    if any(t >= vocab for t in stop_tokens):
+        raise ValueError(f"stop token {max(stop_tokens)} is not a token id (the vocabulary has {vocab})")
+    if not 0 <= seed < 1 << 32:
+        raise ValueError(f"seed must be in 0..{(1 << 32) - 1}, got {seed}")
+    for name, value in (("temp", temp), ("top_p", top_p), ("min_p", min_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+                or not np.isfinite(value) or value < 0 or (name != "temp" and value > 1):
+            raise ValueError(f"{name} must be a number in 0..{'inf' if name == 'temp' else 1}, got {value!r}")
+    if top_k >= vocab or min_tokens_to_keep > vocab:
+        raise ValueError(f"top_k must be below and min_tokens_to_keep at most the vocabulary ({vocab}), "
+                         f"got {top_k} and {min_tokens_to_keep}")
+    if kv_bits is not None and kv_group_size not in (32, 64, 128):
+        raise ValueError(f"kv_group_size must be 32, 64 or 128 (what MLX quantizes by), got {kv_group_size}")
+    prompt = check_prompt(prompt, vocab)
     if kv_bits is not None and max_kv_size is not None:
         raise ValueError("kv_bits and max_kv_size cannot be combined (mlx-lm cannot quantize a rotating cache)")
     if in_launch():  # every process must decode this request alike, before any collective (launch.py)

@@ -75,7 +75,8 @@ def make_node_sampler(temp=0.0, top_p=0.0, min_p=0.0, top_k=0, min_tokens_to_kee
         for f in filters:
             logprobs = f(logprobs, coin)
         gumbel = -mx.log(-mx.log(u))
-        return mx.argmax(logprobs * (1 / temp) + gumbel, axis=-1).astype(mx.uint32)
+        # in float32: a small temp overflows a half-precision model's log-probabilities to -inf
+        return mx.argmax(logprobs.astype(mx.float32) * (1 / temp) + gumbel, axis=-1).astype(mx.uint32)
 
     choose.greedy = temp == 0  # positions are not read: callers may pass None
     return choose

@@ -110,6 +110,9 @@ class DraftSpec:
             raise ValueError("--draft-lookup adds lookup nodes to a draft model's tree; --drafter "
                              f"{drafter} drafts without one: drop --draft-lookup or use --drafter model")
         if drafter == "none":
+            if any(o is not None for o in (block, topk, depth, budget, lanes)):
+                raise ValueError("the shape flags shape a drafter's tree, and nothing drafts here: give "
+                                 "--draft-model or --drafter (lookup, suffix, dflash, ...), or drop them")
             return cls("none")
         if all(o is None for o in (block, topk, depth, budget, lanes)) and not lookup:
             return cls.adaptive_over(drafter)
@@ -152,6 +155,10 @@ class DraftSpec:
         if budget is None:
             # one lane: every candidate (the fixed layout); more lanes: EAGLE-2's 4 per step
             budget = candidates if lanes == 1 else 4 * depth
+        elif budget > candidates:
+            raise ValueError(f"--tree-budget {budget}: a tree of --tree-topk {topk}, --tree-lanes {lanes} and "
+                             f"--tree-depth {depth} has {candidates} nodes to choose from: give at most "
+                             f"{candidates}, or a wider or deeper tree")
         budget = min(budget, candidates, MAX_NODES - 1)
         return cls(drafter, topk=topk, lanes=lanes, depth=depth, budget=budget, lookup=lookup, trust=trust)
 

@@ -60,6 +60,32 @@ def test_a_sampler_function_is_refused_with_the_fix(pair):
         list(stream_generate(target, tok, "x", drafter, sampler=lambda x: x))
 
 
+@pytest.mark.parametrize("kw,needle", [
+    (dict(temp=-1.0), "temp"), (dict(temp=float("nan")), "temp"), (dict(top_p=2.0), "top_p"),
+    (dict(min_p=-0.5), "min_p"), (dict(temp=1.0, top_k=4096), "top_k"),
+    (dict(temp=1.0, min_p=0.5, min_tokens_to_keep=10 ** 5), "min_tokens_to_keep"), (dict(seed=-1), "seed"),
+    (dict(seed=1 << 32), "seed"), (dict(kv_bits=8, kv_group_size=7), "kv_group_size"),
+])
+def test_sampling_and_cache_options_are_checked_before_anything_runs(pair, kw, needle):
+    """Out-of-range options are refused naming the option (they once gave wrong tokens or an
+    MLX error naming none: a negative temp sampled garbage)."""
+    from mlx_treespec import tree_generate_step
+
+    target, drafter, tok = pair
+    cache = make_prompt_cache(target)
+    with pytest.raises(ValueError, match=needle):
+        next(tree_generate_step(tok.encode("def parse("), target, None, max_tokens=4, prompt_cache=cache, **kw))
+    assert cache[0].offset == 0  # nothing ran
+
+
+def test_a_tiny_temperature_samples_the_greedy_tokens(pair):
+    target, drafter, tok = pair
+    greedy = [r.token for r in stream_generate(target, tok, "def parse(", None, max_tokens=12)]
+    cold = [r.token for r in stream_generate(target, tok, "def parse(", drafter, max_tokens=12, temp=1e-6,
+                                             seed=3, draft_block_size=3)]
+    assert cold == greedy  # (float16 log-probabilities over 1e-6 once overflowed to -inf: token 0)
+
+
 def test_hybrid_demo_target_trees_equal_mlx_lm(pair):
     _, drafter, tok = pair
     hybrid, _ = load(demo_path("hybrid"))

@@ -241,6 +241,23 @@ def test_parity_flags_bad_input_is_one_line_exit_2(args, needle):
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["--seed", "abc"], "--seed"),  # argparse's own errors: one line too
+    (["--verbose", "maybe"], "T or F"),
+    (["--save-prompt-cache", "/nonexistent/c.safetensors"], "existing folder"),
+    (["--prompt-cache-file", os.path.join(DEMO, "target", "config.json")], "not a prompt cache"),
+    (["--prompt-cache-file", "c.safetensors", "--max-kv-size", "8"], "drop one"),
+    (["--drafter", "none", "--tree-topk", "3"], "nothing drafts"),
+    (["--drafter", "dflash", "--draft-block-size", "40"], "at most 15"),
+    (["--temp", "-1"], "temp"),
+    (["--extra-eos-token", "99999"], "--extra-eos-token"),
+])
+def test_audited_bad_input_is_one_line_exit_2(args, needle):
+    r = cli(*args, "--max-tokens", "4")
+    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
+
+
 def test_prompt_cache_files_round_trip_with_mlx_lm(tmp_path):
     # a cache made by mlx_lm.cache_prompt continues here as in mlx_lm.generate (speculating or
     # not); --save-prompt-cache writes one mlx-lm reads, holding prompt and response

@@ -143,8 +143,8 @@ def load_dflash(path):
     config = json.loads(cfg_file.read_text())
     dc = config.get("dflash_config") or {}
     if "block_size" not in config or "target_layer_ids" not in dc:
-        raise ValueError(f"{path}/config.json is not a DFlash drafter's: it needs block_size and "
-                         "dflash_config.target_layer_ids")
+        raise ValueError(f"{path}/config.json is not a DFlash drafter's (no block_size and "
+                         "dflash_config.target_layer_ids): pass a DFlash drafter folder")
     if dc.get("mask_token_id") is None:
         raise ValueError(f"{path}/config.json has no dflash_config.mask_token_id: add the token id the "
                          "drafter was trained with as its mask")
@@ -235,7 +235,10 @@ class DFlashDrafter:
         m = bound.model
         self.block = m.block_size
         self.capture = m.target_layer_ids
-        self.depth = min(depth or self.block - 1, self.block - 1)
+        if depth > self.block - 1:
+            raise ValueError(f"this DFlash drafter drafts blocks of {self.block}: a chain of at most "
+                             f"{self.block - 1} (--draft-block-size), got {depth}")
+        self.depth = depth or self.block - 1
         if topk == 1:
             self.topk, self.budget = 1, self.depth
         else:

@@ -290,7 +290,8 @@ def load_eagle3(folder, target_model, capture=None):
                for k, v in weights.items()}
     extra_layers = sorted({k.split(".")[1] for k in weights if k.startswith("layers.")})
     if extra_layers:  # (the tensors decide: a speculators layer config may carry the verifier's depth)
-        _fail(folder, f"draft layers {['0'] + extra_layers}: only one-layer EAGLE-3 heads are supported")
+        _fail(folder, f"draft layers {['0'] + extra_layers}: only one-layer EAGLE-3 heads are supported: pass "
+                      "a one-layer EAGLE-3 head folder (fc, midlayer, norm, lm_head, d2t)")
     for k in [k for k in weights if k.startswith(("verifier_norm.", "verifier_lm_head."))]:
         weights.pop(k)  # training-only (speculators)
     # The head's own embedding is used where it may differ from the target's (trained:
@@ -307,7 +308,8 @@ def load_eagle3(folder, target_model, capture=None):
                       "embed_tokens of its own")
     fc = weights.get("fc.weight")
     if fc is None:
-        _fail(folder, "no fc.weight: not an EAGLE-3 head")
+        _fail(folder, "no fc.weight: not an EAGLE-3 head: pass an EAGLE-3 head folder (fc, midlayer, norm, "
+                      "lm_head, d2t)")
     c["qk_norm"] = "midlayer.self_attn.q_norm.weight" in weights
     if "midlayer.self_attn.q_proj.bias" in weights:
         c["attention_bias"] = True
