@@ -252,6 +252,8 @@ def _run(args):
     spec = _spec(args, has_draft_model=draft_name is not None)  # bad options fail before loading
     if spec.needs_draft_model and draft_name is None:
         raise ValueError(f"--drafter {spec.drafter} needs --draft-model")
+    if args.draft_model is not None and not spec.needs_draft_model:
+        raise ValueError(f"--drafter {spec.drafter} drafts without a model: drop --draft-model")
     model_path = resolve_model_path(args.model)
     draft_path = resolve_model_path(draft_name) if draft_name and spec.needs_draft_model else None
     prompt = _read_prompt(args)

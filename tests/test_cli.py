@@ -251,6 +251,7 @@ def test_parity_flags_bad_input_is_one_line_exit_2(args, needle):
     (["--drafter", "dflash", "--draft-block-size", "40"], "at most 15"),
     (["--temp", "-1"], "temp"),
     (["--extra-eos-token", "99999"], "--extra-eos-token"),
+    (["--drafter", "lookup", "--draft-model", "/nonexistent"], "drop --draft-model"),
 ])
 def test_audited_bad_input_is_one_line_exit_2(args, needle):
     r = cli(*args, "--max-tokens", "4")
