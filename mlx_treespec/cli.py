@@ -264,9 +264,10 @@ def _run(args):
         if mx.distributed.init().rank() != 0:  # rank 0 prints; every rank computes the same tokens
             sys.stdout = open(os.devnull, "w")
             args.verbose = False
+    vocab = vocab_size(model) or len(tokenizer.get_vocab())
     for token in args.extra_eos_token:
-        if token.lstrip("-").isdigit() and not 0 <= int(token) < vocab_size(model):
-            raise ValueError(f"--extra-eos-token {token} is not a token id of this model (0..{vocab_size(model) - 1})")
+        if token.lstrip("-").isdigit() and not 0 <= int(token) < vocab:
+            raise ValueError(f"--extra-eos-token {token} is not a token id of this model (0..{vocab - 1})")
         if not token.lstrip("-").isdigit() and token not in tokenizer.get_vocab():
             raise ValueError(f"--extra-eos-token {token!r} is not a token of this tokenizer: pass a token "
                              "string it knows or a token id")

@@ -295,7 +295,7 @@ def tree_generate_step(
                          "pass e.g. stop_tokens=[eos_id]")
     vocab = vocab_size(model)
     stop_tokens = {check_int(t, "stop_tokens entry", 0) for t in stop_tokens}
-    if any(t >= vocab for t in stop_tokens):
+    if vocab is not None and any(t >= vocab for t in stop_tokens):
         raise ValueError(f"stop token {max(stop_tokens)} is not a token id (the vocabulary has {vocab})")
     if not 0 <= seed < 1 << 32:
         raise ValueError(f"seed must be in 0..{(1 << 32) - 1}, got {seed}")
@@ -303,7 +303,7 @@ def tree_generate_step(
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
                 or not np.isfinite(value) or value < 0 or (name != "temp" and value > 1):
             raise ValueError(f"{name} must be a number in 0..{'inf' if name == 'temp' else 1}, got {value!r}")
-    if top_k >= vocab or min_tokens_to_keep > vocab:
+    if vocab is not None and (top_k >= vocab or min_tokens_to_keep > vocab):  # (None: a config without it)
         raise ValueError(f"top_k must be below and min_tokens_to_keep at most the vocabulary ({vocab}), "
                          f"got {top_k} and {min_tokens_to_keep}")
     if kv_bits is not None and kv_group_size not in (32, 64, 128):
