@@ -627,63 +627,6 @@ def tree_gated_delta(
 
 
 # --------------------------------------------------------------------------------------------
-# CUDA twin's generated source (what mx.fast.cuda_kernel would JIT), for checks on CPU hosts
-# --------------------------------------------------------------------------------------------
-
-_CUDA_TYPES = {
-    mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
-    mx.int32: "int32_t", mx.float64: "double", mx.int64: "int64_t",
-}
-# MLX 0.32.4 mlx/backend/cuda/custom_kernel.cpp: default_header.
-_CUDA_DEFAULT_HEADER = (
-    '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
-    "#define inf cuda::std::numeric_limits<float>::infinity()\n\n"
-)
-
-
-def cuda_twin_source(q_dtype, Dk: int, Dv: int, Hk: int, Hv: int, gvec: bool,
-                     store_final: bool, g_dtype=mx.float32, beta_dtype=None,
-                     v_dtype=None) -> Tuple[str, str]:
-    """Rebuild the CUDA source MLX 0.32.4's ``cuda_kernel`` generates for this kernel.
-
-    Mirrors ``build_kernel`` in mlx/backend/cuda/custom_kernel.cpp (default header, header,
-    ``__global__`` signature, template constants, source), so it can be compiled on a host
-    without a CUDA build of MLX. Returns ``(kernel_name, source)``.
-    """
-    beta_dtype = q_dtype if beta_dtype is None else beta_dtype
-    v_dtype = q_dtype if v_dtype is None else v_dtype
-    in_dtypes = [q_dtype, q_dtype, v_dtype, g_dtype, beta_dtype, mx.float32, mx.int32]
-    out_dtypes = [q_dtype, mx.float32, mx.float32]
-    tmpl = [("InT", q_dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv),
-            ("GVec", bool(gvec)), ("StoreFinal", bool(store_final))]
-
-    def h(a):
-        if isinstance(a, bool):
-            return "_t" if a else "_f"
-        if isinstance(a, int):
-            return f"_{a}"
-        return "_" + str(a).split(".")[-1]
-
-    name = "custom_kernel_" + KERNEL_NAME + "".join(h(a) for _, a in tmpl)
-    src = _CUDA_DEFAULT_HEADER + kernel_header("cuda")
-    src += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-    src += f"__global__ void {name}(\n"
-    for n_, dt in zip(KERNEL_INPUTS, in_dtypes):
-        src += f"    const {_CUDA_TYPES[dt]}* {n_},\n"
-    outs = [f"    {_CUDA_TYPES[dt]}* {n_}" for n_, dt in zip(KERNEL_OUTPUTS, out_dtypes)]
-    src += ",\n".join(outs) + ") {\n"
-    for n_, a in tmpl:
-        if isinstance(a, bool):
-            src += f"  constexpr bool {n_} = {'true' if a else 'false'};\n"
-        elif isinstance(a, int):
-            src += f"  constexpr int {n_} = {a};\n"
-        else:
-            src += f"  using {n_} = {_CUDA_TYPES[a]};\n"
-    src += "\n" + kernel_source("cuda") + "\n}\n\n} // namespace mlx::core::cu\n"
-    return name, src
-
-
-# --------------------------------------------------------------------------------------------
 # Short causal conv over a tree
 # --------------------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ every printed kernel, and :func:`check_metal` compiles one with ``g++ -fsyntax-o
 ``metal_stdlib_mock.h`` (a stand-in for ``<metal_stdlib>``, next to this file).
 
 CUDA: a CPU build of MLX refuses to even construct an ``mx.fast.cuda_kernel``, so the CUDA
-twin's source is rebuilt by ``mlx_treespec.gdn.cuda_twin_source`` (a mirror of MLX 0.32.4's
+twin's source is rebuilt by :func:`cuda_twin_source` (a mirror of MLX 0.32.4's
 ``build_kernel``) and :func:`check_cuda` compiles it to PTX with ``nvcc`` (sm_90, the H200)
 against a small mock of MLX's ``mlx/backend/cuda/device/utils.cuh``. MLX compiles with NVRTC at
 run time; nvcc is the closest stand-in available offline.
@@ -160,12 +160,72 @@ def trace_gdn_metal_variants():
         )
 
 
+def _cuda_types():
+    import mlx.core as mx
+
+    return {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
+            mx.int32: "int32_t", mx.float64: "double", mx.int64: "int64_t"}
+
+
+# MLX 0.32.4 mlx/backend/cuda/custom_kernel.cpp: default_header.
+_CUDA_DEFAULT_HEADER = (
+    '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+    "#define inf cuda::std::numeric_limits<float>::infinity()\n\n"
+)
+
+
+def cuda_twin_source(q_dtype, Dk: int, Dv: int, Hk: int, Hv: int, gvec: bool,
+                     store_final: bool, g_dtype=None, beta_dtype=None,
+                     v_dtype=None) -> Tuple[str, str]:
+    """Rebuild the CUDA source MLX 0.32.4's ``cuda_kernel`` generates for this kernel.
+
+    Mirrors ``build_kernel`` in mlx/backend/cuda/custom_kernel.cpp (default header, header,
+    ``__global__`` signature, template constants, source), so it can be compiled on a host
+    without a CUDA build of MLX. Returns ``(kernel_name, source)``.
+    """
+    import mlx.core as mx
+    from mlx_treespec.gdn import KERNEL_INPUTS, KERNEL_NAME, KERNEL_OUTPUTS, kernel_header, kernel_source
+
+    types = _cuda_types()
+    g_dtype = mx.float32 if g_dtype is None else g_dtype
+    beta_dtype = q_dtype if beta_dtype is None else beta_dtype
+    v_dtype = q_dtype if v_dtype is None else v_dtype
+    in_dtypes = [q_dtype, q_dtype, v_dtype, g_dtype, beta_dtype, mx.float32, mx.int32]
+    out_dtypes = [q_dtype, mx.float32, mx.float32]
+    tmpl = [("InT", q_dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv),
+            ("GVec", bool(gvec)), ("StoreFinal", bool(store_final))]
+
+    def h(a):
+        if isinstance(a, bool):
+            return "_t" if a else "_f"
+        if isinstance(a, int):
+            return f"_{a}"
+        return "_" + str(a).split(".")[-1]
+
+    name = "custom_kernel_" + KERNEL_NAME + "".join(h(a) for _, a in tmpl)
+    src = _CUDA_DEFAULT_HEADER + kernel_header("cuda")
+    src += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    src += f"__global__ void {name}(\n"
+    for n_, dt in zip(KERNEL_INPUTS, in_dtypes):
+        src += f"    const {types[dt]}* {n_},\n"
+    outs = [f"    {types[dt]}* {n_}" for n_, dt in zip(KERNEL_OUTPUTS, out_dtypes)]
+    src += ",\n".join(outs) + ") {\n"
+    for n_, a in tmpl:
+        if isinstance(a, bool):
+            src += f"  constexpr bool {n_} = {'true' if a else 'false'};\n"
+        elif isinstance(a, int):
+            src += f"  constexpr int {n_} = {a};\n"
+        else:
+            src += f"  using {n_} = {types[a]};\n"
+    src += "\n" + kernel_source("cuda") + "\n}\n\n} // namespace mlx::core::cu\n"
+    return name, src
+
+
 def gdn_cuda_sources() -> List[Tuple[str, str]]:
     import mlx.core as mx
-    from mlx_treespec import gdn
 
     return [
-        gdn.cuda_twin_source(dt, Dk, 128, 2, 4, gvec, store_final, g_dtype=mx.float32)
+        cuda_twin_source(dt, Dk, 128, 2, 4, gvec, store_final, g_dtype=mx.float32)
         for dt, Dk, gvec, store_final in gdn_variants()
     ]
 

@@ -480,7 +480,7 @@ def test_metal_check_rejects_a_broken_kernel(metal_sources):
 
 def test_cuda_twin_assembles_the_same_body():
     body = gdn.kernel_body()
-    name, src = gdn.cuda_twin_source(mx.bfloat16, 128, 128, 16, 32, False, True)
+    name, src = msl_check.cuda_twin_source(mx.bfloat16, 128, 128, 16, 32, False, True)
     assert body in src and gdn.CUDA_PRELUDE in src and "__shfl_xor_sync" in src
     assert "__nv_bfloat16* y" in src and "constexpr bool GVec = false;" in src
     assert gdn.kernel_source("cuda").endswith(body) and gdn.kernel_source("metal").endswith(body)
