@@ -1,55 +1,15 @@
 """Adaptive drafting: before every round, the draft with the most expected tokens per millisecond.
 
-`AdaptiveDrafter` is a drafter that picks one of three arms each round:
-
-- `primary`: the drafter that runs a model (a DFlash block drafter, a draft model, an MTP or
-  EAGLE-3 head);
-- `host`: a model-free drafter (prompt lookup, a suffix index), in rounds where it matched the
-  text (it drafts nothing otherwise);
-- `plain`: no speculation. `draft` returns `PlainStretch(n)`: the loop decodes n tokens plainly,
-  pipelined as mlx-lm's generate_step (the device never waits on the host), then hands the
-  drafters what they did not see (`catch_up`: the tokens, and the target rows a drafter reads).
-
-Estimates, all of wall time (what the round costs the user, host work included):
-
-- An arm's rate is its emitted tokens per use over its ms per use. The ms is averaged over its
-  recent uses (EWMA, `ALPHA`) and carries over from one generation to the next (it describes the
-  device and the draft's shape); plain's starts from the start-up cost fit
-  (`costmodel.startup_costs`: measured once per target shape, device and MLX version and kept on
-  disk). The tokens describe the text too, so each generation re-learns them: the average
-  carried in at the generation's start counts as `CARRIED_USES` uses beside this generation's
-  own (on the H200 the demo hybrid's DFlash rounds, learned on unseen text, stayed underrated
-  on held-out text, where they emit more). The host's rate is kept per length of its match (a
-  4-token match drafts far more than a 1-token one). An arm's first use in a generation books
-  its tokens but not its ms (it pays traces and first buffers, not what a round costs), nor
-  does a use over `SPIKE` times what such a use costs (the start-up fit, or the arm's own
-  average: a new shape's trace and kernels), unless `SPIKES_IN_A_ROW` in a row of that arm
-  were.
-- A DFlash round picks its tree's node budget after its block forward. Each node's draft
-  probability (its best-first score: the product of its tokens' marginals) is calibrated online
-  into the probability that the target accepts it (`Calibration`, by probability bin, from every
-  DFlash node verified so far). The best-first tree of B nodes is the first B nodes in best-first
-  order, so it is expected to emit 1 + the sum of their calibrated probabilities, and to cost the
-  round's overhead beyond its verify (measured online) plus a verify of B + 1 rows (the start-up
-  fit at the row count the device runs: `verify.row_bucket` on GPUs). The budget with the best
-  ratio is drafted (`choose_budget`).
-- The start-up fit is taken over a short context; from `costmodel.LONG_FROM` rows on, plain's
-  and the verify's costs are those at the generation's context (`costmodel.costs_at`:
-  interpolated with a second fit over a long context), repriced every `REPRICE` rows: a verify
-  of many rows costs more against a long context than one row does, so budgets shrink.
-
-Exploration: an arm never used is tried the first time it is available, and the model arm once
-early in each generation (its tokens are this text's); a model or host arm
-passed over for `REPROBE` rounds in which it was available is tried once; after a plain
-stretch the best speculative arm is tried once, and a stretch chosen again right after that
-probe is twice as long (`STRETCH` up to `MAX_STRETCH` tokens), while a round that speculation
-wins outright sets it back to `STRETCH`. During a stretch the host drafter sees every token as it
-is read (`watch`, host work only): where it matches with a length whose rounds beat plain
-decoding (or were never measured), the stretch ends at the next token and the host drafts.
-
-Rates (tokens as a prior) and the calibration carry over from one generation to the next, and
-to the next drafter built for the same pair (`memory`: `make_drafter` makes one per call); `reset` clears them. Exactness does not depend on
-any of it: every arm drafts an exact draft, and a plain stretch is plain decoding.
+`AdaptiveDrafter` picks one of three arms each round: `primary` (a drafter that runs a model:
+DFlash, a draft model, an MTP or EAGLE-3 head), `host` (prompt lookup or a suffix index, where
+it matched the text) or `plain` (`PlainStretch(n)`: the loop decodes n tokens plainly, pipelined
+as mlx-lm, then hands the drafters what they missed in `catch_up`). An arm's rate is its
+tokens per use over its wall ms per use: the ms carry over between generations, the tokens are
+re-learned per text (`value`); a DFlash round's node budget is the one with the most expected
+tokens per ms (`choose_budget`, over calibrated node probabilities and the cost fit at the
+generation's context). The rules, their constants and the tests that pin them are
+docs/design.md's "Adaptive drafting". Exactness does not depend on any of it: every arm drafts
+an exact draft, and a plain stretch is plain decoding.
 """
 import time
 from collections import deque
