@@ -288,8 +288,12 @@ def tree_generate_step(
         check_int(value, name, low)
     if max_kv_size is not None:
         check_int(max_kv_size, "max_kv_size", 1)
-    if kv_bits is not None:
-        check_int(kv_bits, "kv_bits", 1)
+    if kv_bits is not None and check_int(kv_bits, "kv_bits", 1) not in (2, 3, 4, 5, 6, 8):
+        raise ValueError(f"kv_bits must be 2, 3, 4, 5, 6 or 8 (what MLX quantizes to), got {kv_bits}")
+    if prompt_cache is not None and max_kv_size is not None:
+        raise ValueError("max_kv_size sizes a new cache; a prompt_cache keeps its own: drop one of them")
+    if prompt_cache is not None:
+        check_cache_matches(model, prompt_cache)
     if isinstance(stop_tokens, (int, np.integer)) or not hasattr(stop_tokens, "__iter__"):
         raise ValueError(f"stop_tokens must be a collection of token ids, got {stop_tokens!r}: "
                          "pass e.g. stop_tokens=[eos_id]")
@@ -362,6 +366,19 @@ def tree_generate_step(
     yield from _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose, quantize,
                        stop_tokens, stats, kv_bits, quantized_kv_start, settle=prompt_cache is not None,
                        resume=resume)
+
+
+def check_cache_matches(model, prompt_cache):
+    """A prompt cache must be this model's: one cache per layer, attention where the model
+    attends and recurrent where it recurs (another model's cache decodes wrong tokens or fails
+    deep inside mlx-lm)."""
+    fresh = make_prompt_cache(model)
+    if not isinstance(prompt_cache, (list, tuple)) or len(prompt_cache) != len(fresh) or any(
+            (cache_kind(a) in ("append", "rotating")) != (cache_kind(b) in ("append", "rotating"))
+            for a, b in zip(prompt_cache, fresh)):
+        n = len(prompt_cache) if isinstance(prompt_cache, (list, tuple)) else type(prompt_cache).__name__
+        raise ValueError(f"prompt_cache ({n} caches) is not this model's ({len(fresh)} layers): make it with "
+                         "mlx_lm.models.cache.make_prompt_cache(model)")
 
 
 def attended_rows(caches):

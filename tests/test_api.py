@@ -78,6 +78,34 @@ def test_sampling_and_cache_options_are_checked_before_anything_runs(pair, kw, n
     assert cache[0].offset == 0  # nothing ran
 
 
+def test_a_cache_or_drafter_that_does_not_fit_is_refused_before_anything_runs(pair):
+    """Another model's cache, a cache of one layer (it once decoded wrong tokens), kv_bits MLX
+    cannot quantize to, a max_kv_size beside a cache, a draft model a model-free drafter ignores."""
+    from mlx_treespec import make_drafter, tree_generate_step
+
+    target, drafter, tok = pair
+    hybrid, _ = load(demo_path("hybrid"))
+    prompt = tok.encode("def parse(")
+    for cache, kw, needle in ((make_prompt_cache(hybrid), {}, "not this model's"),
+                              (make_prompt_cache(target)[:1], {}, "not this model's"),
+                              (make_prompt_cache(target), dict(kv_bits=16), "kv_bits"),
+                              (make_prompt_cache(target), dict(max_kv_size=64), "drop one")):
+        with pytest.raises(ValueError, match=needle):
+            next(tree_generate_step(prompt, target, None, max_tokens=4, prompt_cache=cache, **kw))
+        assert all(c.offset == 0 for c in cache if hasattr(c, "offset"))
+    with pytest.raises(ValueError, match="drop the draft model"):
+        make_drafter(drafter, drafter="lookup")
+
+
+def test_stream_generate_takes_more_stop_tokens(pair):
+    target, drafter, tok = pair
+    tokens = [r.token for r in stream_generate(target, tok, "def parse(", drafter, max_tokens=12, draft_block_size=3)]
+    stop = tokens[5]
+    cut = [r.token for r in stream_generate(target, tok, "def parse(", drafter, max_tokens=12, draft_block_size=3,
+                                            stop_tokens=[stop])]
+    assert cut == tokens[: tokens.index(stop) + 1]
+
+
 def test_a_tiny_temperature_samples_the_greedy_tokens(pair):
     target, drafter, tok = pair
     greedy = [r.token for r in stream_generate(target, tok, "def parse(", None, max_tokens=12)]

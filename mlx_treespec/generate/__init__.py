@@ -48,6 +48,10 @@ def make_drafter(draft_model=None, *, drafter=None, target=None, **options):
                              "(or pass drafter='model' with a draft model)")
         return check_drafter(drafter)
     spec = DraftSpec.from_options(drafter, has_draft_model=draft_model is not None, **options)
+    if draft_model is not None and not spec.needs_draft_model:
+        raise ValueError(f"drafter={spec.drafter!r} drafts without a model: drop the draft model")
+    if spec.needs_draft_model and draft_model is None:
+        raise ValueError(f"drafter={spec.drafter!r} needs a draft model (--draft-model): pass one")
     if spec.drafter == "dflash":
         from ..drafters.dflash import bind_dflash
 
@@ -96,7 +100,7 @@ def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=25
     stats = stats if stats is not None else RoundStats()
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-    eos = set(tokenizer.eos_token_ids)
+    eos = set(tokenizer.eos_token_ids) | set(kwargs.pop("stop_tokens", ()))  # the caller's, beside the tokenizer's
     steps = tree_generate_step(prompt, model, drafter, max_tokens=max_tokens, stop_tokens=eos,
                                stats=stats, **kwargs)
     tic = time.perf_counter()
