@@ -290,10 +290,12 @@ def tree_generate_step(
         check_int(max_kv_size, "max_kv_size", 1)
     if kv_bits is not None and check_int(kv_bits, "kv_bits", 1) not in (2, 3, 4, 5, 6, 8):
         raise ValueError(f"kv_bits must be 2, 3, 4, 5, 6 or 8 (what MLX quantizes to), got {kv_bits}")
-    if prompt_cache is not None and max_kv_size is not None:
-        raise ValueError("max_kv_size sizes a new cache; a prompt_cache keeps its own: drop one of them")
     if prompt_cache is not None:
         check_cache_matches(model, prompt_cache)
+        if max_kv_size is not None and not any(cache_kind(c) == "rotating" and c.max_size == max_kv_size
+                                               for c in prompt_cache):
+            raise ValueError(f"max_kv_size {max_kv_size} sizes a new cache; this prompt_cache keeps its own "
+                             "size: drop one of them")
     if isinstance(stop_tokens, (int, np.integer)) or not hasattr(stop_tokens, "__iter__"):
         raise ValueError(f"stop_tokens must be a collection of token ids, got {stop_tokens!r}: "
                          "pass e.g. stop_tokens=[eos_id]")
