@@ -296,13 +296,8 @@ def tree_generate_step(
                                                for c in prompt_cache):
             raise ValueError(f"max_kv_size {max_kv_size} sizes a new cache; this prompt_cache keeps its own "
                              "size: drop one of them")
-    if isinstance(stop_tokens, (int, np.integer)) or not hasattr(stop_tokens, "__iter__"):
-        raise ValueError(f"stop_tokens must be a collection of token ids, got {stop_tokens!r}: "
-                         "pass e.g. stop_tokens=[eos_id]")
     vocab = vocab_size(model)
-    stop_tokens = {check_int(t, "stop_tokens entry", 0) for t in stop_tokens}
-    if vocab is not None and any(t >= vocab for t in stop_tokens):
-        raise ValueError(f"stop token {max(stop_tokens)} is not a token id (the vocabulary has {vocab})")
+    stop_tokens = check_stop_tokens(stop_tokens, vocab)
     if not 0 <= seed < 1 << 32:
         raise ValueError(f"seed must be in 0..{(1 << 32) - 1}, got {seed}")
     for name, value in (("temp", temp), ("top_p", top_p), ("min_p", min_p)):
@@ -368,6 +363,17 @@ def tree_generate_step(
     yield from _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose, quantize,
                        stop_tokens, stats, kv_bits, quantized_kv_start, settle=prompt_cache is not None,
                        resume=resume)
+
+
+def check_stop_tokens(stop_tokens, vocab=None):
+    """The set of stop token ids (each below `vocab` where it is known)."""
+    if isinstance(stop_tokens, (int, np.integer)) or not hasattr(stop_tokens, "__iter__"):
+        raise ValueError(f"stop_tokens must be a collection of token ids, got {stop_tokens!r}: "
+                         "pass e.g. stop_tokens=[eos_id]")
+    stop_tokens = {check_int(t, "stop_tokens entry", 0) for t in stop_tokens}
+    if vocab is not None and any(t >= vocab for t in stop_tokens):
+        raise ValueError(f"stop token {max(stop_tokens)} is not a token id (the vocabulary has {vocab})")
+    return stop_tokens
 
 
 def check_cache_matches(model, prompt_cache):

@@ -241,8 +241,9 @@ def probe_exactness(model, tree_parents_list, n_inputs=3, history=32, seed=0,
     """Compare one T-row tree verify with one-token decoding along each node's root path.
 
     tree_parents_list: parents arrays (or DraftTrees), one per topology, e.g. a chain and the
-    configured tree. history: length of the random prompt prefilled first. perturb: test-only hook applied to the verify logits [T, V] before the
-    comparison (never memoized). Returns a ProbeReport with one entry per topology.
+    configured tree. history: length of the random prompt prefilled first. perturb: test-only
+    hook applied to the verify logits [T, V] before the comparison (never memoized). Returns a
+    ProbeReport with one entry per topology.
     """
     if n_inputs < 1:
         raise ValueError(f"n_inputs must be >= 1, got {n_inputs}")

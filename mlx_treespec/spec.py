@@ -237,6 +237,11 @@ class DraftSpec:
     def needs_draft_model(self):
         return self.drafter in ("model", "dflash") + HEADS
 
+    def check_draft_model(self, draft_model):
+        """A draft model where the kind needs one."""
+        if self.needs_draft_model and draft_model is None:
+            raise ValueError(f"--drafter {self.drafter} needs --draft-model")
+
     @property
     def arm(self):
         """The arm string of this spec (`parse` reads it back)."""
@@ -291,8 +296,7 @@ class DraftSpec:
         without a target, from its first rounds), at the generation's context (costmodel.costs_at)."""
         if self.drafter == "none":
             return None
-        if self.needs_draft_model and draft_model is None:
-            raise ValueError(f"--drafter {self.drafter} needs --draft-model")
+        self.check_draft_model(draft_model)
         if self.adaptive:
             from dataclasses import replace
 

@@ -11,7 +11,7 @@ from contextlib import closing
 import mlx.core as mx
 
 from ..draft import check_drafter
-from ..loop import RoundStats, check_prompt, tree_generate_step, vocab_size
+from ..loop import RoundStats, check_prompt, check_stop_tokens, tree_generate_step, vocab_size
 from ..spec import DraftSpec, check_int
 
 __all__ = ["stream_generate", "generate", "make_drafter", "check_vocab"]
@@ -50,8 +50,7 @@ def make_drafter(draft_model=None, *, drafter=None, target=None, **options):
     spec = DraftSpec.from_options(drafter, has_draft_model=draft_model is not None, **options)
     if draft_model is not None and not spec.needs_draft_model:
         raise ValueError(f"drafter={spec.drafter!r} drafts without a model: drop the draft model")
-    if spec.needs_draft_model and draft_model is None:
-        raise ValueError(f"drafter={spec.drafter!r} needs a draft model (--draft-model): pass one")
+    spec.check_draft_model(draft_model)  # (before a DFlash or head folder is read)
     if spec.drafter == "dflash":
         from ..drafters.dflash import bind_dflash
 
@@ -100,7 +99,8 @@ def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=25
     stats = stats if stats is not None else RoundStats()
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-    eos = set(tokenizer.eos_token_ids) | set(kwargs.pop("stop_tokens", ()))  # the caller's, beside the tokenizer's
+    # the caller's stop tokens beside the tokenizer's
+    eos = set(tokenizer.eos_token_ids) | check_stop_tokens(kwargs.pop("stop_tokens", ()), vocab_size(model))
     steps = tree_generate_step(prompt, model, drafter, max_tokens=max_tokens, stop_tokens=eos,
                                stats=stats, **kwargs)
     tic = time.perf_counter()
