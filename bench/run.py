@@ -544,8 +544,19 @@ def run_long(args):
                     c.offset = ctx
                 return dt
 
-            def tree():
-                rnd = TreeRound(model, caches, compiled=True)
+            masked = mx.where(mx.arange(ctx + T)[None] <= (ctx + mx.arange(T))[:, None],
+                              mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+
+            def causal_masked():  # the same forward with the causal pattern as an additive mask
+                t0 = time.perf_counter()
+                mx.eval(model(tokens[None], cache=[_WithMask(c, masked) for c in caches]))
+                dt = time.perf_counter() - t0
+                for c in caches:
+                    c.offset = ctx
+                return dt
+
+            def tree(compiled=True):
+                rnd = TreeRound(model, caches, compiled=compiled)
                 t0 = time.perf_counter()
                 logits, _ = rnd.verify(Draft(tokens, Layout.fixed(parents)))
                 mx.eval(logits)
@@ -553,7 +564,8 @@ def run_long(args):
                 rnd.abort()
                 return dt
 
-            arms = dict(plain=plain, causal=causal, tree=tree)
+            arms = dict(plain=plain, causal=causal, causal_masked=causal_masked, tree=tree,
+                        tree_eager=lambda: tree(False))
             times = {a: [] for a in arms}
             for r in range(args.repeats + 2):
                 for a, f in arms.items():
@@ -561,25 +573,49 @@ def run_long(args):
                     if r >= 2:
                         times[a].append(1e3 * dt)
             med = {a: statistics.median(v) for a, v in times.items()}
+            store = model.__dict__.get("_treespec_compiled_verify") or {}
+            path = "compiled" if store.get("trusted_runs") else "eager"  # after the checks
             attn = _attention_forms(model, ctx, T, n_kv, head_dim, dtype, caches[0].keys.shape[2], args.repeats)
-            rows.append(dict(context=ctx, **{f"{a}_ms": m for a, m in med.items()},
+            rows.append(dict(context=ctx, **{f"{a}_ms": m for a, m in med.items()}, tree_path=path,
                              tree_over_causal=med["tree"] / med["causal"], attention_ms=attn))
-            log(f"{label} ctx {ctx}: plain {med['plain']:.2f} causal {med['causal']:.2f} tree {med['tree']:.2f} "
-                f"ms; attention " + ", ".join(f"{k} {v:.3f}" for k, v in attn.items()))
+            log(f"{label} ctx {ctx}: " + ", ".join(f"{a} {m:.2f}" for a, m in med.items()) +
+                f" ms (tree ran {path}); attention " + ", ".join(f"{k} {v:.3f}" for k, v in attn.items()))
+            model.__dict__.pop("_treespec_compiled_verify", None)  # the next context's width chooses anew
             caches = None  # free this context's K/V before the next one is filled
             mx.clear_cache()
         forms = list(rows[0]["attention_ms"])
-        md += [f"## {label}", "", "| context | plain ms/token | causal forward T ms | tree verify T ms | tree / causal | "
-               + " | ".join(f"attn {f} ms" for f in forms) + " |", "|---" * (5 + len(forms)) + "|"]
-        md += [f"| {r['context']} | {r['plain_ms']:.2f} | {r['causal_ms']:.2f} | {r['tree_ms']:.2f} | "
-               f"{r['tree_over_causal']:.2f} | " + " | ".join(f"{r['attention_ms'][f]:.3f}" for f in forms) + " |"
-               for r in rows]
+        md += [f"## {label}", "", "| context | plain ms/token | causal forward T ms | causal, additive mask ms | "
+               "tree verify T ms (path) | tree eager ms | tree / causal | "
+               + " | ".join(f"attn {f} ms" for f in forms) + " |", "|---" * (7 + len(forms)) + "|"]
+        md += [f"| {r['context']} | {r['plain_ms']:.2f} | {r['causal_ms']:.2f} | {r['causal_masked_ms']:.2f} | "
+               f"{r['tree_ms']:.2f} ({r['tree_path']}) | {r['tree_eager_ms']:.2f} | {r['tree_over_causal']:.2f} | "
+               + " | ".join(f"{r['attention_ms'][f]:.3f}" for f in forms) + " |" for r in rows]
         md.append("")
         report["variants"].append(dict(target=label, rows=rows))
         write(args, report, md, echo=False)
         model = None
         mx.clear_cache()
     write(args, report, md)
+
+
+class _WithMask:
+    """A KVCache that hands the model a given mask (mlx-lm's forward, another mask form)."""
+
+    def __init__(self, inner, mask):
+        self.inner, self.mask = inner, mask
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    @property
+    def offset(self):
+        return self.inner.offset
+
+    def make_mask(self, N, window_size=None, return_array=False):
+        return self.mask
+
+    def update_and_fetch(self, keys, values):
+        return self.inner.update_and_fetch(keys, values)
 
 
 def _attention_forms(model, ctx, T, n_kv, head_dim, dtype, width, repeats):

@@ -20,7 +20,7 @@ import numpy as np
 
 from .builders import best_first_tree
 from .draft import Draft
-from .tree import MAX_NODES, DraftTree, preorder
+from .tree import MAX_NODES, DraftTree, depths_of, preorder
 from .verify import pad_keys_default, row_bucket
 
 __all__ = ["AdaptiveDrafter", "PlainStretch", "Calibration", "Rate"]
@@ -212,6 +212,24 @@ class AdaptiveDrafter:
         self.emitted = 0
         self.scores = None  # draft probability of each node of the last DFlash draft (draft order)
         self.queued, self.queued_seen = deque(maxlen=QUEUED_WINDOW), 0  # booked queued rounds: (tokens, ms)
+        self.reach = self._reach_base()  # how deep the next host round drafts (`_reach_after`)
+
+    def _reach_base(self):
+        """A host round's depth at first: half what the host may draft (the rest is for texts
+        that repeat, `_reach_after`)."""
+        most = getattr(self.host, "max_depth", None)
+        return None if most is None else max(1, int(most) // 2)
+
+    def _reach_after(self, draft, path):
+        """The next host round's depth: twice this one's (up to the host's max_depth) where the
+        target accepted a whole root path of the draft, as deep as it went (a text repeating
+        itself: a deeper draft costs the verify little and is accepted further), else the start."""
+        if self.reach is None:
+            return None
+        deepest = int(depths_of(draft.layout.host_parents()).max()) if draft.size > 1 else 0
+        if deepest and len(path) - 1 >= deepest:
+            return min(2 * self.reach, int(self.host.max_depth))
+        return self._reach_base()
 
     def prefill(self, prompt, hidden=None):
         if callable(self.costs):  # measured on the first generation (after the gate passed the target)
@@ -246,7 +264,8 @@ class AdaptiveDrafter:
         self._reprice()  # (after the last round was booked at the costs it ran under)
         if max_depth <= 0:
             return Draft.root_only(root)
-        match, e = self._host_match(root, max_depth) if self.host is not None else (0, None)
+        reach = max_depth if self.reach is None else min(max_depth, self.reach)
+        match, e = self._host_match(root, reach) if self.host is not None else (0, None)
         available = ["primary"] if self.primary is not None else []
         if match:
             available.append("host")
@@ -257,7 +276,7 @@ class AdaptiveDrafter:
             self.fed = 0
             return PlainStretch(self.stretch, self.watch if self.host is not None else None)
         if arm == "host":
-            d = e if e is not None else self.host.draft(root, max_depth)
+            d = e if e is not None else self.host.draft(root, reach)
         else:
             d = self._primary_draft(root, max_depth)
         d.source = self.names[arm]
@@ -275,6 +294,8 @@ class AdaptiveDrafter:
             accepted[nodes[nodes < n] - 1] = True
             self.calibration.update(self.scores[: n - 1], accepted)
         self.scores = None
+        if arm == "host":
+            self.reach = self._reach_after(draft, path)
         if self.primary is not None:
             self.primary.commit(draft, path, emitted, *self._rows(hidden))
         if self.host is not None:

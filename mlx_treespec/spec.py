@@ -314,9 +314,11 @@ class DraftSpec:
             at = (lambda rows: costs_at(target, rows)) if target is not None else None
             # what one call learned, the next call over the same target and drafter starts from
             memory = (self.arm, id(target), id(draft_model)) if target is not None else None
+            # the host drafts half its depth, all of it where the text repeats (adaptive.py)
             if self.drafter in ("lookup", "suffix"):
-                return AdaptiveDrafter(host=base, costs=costs, memory=memory, context_costs=at)
-            return AdaptiveDrafter(primary=base, host=LookupDrafter(DEFAULT_FREE_BUDGET, DEFAULT_DEPTH),
+                host = replace(self, adaptive=False, depth=2 * self.depth).build(draft_model)
+                return AdaptiveDrafter(host=host, costs=costs, memory=memory, context_costs=at)
+            return AdaptiveDrafter(primary=base, host=LookupDrafter(DEFAULT_FREE_BUDGET, 2 * DEFAULT_DEPTH),
                                    costs=costs, memory=memory, context_costs=at)
         if self.drafter == "lookup":
             from .drafters.lookup import LookupDrafter

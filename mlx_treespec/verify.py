@@ -17,6 +17,7 @@ tree's mask and key layout.
   outputs for every node of each forward (`TreeRound.hidden`); nothing is recorded otherwise.
 """
 import dataclasses
+import time
 import weakref
 
 import numpy as np
@@ -391,6 +392,7 @@ class _TracedAppend:
 
 
 CHECKS = 2  # compiled calls per shape checked bitwise against the eager forward before trusted
+_clock = time.perf_counter  # times the last check's two forwards (tests replace it)
 
 
 def whole_buffer_forward(model, capture):
@@ -423,7 +425,7 @@ def _compiled(model, capture):
     layers = _layers(model)
     if store is None or store["layers"] != layers:  # new layer modules: trace again
         store = model.__dict__["_treespec_compiled_verify"] = {
-            "fns": {}, "checked": {}, "off": None, "trusted_runs": 0, "layers": layers}
+            "fns": {}, "checked": {}, "eager": {}, "off": None, "trusted_runs": 0, "layers": layers}
         if in_launch():
             store["off"] = "a sharded model (mlx.distributed): its collectives run eagerly"
     if store["off"] is not None:
@@ -443,6 +445,11 @@ def compiled_forward(model, capture, n, args, reference):
     then on. The model's cache offset read outside RoPE, a windowed mask or an array evaluated
     inside the forward stops the trace the same way (any other error propagates).
 
+    The last check times both forwards (the first paid for the trace and the kernel plans), and
+    a shape whose eager forward was the faster runs eagerly from then on: compiling saves host
+    time per op, but on the H200 the compiled forward's attention over long key buffers cost
+    more than all it saved (bench/RESULTS.md, 1d).
+
     Returns (result, trusted): the compiled (logits, rows, keys, values) with trusted True, or
     the reference's result with False; None where the eager path runs."""
     fn, store = _compiled(model, capture)
@@ -450,6 +457,8 @@ def compiled_forward(model, capture, n, args, reference):
         return None
     tokens, _, mask, _, keys, _ = args
     shape = (tokens.shape[0], tokens.dtype, mask.shape[1], mask.dtype, keys[0].dtype, capture)
+    if store["eager"].get(shape):
+        return None
     # a trace that raises leaves its placeholders in the model's arrays (they are the
     # function's inputs): the first call of a shape, the one that traces, keeps them
     saved = tree_flatten(model.parameters()) if shape not in store["checked"] else None
@@ -465,11 +474,18 @@ def compiled_forward(model, capture, n, args, reference):
     hidden = hidden[0][:n] if hidden else None
     checked = store["checked"].get(shape, 0)
     if checked < CHECKS:
+        t0 = _clock()
+        mx.eval(out, keys, values)
+        t1 = _clock()
         ref = reference()
+        mx.eval(ref[0])
+        t2 = _clock()
         same = mx.array_equal(out, ref[0]).item() and (hidden is None or mx.array_equal(hidden, ref[1]).item())
         if not same:
             store["off"] = "the compiled forward differs from the eager one"
         store["checked"][shape] = checked + 1
+        if checked + 1 == CHECKS:
+            store["eager"][shape] = t2 - t1 < t1 - t0
         return ref, False
     store["trusted_runs"] += 1
     return (out, hidden, keys, values), True

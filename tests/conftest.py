@@ -3,3 +3,29 @@ import tempfile
 
 # start-up cost fits (costmodel.startup_costs) go to a per-run folder, not the user's cache
 os.environ["MLX_TREESPEC_CACHE"] = tempfile.mkdtemp(prefix="mlx_treespec_costs_")
+
+import itertools
+
+import pytest
+
+
+def check_clock(compiled, eager):
+    """A clock for verify's compiled-or-eager choice: each check's compiled forward takes
+    `compiled` ticks and its eager forward `eager` (the check reads the clock three times)."""
+    steps, now = itertools.cycle([0, compiled, eager]), [0]
+
+    def clock():
+        now[0] += next(steps)
+        return now[0]
+
+    return clock
+
+
+@pytest.fixture(autouse=True)
+def compiled_wins(monkeypatch):
+    # a GPU-path test's compiled verify is timed against its eager twin; on this CPU either may
+    # win, and the compiled path must stay covered: under test the compiled one is the faster
+    # (test_dflash.py pins the other side)
+    import mlx_treespec.verify as verify
+
+    monkeypatch.setattr(verify, "_clock", check_clock(compiled=1, eager=2))

@@ -307,6 +307,32 @@ def test_the_host_relearns_per_match_length():
     assert d.value(("host", 3)) == pytest.approx((prior + 4) / 3 / d.rates[("host", 3)].ms)
 
 
+def test_host_rounds_draft_deeper_where_the_text_repeats():
+    """A host round drafts half the host's depth; a round whose whole draft was accepted makes
+    the next one twice as deep (up to the host's max_depth), any other sends it back."""
+    from mlx_treespec.tree import depths_of, root_path
+
+    def deepest(draft):
+        return int(depths_of(draft.layout.host_parents()).max())
+
+    text = list(range(40))
+    d = Scripted(["host"], host=LookupDrafter(16, 16), costs=(1.0, flat(1.0)))
+    d.prefill(text + text[:3])  # the text repeats: lookup continues it for 37 tokens
+    assert d.reach == 8
+    root, seen = text[2], []
+    for whole in (True, True, True, False, True):
+        draft = d.draft(root, 64)
+        seen.append(deepest(draft))
+        parents = draft.layout.host_parents()
+        tip = int(np.argmax(depths_of(parents))) if whole else int(np.flatnonzero(depths_of(parents) == 1)[0])
+        path = root_path(parents, tip)
+        tokens = np.array(draft.tokens).tolist()
+        emitted = [tokens[i] for i in path[1:]] + [text[(text.index(root) + len(path)) % 40]]
+        d.commit(draft, path, emitted)
+        root = emitted[-1]
+    assert seen == [8, 16, 16, 16, 8]  # doubled, capped at max_depth, back after a partial round
+
+
 def test_emitted_and_ms_by_drafter_add_up():
     from mlx_treespec import RoundStats
 

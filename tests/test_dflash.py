@@ -281,6 +281,29 @@ def test_compiled_verify_is_the_eager_verify(targets, folders, monkeypatch):
     store = _compiled_store(target)
     assert store["off"] is None and store["trusted_runs"] > 0
     assert max(store["checked"].values()) == verify.CHECKS  # a shape is checked, then trusted
+    assert not any(store["eager"].values())  # (conftest: under test the compiled forward wins)
+
+
+def test_a_shape_whose_eager_verify_was_faster_runs_eagerly(targets, folders, monkeypatch):
+    # the last check times both forwards; where the eager one won (the H200's long key
+    # buffers), that shape runs eagerly from then on: no compiled round is trusted, tokens stay
+    # plain decoding's
+    import mlx_treespec.verify as verify
+    from conftest import check_clock
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    monkeypatch.setattr(verify, "_clock", check_clock(compiled=2, eager=1))
+    target = targets("qwen3")
+    target.__dict__.pop("_treespec_compiled_verify", None)
+    bound = bind_dflash(folders("qwen3"), target)
+    prompt = prompt_tokens(seed=6)
+    out, _ = speculative(target, OracleDFlash(bound, target, seed=3, budget=31), prompt)
+    assert out == plain(target, prompt)
+    store = _compiled_store(target)
+    assert store["off"] is None and store["trusted_runs"] == 0
+    assert store["eager"] and all(store["eager"].values())
+    assert max(store["checked"].values()) == verify.CHECKS  # checked, then never run compiled
+    target.__dict__.pop("_treespec_compiled_verify", None)
 
 
 def test_compiled_verify_never_runs_stale_weights(targets, folders, monkeypatch):
