@@ -291,6 +291,9 @@ class _AppendLayer:
         return keys, values
 
 
+_NODE_ROWS = ("qkv", "q", "k", "v", "g", "beta")  # payload arrays [B, nodes, ...] (gdn.py)
+
+
 class _ArraysLayer:
     """Stands in for a GatedDeltaNet layer's ArraysCache: verify reads it, commit replays."""
 
@@ -314,6 +317,15 @@ class _ArraysLayer:
         """The layer's payload after a forward: every node of the round so far (a later forward
         of the round continues it: gdn.gdn_layer_tree_forward's `prior`)."""
         self.layer, self.payload = layer, payload
+
+    def drop_last(self, n):
+        """Forget the last n nodes of the payload (a forward's filler rows: leaves no node
+        continues and no commit keeps)."""
+        if self.payload is None or n <= 0:
+            return
+        keep = self.payload["parents"].size - n
+        self.payload = {k: (v[:keep] if k == "parents" else v[:, :keep] if k in _NODE_ROWS else v)
+                        for k, v in self.payload.items()}
 
 
 class _RotatingLayer:
@@ -599,6 +611,10 @@ class TreeRound:
         self._dev_depths = []  # (first node, device depths) of each forward_rows call
         self._ancestors = None
         self.all_append = all(k == "append" for k in self.kinds)
+        # whole-buffer forwards pad their rows to a power of two (`row_bucket`) over these kinds:
+        # filler rows are masked out of attention and are leaves of their own in a recurrent
+        # layer's scan; a rotating layout has no place for them
+        self.pads_rows = all(k in ("append", "arrays") for k in self.kinds)
         self.stand_ins = None
         self._pad = 0  # filler rows of the current forward (GPU: row counts are powers of two)
         self._masks = {}
@@ -637,7 +653,7 @@ class TreeRound:
         tree: fewer candidates, the same tokens out). Drafts whose commit reads their nodes
         (`state`, `fetch`) and layouts without host parents stay whole."""
         p, n = (0 if held is None else held.shape[0]), draft.size
-        if not (p and self.pad_keys and self.all_append) or draft.state is not None or draft.fetch \
+        if not (p and self.pad_keys and self.pads_rows) or draft.state is not None or draft.fetch \
                 or draft.layout.parents is None:
             return draft
         rows = row_bucket(n)
@@ -754,12 +770,13 @@ class TreeRound:
         n = self.size - first
         self.width, self._pad = None, 0
         if self.pad_keys:
-            # Whole buffers, and (attention-only models) a power-of-two row count: the shapes a
-            # GPU kernel meets repeat, so drafts of varying size never pay for a new plan.
-            total = row_bucket(n) if self.all_append else n
+            # Whole buffers, and a power-of-two row count: the shapes a GPU kernel meets repeat,
+            # so drafts of varying size never pay for a new plan (on the H200 a hybrid's verify
+            # of a row count new to its key width cost ~300 ms: cuDNN builds a graph per shape)
+            total = row_bucket(n) if self.pads_rows else n
             widths = {reserve(c, total) for c, k in zip(self.caches, self.kinds) if k == "append"}
             self.width = widths.pop() if len(widths) == 1 else None
-            if self.width is not None and self.all_append:
+            if self.width is not None and self.pads_rows:
                 self._pad = total - n
         if self.stand_ins is None:
             # stand-ins see the round through a weak proxy: no cycle keeps a round's masks alive
@@ -772,15 +789,21 @@ class TreeRound:
         if pad:  # filler rows: they see the history and themselves; no real row sees them
             tokens = mx.concatenate([tokens, mx.zeros((pad,), tokens.dtype)])
             positions = mx.concatenate([positions, mx.full((pad,), self.base, mx.int32)])
+            if _CTX.parents is not None:  # recurrent layers: children of the committed state
+                _CTX.parents = np.concatenate([_CTX.parents, np.full(pad, -1, np.int64)])
         try:
             out = self._run_compiled(tokens, positions, n) if self._compilable() else None
             if out is None:
                 out = self._run_eager(tokens, positions, n)
         finally:
             _CTX.parents, _CTX.first = None, 0
-            if pad:  # (all caches append) the next forward of this round writes over the filler K/V
-                for c in self.caches:
-                    c.offset -= pad
+            if pad:  # the next forward of this round writes over the filler K/V and scans
+                for c, kind in zip(self.caches, self.kinds):
+                    if kind == "append":
+                        c.offset -= pad
+                for stand_in in self.stand_ins or ():
+                    if isinstance(stand_in, _ArraysLayer):
+                        stand_in.drop_last(pad)
         return out[:n] if pad else out
 
     def _run_eager(self, tokens, positions, n):

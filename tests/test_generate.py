@@ -247,6 +247,33 @@ def test_greedy_identical_reading_whole_buffers(pairs, family, shape, monkeypatc
     assert_meaningful(ref, stats)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("shape", ["chain4", "k3s6b31", "k2s3b6"])
+def test_hybrids_pad_rows_reading_whole_buffers(pairs, family, shape, monkeypatch):
+    # the GPU path over a hybrid: rows padded to a power of two, the fillers leaves of their own
+    # in the GatedDeltaNet scans (the target's verify and the draft model's several forwards a
+    # round) and masked out of attention; tokens stay mlx-lm's
+    import mlx_treespec.verify as verify
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    padded = []
+    real = verify.TreeRound._run
+
+    def run(self, tokens, first, positions=None):
+        out = real(self, tokens, first, positions)
+        padded.append(self._pad)
+        return out
+
+    monkeypatch.setattr(verify.TreeRound, "_run", run)
+    target, draft = pairs(family)
+    prompt = prompt_tokens(7)
+    ref = plain(target, prompt)
+    out, stats = speculative(target, draft, prompt, SHAPES[shape])
+    assert out == ref
+    assert_meaningful(ref, stats)
+    assert any(padded), "no forward had filler rows"
+
+
 @pytest.mark.parametrize("max_kv", [None, 16])
 def test_drafterless_decoding_is_mlx_lm_generate_step(pairs, max_kv):
     # drafter=None runs mlx-lm's pipelined loop: same tokens, and a prompt cache left as mlx-lm
