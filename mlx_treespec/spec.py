@@ -305,20 +305,20 @@ class DraftSpec:
             from .drafters.lookup import LookupDrafter
             from .launch import in_launch
 
-            base = replace(self, adaptive=False).build(draft_model)
             if in_launch():
                 # a sharded target (mlx.launch): every process must draft the same tree, and
                 # choices by wall time would differ between them; the fixed shape drafts alike
-                return base
+                return replace(self, adaptive=False).build(draft_model)
             costs = (lambda: startup_costs(target)) if target is not None else None
             at = (lambda rows: costs_at(target, rows)) if target is not None else None
             # what one call learned, the next call over the same target and drafter starts from
             memory = (self.arm, id(target), id(draft_model)) if target is not None else None
             # the host drafts half its depth, all of it where the text repeats (adaptive.py)
             if self.drafter in ("lookup", "suffix"):
-                host = replace(self, adaptive=False, depth=2 * self.depth).build(draft_model)
+                host = replace(self, adaptive=False, depth=min(2 * self.depth, MAX_NODES - 1)).build(draft_model)
                 return AdaptiveDrafter(host=host, costs=costs, memory=memory, context_costs=at)
-            return AdaptiveDrafter(primary=base, host=LookupDrafter(DEFAULT_FREE_BUDGET, 2 * DEFAULT_DEPTH),
+            return AdaptiveDrafter(primary=replace(self, adaptive=False).build(draft_model),
+                                   host=LookupDrafter(DEFAULT_FREE_BUDGET, 2 * DEFAULT_DEPTH),
                                    costs=costs, memory=memory, context_costs=at)
         if self.drafter == "lookup":
             from .drafters.lookup import LookupDrafter

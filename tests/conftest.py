@@ -10,7 +10,7 @@ import pytest
 
 
 def check_clock(compiled, eager):
-    """A clock for verify's compiled-or-eager choice: each check's compiled forward takes
+    """A clock for verify's compiled-or-eager choice: the timed check's compiled forward takes
     `compiled` ticks and its eager forward `eager` (the check reads the clock three times)."""
     steps, now = itertools.cycle([0, compiled, eager]), [0]
 

@@ -281,7 +281,6 @@ def test_compiled_verify_is_the_eager_verify(targets, folders, monkeypatch):
     store = _compiled_store(target)
     assert store["off"] is None and store["trusted_runs"] > 0
     assert max(store["checked"].values()) == verify.CHECKS  # a shape is checked, then trusted
-    assert not any(store["eager"].values())  # (conftest: under test the compiled forward wins)
 
 
 def test_a_shape_whose_eager_verify_was_faster_runs_eagerly(targets, folders, monkeypatch):
@@ -293,6 +292,14 @@ def test_a_shape_whose_eager_verify_was_faster_runs_eagerly(targets, folders, mo
 
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
     monkeypatch.setattr(verify, "_clock", check_clock(compiled=2, eager=1))
+    returned = []
+    real = verify.compiled_forward
+
+    def recorded(*args, **kwargs):
+        returned.append(real(*args, **kwargs))
+        return returned[-1]
+
+    monkeypatch.setattr(verify, "compiled_forward", recorded)
     target = targets("qwen3")
     target.__dict__.pop("_treespec_compiled_verify", None)
     bound = bind_dflash(folders("qwen3"), target)
@@ -303,6 +310,7 @@ def test_a_shape_whose_eager_verify_was_faster_runs_eagerly(targets, folders, mo
     assert store["off"] is None and store["trusted_runs"] == 0
     assert store["eager"] and all(store["eager"].values())
     assert max(store["checked"].values()) == verify.CHECKS  # checked, then never run compiled
+    assert any(r is None for r in returned)  # a shape came back after its checks: the eager path
     target.__dict__.pop("_treespec_compiled_verify", None)
 
 

@@ -232,36 +232,18 @@ def test_sampled_min_p(pairs):
     assert out == ref
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gemma4", "phi3"])
-@pytest.mark.parametrize("shape", ["chain1", "chain4", "k3s6b31", "k4l1s6b24"])
-def test_greedy_identical_reading_whole_buffers(pairs, family, shape, monkeypatch):
-    # the GPU path: attention reads whole KV buffers, the mask hides the unused tail
+def whole_buffer_run(pairs, family, shape, monkeypatch):
+    """The GPU path on CPU: attention reads whole KV buffers (the mask hides the unused tail),
+    rows padded to a power of two. Returns the (first round node, filler rows) of each forward."""
     import mlx_treespec.verify as verify
 
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
-    target, draft = pairs(family)
-    prompt = prompt_tokens(7)
-    ref = plain(target, prompt)
-    out, stats = speculative(target, draft, prompt, SHAPES[shape])
-    assert out == ref
-    assert_meaningful(ref, stats)
-
-
-@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
-@pytest.mark.parametrize("shape", ["chain4", "k3s6b31", "k2s3b6"])
-def test_hybrids_pad_rows_reading_whole_buffers(pairs, family, shape, monkeypatch):
-    # the GPU path over a hybrid: rows padded to a power of two, the fillers leaves of their own
-    # in the GatedDeltaNet scans (the target's verify and the draft model's several forwards a
-    # round) and masked out of attention; tokens stay mlx-lm's
-    import mlx_treespec.verify as verify
-
-    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
-    padded = []
+    forwards = []
     real = verify.TreeRound._run
 
     def run(self, tokens, first, positions=None):
         out = real(self, tokens, first, positions)
-        padded.append(self._pad)
+        forwards.append((first, self._pad))
         return out
 
     monkeypatch.setattr(verify.TreeRound, "_run", run)
@@ -271,7 +253,23 @@ def test_hybrids_pad_rows_reading_whole_buffers(pairs, family, shape, monkeypatc
     out, stats = speculative(target, draft, prompt, SHAPES[shape])
     assert out == ref
     assert_meaningful(ref, stats)
-    assert any(padded), "no forward had filler rows"
+    return forwards
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gemma4", "phi3"])
+@pytest.mark.parametrize("shape", ["chain1", "chain4", "k3s6b31", "k4l1s6b24"])
+def test_greedy_identical_reading_whole_buffers(pairs, family, shape, monkeypatch):
+    whole_buffer_run(pairs, family, shape, monkeypatch)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next"])
+def test_hybrids_pad_rows_reading_whole_buffers(pairs, family, monkeypatch):
+    # a hybrid's fillers are leaves of their own in the GatedDeltaNet scans, masked out of
+    # attention and dropped from the scan payload: the target's verifies pad, and the draft
+    # model's three-lane steps (3 rows -> 4) continue a padded scan within their round
+    forwards = whole_buffer_run(pairs, family, "k3s6b31", monkeypatch)
+    assert any(pad for _, pad in forwards), "no forward had filler rows"
+    assert any(first and pad for first, pad in forwards), "no forward continued a padded round"
 
 
 @pytest.mark.parametrize("max_kv", [None, 16])
