@@ -348,7 +348,10 @@ class AdaptiveDrafter:
             return True
         self.spikes["queued"] = 0
         booked.append((emitted, ms))
-        plain = self.rates["plain"].value
+        # plain decoding's start-up rate (at this context), not the stretches' EWMA: a stretch's
+        # wall time holds the drafters' catch-up, and QUEUED_LOSS is the margin for that
+        fit = self.costs is not None and not callable(self.costs)
+        plain = 1.0 / max(float(self.costs[0]), 1e-9) if fit else self.rates["plain"].value
         rate = sum(t for t, _ in booked) / max(sum(m for _, m in booked), 1e-6)
         return plain is None or len(booked) < QUEUED_MIN or rate >= QUEUED_LOSS * plain  # (QUEUED_MIN <= the window)
 

@@ -497,3 +497,9 @@ def test_queued_rounds_hand_back_below_the_margin_only():
         answers = [d.queue_more(tokens, 10.0) for _ in range(adaptive.QUEUED_WARM + adaptive.QUEUED_MIN + 4)]
         first_no = answers.index(False) if False in answers else None
         assert first_no == (None if keeps else adaptive.QUEUED_WARM + adaptive.QUEUED_MIN - 1), answers
+    # stretches that booked a slower plain (catch-up included) do not lower the bar
+    d = AdaptiveDrafter(host=LookupDrafter(8, 6), costs=(1.0, flat(1.0)))
+    for _ in range(8):
+        book(d, "plain", 16, 64.0)  # 0.25 tokens per ms
+    answers = [d.queue_more(7, 10.0) for _ in range(adaptive.QUEUED_WARM + adaptive.QUEUED_MIN + 4)]
+    assert answers.index(False) == adaptive.QUEUED_WARM + adaptive.QUEUED_MIN - 1, answers
