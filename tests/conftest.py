@@ -1,12 +1,11 @@
+import itertools
 import os
 import tempfile
 
+import pytest
+
 # start-up cost fits (costmodel.startup_costs) go to a per-run folder, not the user's cache
 os.environ["MLX_TREESPEC_CACHE"] = tempfile.mkdtemp(prefix="mlx_treespec_costs_")
-
-import itertools
-
-import pytest
 
 
 def check_clock(compiled, eager):
