@@ -175,35 +175,51 @@ def run_loop(args):
             runners[a](prompts[0], min(args.max_tokens, 32))
 
         def run(a, i, order):
-            out, stats, dt = runners[a](prompts[i], args.max_tokens)
+            p = i % len(prompts)  # --reps: every prompt again, after all of them
+            out, stats, dt = runners[a](prompts[p], args.max_tokens)
             outputs[a].append(out)
-            rec = record(i, order, prompts[i], out, stats, dt)
+            rec = record(p, order, prompts[p], out, stats, dt)
+            rec["rep"] = i // len(prompts)
             rec["emitted_total"], rec["rounds_total"] = sum(stats.emitted), stats.rounds
-            log(f"{pset} prompt {i} {a}: {rec['tok_s']:.1f} tok/s, {rec['emitted_per_verify']:.2f} emitted/verify")
+            log(f"{pset} prompt {p} {a}: {rec['tok_s']:.1f} tok/s, {rec['emitted_per_verify']:.2f} emitted/verify")
             return rec
 
-        log(f"{pset}: {len(prompts)} prompts x {args.max_tokens} tokens, {len(names)} arms")
-        runs = interleave(names, prompts, run, warmup=warmup, max_seconds=budget, log=log,
+        log(f"{pset}: {len(prompts)} prompts x {args.max_tokens} tokens x {args.reps}, {len(names)} arms")
+        runs = interleave(names, prompts * args.reps, run, warmup=warmup, max_seconds=budget, log=log,
                           progress=(lambda m: log(m)) if args.verbose else None)
         rows = summarize_arms(names, runs, outputs)
-        report["sets"][pset] = dict(prompts=len(runs["mlx-plain"]), arms=rows)
-        md += [f"## {pset} prompts ({len(runs['mlx-plain'])} x {args.max_tokens} tokens, temp 0)", "",
-               table(rows), ""]
+        ran = len({r["prompt"] for r in runs["mlx-plain"]})
+        report["sets"][pset] = dict(prompts=ran, runs=len(runs["mlx-plain"]), arms=rows)
+        md += [f"## {pset} prompts ({ran} x {args.max_tokens} tokens, {len(runs['mlx-plain'])} runs an arm, temp 0)",
+               "", table(rows), ""]
         write(args, report, md)  # after each set: a run cut short keeps what it measured
 
 
+def pooled_tok_s(rs):
+    """Tokens per second per prompt over all of its runs (--reps): tokens after the first over
+    the decode seconds, summed."""
+    tokens, seconds = {}, {}
+    for r in rs:
+        tokens[r["prompt"]] = tokens.get(r["prompt"], 0) + r["tokens"] - 1
+        seconds[r["prompt"]] = seconds.get(r["prompt"], 0.0) + r["decode_s"]
+    return {p: tokens[p] / seconds[p] for p in tokens if seconds[p] > 0}
+
+
 def summarize_arms(names, runs, outputs):
-    base = {r["prompt"]: r["tok_s"] for r in runs["mlx-plain"]}
+    """Per arm: x plain is per prompt (each prompt's runs pooled, as `pooled_tok_s`), over
+    mlx-lm's plain decoding of the same prompt; its spread is over the prompts."""
+    base = pooled_tok_s(runs["mlx-plain"])
     ref = {r["prompt"]: o for r, o in zip(runs["mlx-plain"], outputs["mlx-plain"])}
     rows = []
     for a in names:
         rs = runs[a]
-        ratio = [r["tok_s"] / base[r["prompt"]] for r in rs if base.get(r["prompt"])]
+        pooled = pooled_tok_s(rs)
+        ratio = [pooled[p] / base[p] for p in sorted(pooled) if base.get(p)]
         emitted = sum(r.get("emitted_total", 0) for r in rs)
         rounds = sum(r.get("rounds_total", 0) for r in rs)
         same = sum(o == ref[r["prompt"]] for r, o in zip(rs, outputs[a]))
         div = [first_divergence(o, ref[r["prompt"]]) for r, o in zip(rs, outputs[a])]
-        rows.append(dict(arm=a, tok_s=spread([r["tok_s"] for r in rs]), x_plain=spread(ratio),
+        rows.append(dict(arm=a, tok_s=spread(list(pooled.values())), x_plain=spread(ratio),
                          emitted_per_verify=spread([r["emitted_per_verify"] for r in rs if r["rounds"]]),
                          pooled_emitted_per_verify=(emitted / rounds) if rounds else None,
                          round_ms=spread([r["round_ms"] for r in rs if r["rounds"]]),
@@ -980,6 +996,7 @@ def main(argv=None):
     p.add_argument("--prompts", default="unseen,heldout", help="prompt sets or files, comma separated")
     p.add_argument("--n", "--prompts-per-set", dest="n", type=int, default=20, help="prompts per set")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--reps", type=int, default=1, help="loop: runs of each prompt per arm (pooled per prompt)")
     p.add_argument("--seconds", type=float, default=None, help="loop: start no prompt after this (all sets)")
     p.add_argument("--ratio", default=None, help="acceptance: print A/B of two arms' emitted per verify")
     p.add_argument("--acceptance", default=None, help="proj: a loop or acceptance JSON")

@@ -41,7 +41,9 @@ SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # whole generation, which late on would never move) is below QUEUED_LOSS x plain decoding's, the
 # adaptive rounds take over. Not at 1.0: plain's rate is the start-up fit's, taken in quiet
 # conditions. On the H200 an EWMA over 8 rounds handed back where the chain ran 1.1-2.2x faster
-# than what followed (bench/RESULTS.md, first section)
+# than what followed (bench/RESULTS.md, first section). The bar is the better of plain's rate
+# and the host's over the same tokens (`_shadow`), once the host's shadow rounds cover at least
+# half the window's tokens
 QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 16, 32, 0.8
 
 
@@ -212,6 +214,9 @@ class AdaptiveDrafter:
         self.emitted = 0
         self.scores = None  # draft probability of each node of the last DFlash draft (draft order)
         self.queued, self.queued_seen = deque(maxlen=QUEUED_WINDOW), 0  # booked queued rounds: (tokens, ms)
+        # the host's shadow rounds over the queued rounds' tokens (`_shadow`): (tokens, ms); the
+        # prompt's last token and the tokens emitted queued, and how many the host drafter has seen
+        self.shadow, self.queued_tokens, self.shadowed = deque(), [], 0
         self.reach = self._reach_base()  # how deep the next host round drafts (`_reach_after`)
 
     def _reach_base(self):
@@ -220,14 +225,14 @@ class AdaptiveDrafter:
         most = getattr(self.host, "max_depth", None)
         return None if most is None else max(1, int(most) // 2)
 
-    def _reach_after(self, draft, path):
+    def _reach_after(self, deepest, accepted):
         """The next host round's depth: twice this one's (up to the host's max_depth) where the
-        target accepted a whole root path of the draft, as deep as it went (a text repeating
-        itself: a deeper draft costs the verify little and is accepted further), else the start."""
+        target accepted a whole root path of the draft, as deep as it went (`deepest`; a text
+        repeating itself: a deeper draft costs the verify little and is accepted further), else
+        the start."""
         if self.reach is None:
             return None
-        deepest = int(depths_of(draft.layout.host_parents()).max()) if draft.size > 1 else 0
-        if deepest and len(path) - 1 >= deepest:
+        if deepest and accepted >= deepest:
             return min(2 * self.reach, int(self.host.max_depth))
         return self._reach_base()
 
@@ -238,6 +243,7 @@ class AdaptiveDrafter:
                 self.rates["plain"] = Rate(self.costs[0])
                 self.learned.plain_at = self.costs[0]
         self._restart()
+        self.queued_tokens, self.shadowed = [int(prompt[-1])], 1
         self.context, self.priced = self.prefix + len(prompt), None
         self._reprice()
         if self.primary is not None:
@@ -295,7 +301,8 @@ class AdaptiveDrafter:
             self.calibration.update(self.scores[: n - 1], accepted)
         self.scores = None
         if arm == "host":
-            self.reach = self._reach_after(draft, path)
+            deepest = int(depths_of(draft.layout.host_parents()).max()) if draft.size > 1 else 0
+            self.reach = self._reach_after(deepest, len(path) - 1)
         if self.primary is not None:
             self.primary.commit(draft, path, emitted, *self._rows(hidden))
         if self.host is not None:
@@ -334,10 +341,14 @@ class AdaptiveDrafter:
         they lose to plain decoding."""
         return getattr(self.primary, "chain_ahead", None) if self.primary is not None else None
 
-    def queue_more(self, emitted, ms):
-        """After each queued round: whether queueing goes on (the rate of the last
-        QUEUED_WINDOW booked rounds at least QUEUED_LOSS x plain decoding's; warm-up rounds and
-        spikes unbooked, as `_close` leaves them)."""
+    def queue_more(self, tokens, ms):
+        """After each queued round (`tokens`: what it emitted, the last the next root; `ms`: its
+        wall time): whether queueing goes on. Its rate over the last QUEUED_WINDOW booked rounds
+        (warm-up rounds and spikes unbooked, as `_close` leaves them) must stay at least
+        QUEUED_LOSS x the better of plain decoding's rate and the host drafter's over the same
+        text (`_shadow`)."""
+        self.queued_tokens += [int(t) for t in tokens]
+        self._shadow()
         self.queued_seen += 1
         if self.queued_seen <= QUEUED_WARM:
             return True
@@ -347,21 +358,66 @@ class AdaptiveDrafter:
             self.spikes["queued"] = self.spikes.get("queued", 0) + 1  # a new shape, once
             return True
         self.spikes["queued"] = 0
-        booked.append((emitted, ms))
+        booked.append((len(tokens), ms))
         # plain decoding's start-up rate (at this context), not the stretches' EWMA: a stretch's
         # wall time holds the drafters' catch-up, and QUEUED_LOSS is the margin for that
         fit = self.costs is not None and not callable(self.costs)
         plain = 1.0 / max(float(self.costs[0]), 1e-9) if fit else self.rates["plain"].value
-        rate = sum(t for t, _ in booked) / max(sum(m for _, m in booked), 1e-6)
+        window = sum(t for t, _ in booked)
+        while len(self.shadow) > 1 and sum(t for t, _ in self.shadow) - self.shadow[0][0] >= window:
+            self.shadow.popleft()  # the host's rounds over about the window's tokens
+        covered = sum(t for t, _ in self.shadow)
+        if covered and 2 * covered >= window:
+            host = covered / max(sum(m for _, m in self.shadow), 1e-6)
+            plain = host if plain is None else max(plain, host)
+        rate = window / max(sum(m for _, m in booked), 1e-6)
         return plain is None or len(booked) < QUEUED_MIN or rate >= QUEUED_LOSS * plain  # (QUEUED_MIN <= the window)
+
+    def _shadow(self):
+        """The host drafter follows the queued rounds' text as the adaptive rounds would run it:
+        from its root, the round the adaptive rounds would draft (its draft at this reach where
+        it matches, else a plain token), walked against the tokens the target emitted (exact:
+        decoding is greedy where rounds queue), priced as `_expected_ms` prices that round, and
+        committed. A round is walked once the text holds its deepest path and the bonus token.
+        What the host's draft is accepted to goes into this text's record of its rate, as a
+        round of its own would (`seen`). Hosts draft here with `tree` (prompt lookup, suffix:
+        numpy), so the queued rounds' device work is not waited on."""
+        if (self.host is None or not callable(getattr(self.host, "tree", None)) or self.costs is None
+                or callable(self.costs) or not self.shadowed):
+            return  # (no host tree to walk, nothing to price it by, or no prefill: no root)
+        text = self.queued_tokens
+        while True:
+            reach = self.reach if self.reach is not None else self.depth
+            known = text[self.shadowed:]
+            if reach < 1 or len(known) < reach + 1:
+                return
+            tree = self.host.tree(text[self.shadowed - 1], reach)  # (host-side: no device array)
+            if tree.size > 1:
+                depth, agrees = [0], [True]
+                for t, p in zip(tree.tokens[1:].tolist(), tree.parents[1:].tolist()):
+                    depth.append(depth[p] + 1)
+                    agrees.append(agrees[p] and t == known[depth[-1] - 1])
+                accepted = max(k for k, a in zip(depth, agrees) if a)
+                self.match = min(max(int(self.host.last_match), 1), MATCHES)
+                ms = self._expected_ms("host", tree.size)
+                key = ("host", self.match)
+                t, u = self.seen.get(key, (0.0, 0))
+                self.seen[key] = (t + accepted + 1, u + 1)
+                self.reach = self._reach_after(max(depth), accepted)
+            else:
+                accepted, ms = 0, float(self.costs[0])
+            emitted = known[: accepted + 1]
+            self.host.commit(None, None, emitted)
+            self.shadowed += len(emitted)
+            self.shadow.append((len(emitted), ms))
 
     def handed_back(self, start, tokens):
         """Queued rounds ended at `start` context rows, having emitted `tokens` (the last is
         the next root): the drafters catch up, and the adaptive rounds go on."""
         self.primary.handed_back(start, tokens)
         self.context = start + 1
-        if self.host is not None:
-            self.host.commit(Draft.root_only(tokens[-1]), np.zeros(1, np.int64), tokens)
+        if self.host is not None:  # what its shadow rounds did not see
+            self.host.commit(Draft.root_only(tokens[-1]), np.zeros(1, np.int64), tokens[max(self.shadowed - 1, 0):])
 
     def catch_up(self, root, tokens, hidden=None):
         """After a plain stretch from `root`: the `tokens` it emitted (the last is the next root)

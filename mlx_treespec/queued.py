@@ -18,8 +18,9 @@ rows past the committed offset, so the caches end as if it never ran.
 Where it runs (`can_queue`): greedy decoding, plain KV caches (not quantized, not rotating, no
 recurrent layers), whole-buffer attention (GPUs: `verify.pad_keys_default`), a drafter with
 `ahead`. Elsewhere the round loop runs. A drafter may also offer `queue_more(emitted, ms)`,
-asked after every round: False hands the generation back to the round loop at that round's end
-(an adaptive drafter whose queued chains lose to plain decoding), and `handed_back(start,
+asked after every round with the tokens it emitted and its wall ms: False hands the generation
+back to the round loop at that round's end (an adaptive drafter whose queued chains lose to
+plain decoding or to its host drafter), and `handed_back(start,
 tokens)` tells it where the round loop starts (the context rows, the tokens emitted queued).
 """
 import time
@@ -123,7 +124,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             if len(emitted) < accepted + 1 or emitted[-1] in stop_tokens or n == max_tokens:
                 break
             start, root, delivered = start + accepted + 1, emitted[-1], -1  # round r is whole
-            if more is not None and not more(len(emitted), ms):
+            if more is not None and not more(emitted, ms):
                 handed = True
                 break
     except GeneratorExit:

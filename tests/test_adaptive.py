@@ -2,6 +2,8 @@
 and its choices are what the arithmetic says for a mocked cost curve (CPU, tiny models)."""
 import json
 
+import types
+
 import numpy as np
 import pytest
 
@@ -459,8 +461,9 @@ def test_a_stretch_ends_where_the_host_drafter_matches(monkeypatch):
 def test_the_default_queues_dflash_chains_and_hands_back_when_they_lose(tmp_path, monkeypatch, plain_ms,
                                                                          hands_back):
     # on the GPU path an adaptive drafter over DFlash starts with chains queued ahead; once
-    # their rate (QUEUED_MIN rounds after QUEUED_WARM) is below plain decoding's, the adaptive
-    # rounds take the generation over where the last queued round ended: tokens stay plain's
+    # their rate (QUEUED_MIN rounds after QUEUED_WARM) is below plain decoding's (and the host's:
+    # its rounds cost what plain does here), the adaptive rounds take the generation over where
+    # the last queued round ended: tokens stay plain's
     import mlx_treespec.verify as verify
     from test_dflash import QueuedOracle
 
@@ -469,7 +472,7 @@ def test_the_default_queues_dflash_chains_and_hands_back_when_they_lose(tmp_path
     bound = bind_dflash(save_random(tmp_path / "dflash", dflash_config(tiny.CONFIGS["qwen3"])), target)
     prompt = repetitive()
     drafter = AdaptiveDrafter(primary=QueuedOracle(bound, target, budget=12), host=LookupDrafter(8, 6),
-                              costs=(plain_ms, flat(1.0)))
+                              costs=(plain_ms, flat(plain_ms)))
     out, stats = run(target, drafter, prompt, n=120)
     assert out == plain(target, prompt, n=120)
     used = stats.rounds_by_drafter()
@@ -479,14 +482,51 @@ def test_the_default_queues_dflash_chains_and_hands_back_when_they_lose(tmp_path
         assert used == {"queued": stats.rounds}
 
 
+def test_queued_rounds_hand_back_to_a_host_that_would_draft_faster():
+    # while rounds queue, the host drafter follows their text in shadow rounds: each its draft
+    # at the adaptive rounds' reach, walked against what the target emitted, priced by the fit.
+    # A text that repeats itself: the first shadow round drafts 8 (half the host's depth) and is
+    # accepted whole (9 tokens), the next ones 16 (17); a token off the repeat cuts a round there
+    # and sends the reach back to 8. Queued rounds that beat plain but fall below QUEUED_LOSS x
+    # the host's shadow rate hand back; the host is then handed only the tokens it has not seen
+    base = np.random.default_rng(3).permutation(tiny.VOCAB)[:20].tolist()
+    text = base * 8
+    emitted = text[:40] + [base[5]] + text[41:120]  # off the repeat at 40 (base[0] is due)
+    d = AdaptiveDrafter(host=LookupDrafter(16, 16), costs=(1.0, flat(2.0)))
+    d.prefill(base + base)
+    d.queue_more(emitted[:62], 1.0)  # (a warm-up round: the shadow is not trimmed to a window)
+    # 9 + 17 + 15 (base[5] its bonus), then base[5]'s one-gram match drafts base[6:] where
+    # base[1] follows (a round of one token), then 8 deep again off base[1]'s one-gram match;
+    # each round's tokens go to this text's record under its match length
+    assert list(d.shadow) == [(9, 2.0), (17, 2.0), (15, 2.0), (1, 2.0), (9, 2.0)], list(d.shadow)
+    assert d.seen == {("host", 4): (41, 3), ("host", 1): (10, 2)}, d.seen
+    d = AdaptiveDrafter(host=LookupDrafter(16, 16), costs=(1.0, flat(2.0)))
+    d.prefill(base + base)
+    rounds = 0
+    while d.queue_more(emitted[4 * rounds: 4 * rounds + 4], 1.0):  # 4 tokens / ms
+        rounds += 1
+    # 4 tokens / ms beats plain (1) but not 0.8 x the host's ~8 tokens / ms: handed back at
+    # the first booked decision
+    assert rounds == adaptive.QUEUED_WARM + adaptive.QUEUED_MIN - 1
+    fed = emitted[: 4 * rounds + 4]
+    assert len(d.host.index) < len(base + base + fed)  # its shadow is behind the text
+    d.primary = types.SimpleNamespace(handed_back=lambda start, tokens: None)
+    d.handed_back(500, fed)
+    assert d.host.index.tokens == base + base + fed
+    # the same text priced so that the host's rounds cost 16 ms: the queued rounds go on
+    d = AdaptiveDrafter(host=LookupDrafter(16, 16), costs=(1.0, flat(16.0)))
+    d.prefill(base + base)
+    assert all(d.queue_more(emitted[i:i + 4], 1.0) for i in range(0, 120, 4))
+
+
 def test_a_few_hard_queued_rounds_do_not_end_queueing():
     # the hand-back reads the last QUEUED_WINDOW booked rounds (tokens / ms over all of them): 20
     # good rounds then three that emit one token each keep queueing (an EWMA would have dropped
     # below the margin), while rounds that keep losing hand back within a window
     d = AdaptiveDrafter(host=LookupDrafter(8, 6), costs=(1.0, flat(1.0)))
-    good = [d.queue_more(20, 10.0) for _ in range(adaptive.QUEUED_WARM + 20)]
-    assert all(good) and all(d.queue_more(1, 10.0) for _ in range(3))
-    assert False in [d.queue_more(1, 10.0) for _ in range(adaptive.QUEUED_WINDOW)]  # the window, not the generation
+    good = [d.queue_more([1] * 20, 10.0) for _ in range(adaptive.QUEUED_WARM + 20)]
+    assert all(good) and all(d.queue_more([1], 10.0) for _ in range(3))
+    assert False in [d.queue_more([1], 10.0) for _ in range(adaptive.QUEUED_WINDOW)]  # the window, not the generation
 
 
 def test_queued_rounds_hand_back_below_the_margin_only():
@@ -494,12 +534,12 @@ def test_queued_rounds_hand_back_below_the_margin_only():
     # hand back at 0.7, after QUEUED_WARM unbooked and QUEUED_MIN booked rounds
     for tokens, keeps in ((9, True), (7, False)):
         d = AdaptiveDrafter(host=LookupDrafter(8, 6), costs=(1.0, flat(1.0)))
-        answers = [d.queue_more(tokens, 10.0) for _ in range(adaptive.QUEUED_WARM + adaptive.QUEUED_MIN + 4)]
+        answers = [d.queue_more([1] * tokens, 10.0) for _ in range(adaptive.QUEUED_WARM + adaptive.QUEUED_MIN + 4)]
         first_no = answers.index(False) if False in answers else None
         assert first_no == (None if keeps else adaptive.QUEUED_WARM + adaptive.QUEUED_MIN - 1), answers
     # stretches that booked a slower plain (catch-up included) do not lower the bar
     d = AdaptiveDrafter(host=LookupDrafter(8, 6), costs=(1.0, flat(1.0)))
     for _ in range(8):
         book(d, "plain", 16, 64.0)  # 0.25 tokens per ms
-    answers = [d.queue_more(7, 10.0) for _ in range(adaptive.QUEUED_WARM + adaptive.QUEUED_MIN + 4)]
+    answers = [d.queue_more([1] * 7, 10.0) for _ in range(adaptive.QUEUED_WARM + adaptive.QUEUED_MIN + 4)]
     assert answers.index(False) == adaptive.QUEUED_WARM + adaptive.QUEUED_MIN - 1, answers

@@ -34,7 +34,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..tree import MAX_NODES, DraftTree
-from ..draft import Draft
 from . import check_branches, check_budget_depth, host_draft, host_probe_parents
 
 __all__ = ["NgramIndex", "ngram_matches", "merge_continuations", "LookupDrafter"]
@@ -219,20 +218,21 @@ class LookupDrafter:
                 return n
         return 0
 
-    def draft(self, root, max_depth):
+    def tree(self, root, max_depth):
+        """The draft as a host tree (numpy, no device array; the root alone where nothing matches)."""
         ctx = self.index.tokens
         if not ctx or ctx[-1] != int(root):
             raise ValueError(f"root {root} is not the last token the drafter saw: call prefill/commit first")
         depth = min(self.max_depth, int(max_depth))
         self.last_match = 0
-        if depth <= 0 or self.budget == 0:
-            return Draft.root_only(root)
-        conts, lens = self.continuations(depth)
+        conts, lens = self.continuations(depth) if depth > 0 and self.budget > 0 else ([], [])
         if not conts:
-            return Draft.root_only(root)
+            return DraftTree(np.array([int(root)], np.int64), np.array([-1], np.int32))
         self.last_match = max(lens)
-        tree = merge_continuations(root, conts, self.budget, depth, lengths=lens, branches=self.branches)
-        return host_draft(root, tree, self.budget, depth)
+        return merge_continuations(root, conts, self.budget, depth, lengths=lens, branches=self.branches)
+
+    def draft(self, root, max_depth):
+        return host_draft(root, self.tree(root, max_depth), self.budget, min(self.max_depth, int(max_depth)))
 
     def commit(self, draft, path, emitted):
         self.index.extend(int(t) for t in emitted)

@@ -28,7 +28,6 @@ from typing import Callable, Hashable, List, Optional, Tuple
 import numpy as np
 
 from ..tree import MAX_NODES, DraftTree
-from ..draft import Draft
 from . import check_branches, check_budget_depth, host_draft, host_probe_parents
 
 __all__ = ["SuffixIndex", "SuffixCursor", "expand_best_first", "SuffixDrafter"]
@@ -201,20 +200,24 @@ class SuffixDrafter:
     def probe_parents(self):
         return host_probe_parents(self.branches, self.budget, self.max_depth)
 
-    def draft(self, root, max_depth):
+    def tree(self, root, max_depth):
+        """The draft as a host tree (numpy, no device array; the root alone where nothing matches)."""
         cur = self.cursor
         if cur is None or cur.last_token != int(root):
             raise ValueError(f"root {root} is not the last token the drafter saw: call prefill/commit first")
         self.last_match = 0
         k, node = cur.match(self.max_match)
-        depth = min(self.max_depth, int(max_depth), self.index.depth - k)
+        depth = self.asked_depth = min(self.max_depth, int(max_depth), self.index.depth - k)
         if k == 0 or depth <= 0 or self.budget == 0:
-            return Draft.root_only(root)
+            return DraftTree(np.array([int(root)], np.int64), np.array([-1], np.int32))
         self.last_match = k
         idx = self.index
-        tree = expand_best_first(root, node, idx.ranked_children, idx.count.__getitem__, self.budget, depth,
+        return expand_best_first(root, node, idx.ranked_children, idx.count.__getitem__, self.budget, depth,
                                  self.min_prob, self.branches)
-        return host_draft(root, tree, self.budget, depth)
+
+    def draft(self, root, max_depth):
+        tree = self.tree(root, max_depth)
+        return host_draft(root, tree, self.budget, self.asked_depth)
 
     def commit(self, draft, path, emitted):
         self.cursor.extend(int(t) for t in emitted)
