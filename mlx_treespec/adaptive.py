@@ -1,9 +1,10 @@
 """Adaptive drafting: before every round, the draft with the most expected tokens per millisecond.
 
-`AdaptiveDrafter` picks one of three arms each round: `primary` (a drafter that runs a model:
-DFlash, a draft model, an MTP or EAGLE-3 head), `host` (prompt lookup or a suffix index, where
-it matched the text) or `plain` (`PlainStretch(n)`: the loop decodes n tokens plainly, pipelined
-as mlx-lm, then hands the drafters what they missed in `catch_up`). An arm's rate is its
+`AdaptiveDrafter` picks one of its arms each round: `primary` (a drafter that runs a model:
+DFlash, a draft model, an MTP or EAGLE-3 head), `chain` (a DFlash primary's block argmax chain,
+drafted on the device with no host sync, beside its DDTree trees), `host` (prompt lookup or a
+suffix index, where it matched the text) or `plain` (`PlainStretch(n)`: the loop decodes n
+tokens plainly, pipelined as mlx-lm, then hands the drafters what they missed in `catch_up`). An arm's rate is its
 tokens per use over its wall ms per use: the ms carry over between generations, the tokens are
 re-learned per text (`value`); a DFlash round's node budget is the one with the most expected
 tokens per ms (`choose_budget`, over calibrated node probabilities and the cost fit at the
@@ -110,7 +111,8 @@ class Learned:
 
     def __init__(self, plain_ms=None):
         # the host's rate by the length of its match (1..MATCHES): a long match drafts far more
-        self.rates = {"primary": Rate(), "plain": Rate(plain_ms), **{("host", m): Rate() for m in range(MATCHES + 1)}}
+        self.rates = {"primary": Rate(), "chain": Rate(), "plain": Rate(plain_ms),
+                      **{("host", m): Rate() for m in range(MATCHES + 1)}}
         self.calibration = Calibration()
         self.overhead = None  # EWMA of a DFlash round's ms beyond its verify's
         self.plain_at = plain_ms  # the plain ms per token the plain rate stands at (repricing scales it)
@@ -149,10 +151,13 @@ class AdaptiveDrafter:
         self.capture = tuple(getattr(primary, "capture", ())) if primary is not None else ()
         # DDTree drafters (ranked + as_draft) get their budget chosen per round
         self.blocks = primary is not None and callable(getattr(primary, "ranked", None)) and primary.topk != 1
+        # ... and their block's argmax chain as an arm of its own (no host sync before the verify)
+        self.chains = self.blocks and callable(getattr(primary, "chain", None))
         if verify_rows is None:
             verify_rows = row_bucket if pad_keys_default() else (lambda n: n)
         self.verify_rows = verify_rows
         self.names = {"primary": _kind(primary) if primary is not None else "",
+                      "chain": f"{_kind(primary)}-chain" if primary is not None else "",
                       "host": _kind(host) if host is not None else "", "plain": "plain"}
         self.memory = memory
         if memory is not None and memory in LEARNED:
@@ -199,7 +204,7 @@ class AdaptiveDrafter:
                 d.reset()
 
     def _restart(self):
-        self.idle = {"primary": 0, "host": 0}
+        self.idle = {"primary": 0, "chain": 0, "host": 0}
         self.stretch = STRETCH
         self.probing = False  # the round under way is the probe after a stretch
         self.after_stretch = False
@@ -217,6 +222,7 @@ class AdaptiveDrafter:
         # the host's shadow rounds over the queued rounds' tokens (`_shadow`): (tokens, ms); the
         # prompt's last token and the tokens emitted queued, and how many the host drafter has seen
         self.shadow, self.queued_tokens, self.shadowed = deque(), [], 0
+        self.shadow_total = [0, 0.0]  # the shadow rounds' tokens and ms, summed
         self.reach = self._reach_base()  # how deep the next host round drafts (`_reach_after`)
 
     def _reach_base(self):
@@ -273,6 +279,8 @@ class AdaptiveDrafter:
         reach = max_depth if self.reach is None else min(max_depth, self.reach)
         match, e = self._host_match(root, reach) if self.host is not None else (0, None)
         available = ["primary"] if self.primary is not None else []
+        if self.chains:
+            available.append("chain")
         if match:
             available.append("host")
             self.match = min(match, MATCHES)
@@ -283,6 +291,8 @@ class AdaptiveDrafter:
             return PlainStretch(self.stretch, self.watch if self.host is not None else None)
         if arm == "host":
             d = e if e is not None else self.host.draft(root, reach)
+        elif arm == "chain":
+            d = self.primary.chain(root, min(self.primary.depth, max_depth))
         else:
             d = self._primary_draft(root, max_depth)
         d.source = self.names[arm]
@@ -364,11 +374,12 @@ class AdaptiveDrafter:
         fit = self.costs is not None and not callable(self.costs)
         plain = 1.0 / max(float(self.costs[0]), 1e-9) if fit else self.rates["plain"].value
         window = sum(t for t, _ in booked)
-        while len(self.shadow) > 1 and sum(t for t, _ in self.shadow) - self.shadow[0][0] >= window:
-            self.shadow.popleft()  # the host's rounds over about the window's tokens
-        covered = sum(t for t, _ in self.shadow)
-        if covered and 2 * covered >= window:
-            host = covered / max(sum(m for _, m in self.shadow), 1e-6)
+        shadow, total = self.shadow, self.shadow_total
+        while len(shadow) > 1 and total[0] - shadow[0][0] >= window:  # about the window's tokens
+            t, m = shadow.popleft()
+            total[0], total[1] = total[0] - t, total[1] - m
+        if total[0] and 2 * total[0] >= window:
+            host = total[0] / max(total[1], 1e-6)
             plain = host if plain is None else max(plain, host)
         rate = window / max(sum(m for _, m in booked), 1e-6)
         return plain is None or len(booked) < QUEUED_MIN or rate >= QUEUED_LOSS * plain  # (QUEUED_MIN <= the window)
@@ -385,14 +396,14 @@ class AdaptiveDrafter:
         if (self.host is None or not callable(getattr(self.host, "tree", None)) or self.costs is None
                 or callable(self.costs) or not self.shadowed):
             return  # (no host tree to walk, nothing to price it by, or no prefill: no root)
-        text = self.queued_tokens
+        text, quick = self.queued_tokens, getattr(self.host, "match_length", None)
         while True:
             reach = self.reach if self.reach is not None else self.depth
             known = text[self.shadowed:]
             if reach < 1 or len(known) < reach + 1:
                 return
-            tree = self.host.tree(text[self.shadowed - 1], reach)  # (host-side: no device array)
-            if tree.size > 1:
+            tree = None if callable(quick) and not quick() else self.host.tree(text[self.shadowed - 1], reach)
+            if tree is not None and tree.size > 1:
                 depth, agrees = [0], [True]
                 for t, p in zip(tree.tokens[1:].tolist(), tree.parents[1:].tolist()):
                     depth.append(depth[p] + 1)
@@ -410,6 +421,8 @@ class AdaptiveDrafter:
             self.host.commit(None, None, emitted)
             self.shadowed += len(emitted)
             self.shadow.append((len(emitted), ms))
+            self.shadow_total[0] += len(emitted)
+            self.shadow_total[1] += ms
 
     def handed_back(self, start, tokens):
         """Queued rounds ended at `start` context rows, having emitted `tokens` (the last is
@@ -474,8 +487,9 @@ class AdaptiveDrafter:
         for a in available:  # never used: try it
             if rates[a] is None:
                 return a
-        if "primary" in available and "primary" not in self.seen:  # once per text
-            return "primary"
+        for a in ("primary", "chain"):
+            if a in available and a not in self.seen:  # once per text
+                return a
         if not available or rates["plain"] is None:
             return "plain"
         if self.after_stretch:  # back from a stretch: the best speculative arm, once

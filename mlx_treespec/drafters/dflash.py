@@ -380,13 +380,18 @@ class DFlashDrafter:
         if depth == 0:
             return Draft.root_only(root)
         if self.topk == 1:
-            logits = self._block_logits(root)[1 : depth + 1]  # position k predicts k after the root
-            chain = mx.argmax(logits, axis=-1).astype(mx.uint32)
-            root_arr = mx.array([int(root)], mx.uint32)
-            return Draft(mx.concatenate([root_arr, chain]), Layout.fixed(chain_parents(depth + 1)),
-                         budget=depth, depth=depth, forwards=self.forwards)
+            return self.chain(root, depth)
         ids, top = self.ranked(root, depth)
         return self.as_draft(root, ids, best_first_tree(0, top, self.budget), depth, self.budget)
+
+    def chain(self, root, depth):
+        """The block's argmax chain of `depth` tokens (1..block - 1), on the device: the round
+        has no host sync before its verify, whatever this drafter's `topk`."""
+        logits = self._block_logits(root)[1 : depth + 1]  # position k predicts k after the root
+        chain = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        root_arr = mx.array([int(root)], mx.uint32)
+        return Draft(mx.concatenate([root_arr, chain]), Layout.fixed(chain_parents(depth + 1)),
+                     budget=depth, depth=depth, forwards=self.forwards)
 
     @property
     def ahead(self):
