@@ -44,8 +44,10 @@ SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # conditions. On the H200 an EWMA over 8 rounds handed back where the chain ran 1.1-2.2x faster
 # than what followed (bench/RESULTS.md, first section). The bar is the better of plain's rate
 # and the host's over the same tokens (`_shadow`), once the host's shadow rounds cover at least
-# half the window's tokens
-QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 16, 32, 0.8
+# half the window's tokens. QUEUED_MIN was 16: on the H200 the demo's queued chains that lost
+# ran 19 rounds at 0.22-0.34 tokens/ms (plain: ~0.47) before the first decision, a third to
+# half of a 192-token generation's time, on 3-4 of 8 prompts a set (fa5e162)
+QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 8, 32, 0.8
 
 
 @dataclass(frozen=True)
