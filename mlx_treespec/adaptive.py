@@ -1,10 +1,9 @@
 """Adaptive drafting: before every round, the draft with the most expected tokens per millisecond.
 
-`AdaptiveDrafter` picks one of its arms each round: `primary` (a drafter that runs a model:
-DFlash, a draft model, an MTP or EAGLE-3 head), `chain` (a DFlash primary's block argmax chain,
-drafted on the device with no host sync, beside its DDTree trees), `host` (prompt lookup or a
-suffix index, where it matched the text) or `plain` (`PlainStretch(n)`: the loop decodes n
-tokens plainly, pipelined as mlx-lm, then hands the drafters what they missed in `catch_up`). An arm's rate is its
+`AdaptiveDrafter` picks one of three arms each round: `primary` (a drafter that runs a model:
+DFlash, a draft model, an MTP or EAGLE-3 head), `host` (prompt lookup or a suffix index, where
+it matched the text) or `plain` (`PlainStretch(n)`: the loop decodes n tokens plainly, pipelined
+as mlx-lm, then hands the drafters what they missed in `catch_up`). An arm's rate is its
 tokens per use over its wall ms per use: the ms carry over between generations, the tokens are
 re-learned per text (`value`); a DFlash round's node budget is the one with the most expected
 tokens per ms (`choose_budget`, over calibrated node probabilities and the cost fit at the
@@ -44,10 +43,9 @@ SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # conditions. On the H200 an EWMA over 8 rounds handed back where the chain ran 1.1-2.2x faster
 # than what followed (bench/RESULTS.md, first section). The bar is the better of plain's rate
 # and the host's over the same tokens (`_shadow`), once the host's shadow rounds cover at least
-# half the window's tokens. QUEUED_MIN was 16: on the H200 the demo's queued chains that lost
-# ran 19 rounds at 0.22-0.34 tokens/ms (plain: ~0.47) before the first decision, a third to
-# half of a 192-token generation's time, on 3-4 of 8 prompts a set (fa5e162)
-QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 8, 32, 0.8
+# half the window's tokens. (QUEUED_MIN 8 was measured once on the H200: no clear gain over 16,
+# bench/RESULTS.md)
+QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 16, 32, 0.8
 
 
 @dataclass(frozen=True)
@@ -113,8 +111,7 @@ class Learned:
 
     def __init__(self, plain_ms=None):
         # the host's rate by the length of its match (1..MATCHES): a long match drafts far more
-        self.rates = {"primary": Rate(), "chain": Rate(), "plain": Rate(plain_ms),
-                      **{("host", m): Rate() for m in range(MATCHES + 1)}}
+        self.rates = {"primary": Rate(), "plain": Rate(plain_ms), **{("host", m): Rate() for m in range(MATCHES + 1)}}
         self.calibration = Calibration()
         self.overhead = None  # EWMA of a DFlash round's ms beyond its verify's
         self.plain_at = plain_ms  # the plain ms per token the plain rate stands at (repricing scales it)
@@ -153,13 +150,10 @@ class AdaptiveDrafter:
         self.capture = tuple(getattr(primary, "capture", ())) if primary is not None else ()
         # DDTree drafters (ranked + as_draft) get their budget chosen per round
         self.blocks = primary is not None and callable(getattr(primary, "ranked", None)) and primary.topk != 1
-        # ... and their block's argmax chain as an arm of its own (no host sync before the verify)
-        self.chains = self.blocks and callable(getattr(primary, "chain", None))
         if verify_rows is None:
             verify_rows = row_bucket if pad_keys_default() else (lambda n: n)
         self.verify_rows = verify_rows
         self.names = {"primary": _kind(primary) if primary is not None else "",
-                      "chain": f"{_kind(primary)}-chain" if primary is not None else "",
                       "host": _kind(host) if host is not None else "", "plain": "plain"}
         self.memory = memory
         if memory is not None and memory in LEARNED:
@@ -206,7 +200,7 @@ class AdaptiveDrafter:
                 d.reset()
 
     def _restart(self):
-        self.idle = {"primary": 0, "chain": 0, "host": 0}
+        self.idle = {"primary": 0, "host": 0}
         self.stretch = STRETCH
         self.probing = False  # the round under way is the probe after a stretch
         self.after_stretch = False
@@ -281,8 +275,6 @@ class AdaptiveDrafter:
         reach = max_depth if self.reach is None else min(max_depth, self.reach)
         match, e = self._host_match(root, reach) if self.host is not None else (0, None)
         available = ["primary"] if self.primary is not None else []
-        if self.chains:
-            available.append("chain")
         if match:
             available.append("host")
             self.match = min(match, MATCHES)
@@ -293,8 +285,6 @@ class AdaptiveDrafter:
             return PlainStretch(self.stretch, self.watch if self.host is not None else None)
         if arm == "host":
             d = e if e is not None else self.host.draft(root, reach)
-        elif arm == "chain":
-            d = self.primary.chain(root, min(self.primary.depth, max_depth))
         else:
             d = self._primary_draft(root, max_depth)
         d.source = self.names[arm]
@@ -489,9 +479,8 @@ class AdaptiveDrafter:
         for a in available:  # never used: try it
             if rates[a] is None:
                 return a
-        for a in ("primary", "chain"):
-            if a in available and a not in self.seen:  # once per text
-                return a
+        if "primary" in available and "primary" not in self.seen:  # once per text
+            return "primary"
         if not available or rates["plain"] is None:
             return "plain"
         if self.after_stretch:  # back from a stretch: the best speculative arm, once

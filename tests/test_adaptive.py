@@ -71,7 +71,7 @@ def dflash_folder(tmp_path_factory):
     return get
 
 
-SCRIPT = ["primary", "plain", "host", "chain", "primary", "primary", "plain", "chain", "plain", "host"]
+SCRIPT = ["primary", "plain", "host", "primary", "primary", "plain", "plain", "host"]
 
 
 @pytest.mark.parametrize("family,opts", [("qwen3", {}), ("qwen3_5", {}), ("qwen3", dict(max_kv_size=20)),
@@ -90,7 +90,6 @@ def test_switching_dflash_lookup_and_plain_is_exact(tmp_path, monkeypatch, famil
     assert out == ref
     used = stats.rounds_by_drafter()
     assert used.get("oracledflash", 0) > 0 and used.get("lookup", 0) > 0 and used.get("plain", 0) > 0
-    assert used.get("oracledflash-chain", 0) > 0  # the block's device chain beside its DDTree trees
     if family == "qwen3":  # (the hybrid's caches do not rotate)
         assert drafter.window == opts.get("max_kv_size")  # the loop tells it a rotating cache's rows
     earned = stats.emitted_ms_by_drafter()  # what each arm emitted, and its wall ms
@@ -238,25 +237,6 @@ def test_controller_prefers_the_faster_arm_and_reprobes_the_other():
     assert d.choose(["primary", "host"]) == "host"
 
 
-def test_the_chain_arm_is_taken_where_its_rounds_run_faster():
-    # a DDTree primary offers its block's argmax chain as an arm of its own: the faster of the
-    # two by booked rate is taken, the other reprobed after REPROBE rounds
-    fake = types.SimpleNamespace(topk=0, depth=15, capture=(), ranked=None, chain=None, reset=lambda: None)
-    fake.ranked = fake.chain = lambda *a: None
-    for tree, chain, faster in (((6, 3.0), (8, 2.0), "chain"), ((9, 2.0), (8, 2.0), "primary")):
-        d = AdaptiveDrafter(primary=fake, costs=(10.0, flat(1.0)))
-        assert d.chains
-        book(d, "primary", *tree)
-        book(d, "chain", *chain)
-        picks = [d.choose(["primary", "chain"]) for _ in range(adaptive.REPROBE + 1)]
-        other = {"chain": "primary", "primary": "chain"}[faster]
-        assert picks == [faster] * adaptive.REPROBE + [other], picks
-    # a chain drafter (topk 1) has no second arm
-    d = AdaptiveDrafter(primary=types.SimpleNamespace(topk=1, depth=15, capture=(), ranked=fake.ranked,
-                                                      chain=fake.chain, reset=lambda: None), costs=(10.0, flat(1.0)))
-    assert not d.chains
-
-
 def test_first_use_of_an_arm_in_a_generation_is_not_booked():
     d = AdaptiveDrafter(primary=LookupDrafter(), costs=(1.0, flat(1.0)))
     d.prefill([1, 2, 3])
@@ -401,7 +381,6 @@ def test_end_to_end_budgets_follow_the_cost_curve(dflash_folder):
     for name, fit in (("flat", flat(1.0)), ("steep", linear(0.0, 1e6))):
         d = AdaptiveDrafter(primary=OracleDFlash(bound, target, budget=20), costs=(1e9, fit),
                             verify_rows=lambda n: n)
-        d.chains = False  # the trees' budgets alone (the chain arm: test_the_chain_arm_...)
         out, stats = run(target, d, prompt, n=32)
         assert out == ref
         nodes[name] = [k for k, s in zip(stats.nodes, stats.drafter) if s == "oracledflash"][2:]  # booked rounds
