@@ -433,6 +433,8 @@ class AdaptiveDrafter:
         d, path = Draft.root_only(root), np.zeros(1, np.int64)
         if self.primary is not None:
             self.primary.commit(d, path, tokens, *self._rows(hidden))
+            if callable(getattr(self.primary, "settle", None)):
+                self.primary.settle()  # the stretch's catch-up is the stretch's cost
         if self.host is not None and len(tokens) > self.fed:
             self.host.commit(d, path, tokens[self.fed:])
         self.fed = 0

@@ -99,6 +99,38 @@ def test_switching_dflash_lookup_and_plain_is_exact(tmp_path, monkeypatch, famil
     assert sum(stats.accepted) > 0
 
 
+def test_a_stretch_settles_the_dflash_context_it_added(tmp_path, monkeypatch):
+    # after a plain stretch longer than a block, the DFlash context is written at the stretch's
+    # end (at most a block's worth left pending for the next forward), and every chain drafted
+    # afterwards is the one the unsettled path drafts: the same writes, made earlier
+    monkeypatch.setattr(adaptive, "STRETCH", 40)
+    target = tiny.build(tiny.CONFIGS["qwen3"])
+    bound = bind_dflash(save_random(tmp_path / "dflash", dflash_config(tiny.CONFIGS["qwen3"])), target)
+    prompt = np.random.default_rng(5).integers(0, tiny.VOCAB, 12).tolist()
+    drafts, pending = {}, []
+
+    class Spy(OracleDFlash):
+        def as_draft(self, *args):
+            d = super().as_draft(*args)
+            drafts[self.settles].append(np.array(d.tokens).tolist())
+            return d
+
+        def settle(self):
+            super().settle() if self.settles else None
+            pending.append(0 if self.pending is None else self.pending.shape[0])
+
+    for settles in (True, False):
+        drafts[settles] = []
+        primary = Spy(bound, target, budget=12)
+        primary.settles = settles
+        d = Scripted(["primary", "plain", "primary", "plain", "primary"], primary=primary, costs=(1.0, flat(1.0)))
+        out, _ = run(target, d, prompt, n=100)
+        assert out == plain(target, prompt, n=100)
+    assert drafts[True] == drafts[False] and len(drafts[True]) >= 2
+    settled, unsettled = pending[: len(pending) // 2], pending[len(pending) // 2:]
+    assert max(settled) <= primary.block < max(unsettled), pending
+
+
 def test_switching_model_drafter_and_sampling_is_exact(monkeypatch):
     """A draft model (it forwards what it missed), and sampled decoding (a stretch draws with
     the position's noise, as the verify does)."""

@@ -310,6 +310,17 @@ class DFlashDrafter:
         # the root and the accepted nodes are context now; their rows go in with the next block
         self.pending = hidden if self.pending is None else mx.concatenate([self.pending, hidden])
 
+    def settle(self):
+        """Write now every pending context row but the last block's worth, which the next
+        block forward takes in its own pass: after a plain stretch (adaptive.py's `catch_up`)
+        the stretch pays for the rows it added, not the next DFlash round (whose time would
+        otherwise price DFlash against plain with the stretch's catch-up in it). The same
+        writes as `_block_logits` makes for more rows than a block, made earlier."""
+        n = 0 if self.pending is None else self.pending.shape[0]
+        if n > self.block:
+            self._write_context(self.pending[: n - self.block], sync=True)
+            self.pending = self.pending[n - self.block :]
+
     # ------------------------------------------------------------------ drafting
 
     def _block_logits(self, root):
