@@ -191,7 +191,8 @@ def run_loop(args):
         ran = len({r["prompt"] for r in runs["mlx-plain"]})
         report["sets"][pset] = dict(prompts=ran, runs=len(runs["mlx-plain"]), arms=rows)
         md += [f"## {pset} prompts ({ran} x {args.max_tokens} tokens, {len(runs['mlx-plain'])} runs an arm, temp 0)",
-               "", table(rows), ""]
+               "", "x plain and tok/s: per prompt, its runs pooled; per-round columns: medians over runs; "
+               "identical: runs.", "", table(rows), ""]
         write(args, report, md)  # after each set: a run cut short keeps what it measured
 
 

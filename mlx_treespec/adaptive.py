@@ -380,8 +380,8 @@ class AdaptiveDrafter:
         """The host drafter follows the queued rounds' text as the adaptive rounds would run it:
         from its root, the round the adaptive rounds would draft (its draft at this reach where
         it matches, else a plain token), walked against the tokens the target emitted (exact:
-        decoding is greedy where rounds queue), priced as `_expected_ms` prices that round, and
-        committed. A round is walked once the text holds its deepest path and the bonus token.
+        decoding is greedy where rounds queue), priced (a host round as `_expected_ms` prices it,
+        a plain token at plain's start-up cost), and committed. A round is walked once the text holds its deepest path and the bonus token.
         What the host's draft is accepted to goes into this text's record of its rate, as a
         round of its own would (`seen`). Hosts draft here with `tree` (prompt lookup, suffix:
         numpy), so the queued rounds' device work is not waited on."""

@@ -537,18 +537,22 @@ def test_queued_rounds_hand_back_to_a_host_that_would_draft_faster():
     rounds = 0
     while d.queue_more(emitted[4 * rounds: 4 * rounds + 4], 1.0):  # 4 tokens / ms
         rounds += 1
-    # 4 tokens / ms beats plain (1) but not 0.8 x the host's ~8 tokens / ms: handed back at
-    # the first booked decision
+    # 4 tokens / ms beats plain (1) but not 0.8 x the host's shadow rate (about 6 tokens / ms
+    # at the decision): handed back at the first booked decision
     assert rounds == adaptive.QUEUED_WARM + adaptive.QUEUED_MIN - 1
+    assert 4.0 < adaptive.QUEUED_LOSS * d.shadow_total[0] / d.shadow_total[1]
     fed = emitted[: 4 * rounds + 4]
     assert len(d.host.index) < len(base + base + fed)  # its shadow is behind the text
     d.primary = types.SimpleNamespace(handed_back=lambda start, tokens: None)
     d.handed_back(500, fed)
     assert d.host.index.tokens == base + base + fed
-    # the same text priced so that the host's rounds cost 16 ms: the queued rounds go on
+    # the same text priced so that the host's rounds cost 16 ms: the shadow still covers the
+    # window (the comparison is made) and its rate is below the queued rounds': they go on
     d = AdaptiveDrafter(host=LookupDrafter(16, 16), costs=(1.0, flat(16.0)))
     d.prefill(base + base)
     assert all(d.queue_more(emitted[i:i + 4], 1.0) for i in range(0, 120, 4))
+    window = sum(t for t, _ in d.queued)
+    assert 2 * d.shadow_total[0] >= window and d.shadow_total[0] / d.shadow_total[1] < 4.0
 
 
 def test_a_few_hard_queued_rounds_do_not_end_queueing():
