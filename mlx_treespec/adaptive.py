@@ -22,6 +22,7 @@ from .builders import best_first_tree
 from .draft import Draft
 from .tree import MAX_NODES, DraftTree, depths_of, preorder
 from .verify import pad_keys_default, row_bucket
+from .walk import greedy_walk
 
 __all__ = ["AdaptiveDrafter", "PlainStretch", "Calibration", "Rate"]
 
@@ -381,7 +382,8 @@ class AdaptiveDrafter:
         from its root, the round the adaptive rounds would draft (its draft at this reach where
         it matches, else a plain token), walked against the tokens the target emitted (exact:
         decoding is greedy where rounds queue), priced (a host round as `_expected_ms` prices it,
-        a plain token at plain's start-up cost), and committed. A round is walked once the text holds its deepest path and the bonus token.
+        a plain token at plain's start-up cost), and committed. A round is walked once the text
+        holds its deepest path and the bonus token.
         What the host's draft is accepted to goes into this text's record of its rate, as a
         round of its own would (`seen`). Hosts draft here with `tree` (prompt lookup, suffix:
         numpy), so the queued rounds' device work is not waited on."""
@@ -396,17 +398,15 @@ class AdaptiveDrafter:
                 return
             tree = None if callable(quick) and not quick() else self.host.tree(text[self.shadowed - 1], reach)
             if tree is not None and tree.size > 1:
-                depth, agrees = [0], [True]
-                for t, p in zip(tree.tokens[1:].tolist(), tree.parents[1:].tolist()):
-                    depth.append(depth[p] + 1)
-                    agrees.append(agrees[p] and t == known[depth[-1] - 1])
-                accepted = max(k for k, a in zip(depth, agrees) if a)
+                # the target's choice after a node at depth k is the text's k-th token after the root
+                path, _ = greedy_walk(tree, np.asarray(known, np.int64)[tree.depths])
+                accepted = len(path) - 1
                 self.match = min(max(int(self.host.last_match), 1), MATCHES)
                 ms = self._expected_ms("host", tree.size)
                 key = ("host", self.match)
                 t, u = self.seen.get(key, (0.0, 0))
                 self.seen[key] = (t + accepted + 1, u + 1)
-                self.reach = self._reach_after(max(depth), accepted)
+                self.reach = self._reach_after(int(tree.depths.max()), accepted)
             else:
                 accepted, ms = 0, float(self.costs[0])
             emitted = known[: accepted + 1]

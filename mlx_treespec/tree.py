@@ -176,6 +176,11 @@ class DraftTree:
     def scores(self) -> np.ndarray | None:
         return self._scores
 
+    @staticmethod
+    def root_only(root) -> "DraftTree":
+        """No proposal: the root alone (a host drafter that matched nothing)."""
+        return DraftTree(np.array([int(root)], np.int64), np.array([-1], np.int32))
+
     @property
     def depths(self) -> np.ndarray:
         return self._depths

@@ -115,9 +115,12 @@ def test_a_stretch_settles_the_dflash_context_it_added(tmp_path, monkeypatch):
             drafts[self.settles].append(np.array(d.tokens).tolist())
             return d
 
-        def settle(self):
-            super().settle() if self.settles else None
+        def settle(self, sync=True):
+            if not sync:  # the block forward's own write
+                return super().settle(sync=False)
+            wrote = super().settle() if self.settles else False  # a stretch's catch-up
             pending.append(0 if self.pending is None else self.pending.shape[0])
+            return wrote
 
     for settles in (True, False):
         drafts[settles] = []

@@ -310,28 +310,27 @@ class DFlashDrafter:
         # the root and the accepted nodes are context now; their rows go in with the next block
         self.pending = hidden if self.pending is None else mx.concatenate([self.pending, hidden])
 
-    def settle(self):
-        """Write now every pending context row but the last block's worth, which the next
-        block forward takes in its own pass: after a plain stretch (adaptive.py's `catch_up`)
-        the stretch pays for the rows it added, not the next DFlash round (whose time would
-        otherwise price DFlash against plain with the stretch's catch-up in it). The same
-        writes as `_block_logits` makes for more rows than a block, made earlier."""
+    def settle(self, sync=True):
+        """Write every pending context row but the last block's worth, which a block forward
+        takes in its own pass (True where there were more). `_block_logits` does it queued;
+        after a plain stretch (adaptive.py's `catch_up`) it is done at once, so the stretch pays
+        for the rows it added, not the next DFlash round (whose time would otherwise price
+        DFlash against plain with the stretch's catch-up in it)."""
         n = 0 if self.pending is None else self.pending.shape[0]
-        if n > self.block:
-            self._write_context(self.pending[: n - self.block], sync=True)
-            self.pending = self.pending[n - self.block :]
+        if n <= self.block:
+            return False
+        self._write_context(self.pending[: n - self.block], sync=sync)
+        self.pending = self.pending[n - self.block :]
+        return True
 
     # ------------------------------------------------------------------ drafting
 
     def _block_logits(self, root):
         """One forward: the pending context rows (padded to B) and the block [B, V]."""
         B = self.block
+        # more context than one pass takes (rounds without a draft): written first
+        self.forwards = 2 if self.settle(sync=False) else 1
         n = 0 if self.pending is None else self.pending.shape[0]
-        self.forwards = 1
-        if n > B:  # more context than one pass takes (rounds without a draft): write it first
-            self._write_context(self.pending[: n - B], sync=False)
-            self.pending, n = self.pending[n - B :], B
-            self.forwards += 1
         L0 = self.length
         self._room(L0 + 2 * B)
         feats = self._block_rows(self.pending)
@@ -391,18 +390,13 @@ class DFlashDrafter:
         if depth == 0:
             return Draft.root_only(root)
         if self.topk == 1:
-            return self.chain(root, depth)
+            logits = self._block_logits(root)[1 : depth + 1]  # position k predicts k after the root
+            chain = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            root_arr = mx.array([int(root)], mx.uint32)
+            return Draft(mx.concatenate([root_arr, chain]), Layout.fixed(chain_parents(depth + 1)),
+                         budget=depth, depth=depth, forwards=self.forwards)
         ids, top = self.ranked(root, depth)
         return self.as_draft(root, ids, best_first_tree(0, top, self.budget), depth, self.budget)
-
-    def chain(self, root, depth):
-        """The block's argmax chain of `depth` tokens (1..block - 1), on the device: the round
-        has no host sync before its verify, whatever this drafter's `topk`."""
-        logits = self._block_logits(root)[1 : depth + 1]  # position k predicts k after the root
-        chain = mx.argmax(logits, axis=-1).astype(mx.uint32)
-        root_arr = mx.array([int(root)], mx.uint32)
-        return Draft(mx.concatenate([root_arr, chain]), Layout.fixed(chain_parents(depth + 1)),
-                     budget=depth, depth=depth, forwards=self.forwards)
 
     @property
     def ahead(self):

@@ -227,7 +227,7 @@ class LookupDrafter:
         self.last_match = 0
         conts, lens = self.continuations(depth) if depth > 0 and self.budget > 0 else ([], [])
         if not conts:
-            return DraftTree(np.array([int(root)], np.int64), np.array([-1], np.int32))
+            return DraftTree.root_only(root)
         self.last_match = max(lens)
         return merge_continuations(root, conts, self.budget, depth, lengths=lens, branches=self.branches)
 

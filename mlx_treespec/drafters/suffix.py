@@ -209,7 +209,7 @@ class SuffixDrafter:
         k, node = cur.match(self.max_match)
         depth = self.asked_depth = min(self.max_depth, int(max_depth), self.index.depth - k)
         if k == 0 or depth <= 0 or self.budget == 0:
-            return DraftTree(np.array([int(root)], np.int64), np.array([-1], np.int32))
+            return DraftTree.root_only(root)
         self.last_match = k
         idx = self.index
         return expand_best_first(root, node, idx.ranked_children, idx.count.__getitem__, self.budget, depth,
