@@ -1,9 +1,10 @@
 """Adaptive drafting: before every round, the draft with the most expected tokens per millisecond.
 
 `AdaptiveDrafter` picks one of three arms each round: `primary` (a drafter that runs a model:
-DFlash, a draft model, an MTP or EAGLE-3 head), `host` (prompt lookup or a suffix index, where
-it matched the text) or `plain` (`PlainStretch(n)`: the loop decodes n tokens plainly, pipelined
-as mlx-lm, then hands the drafters what they missed in `catch_up`). An arm's rate is its
+DFlash, a draft model, an MTP or EAGLE-3 head; where rounds can be queued ahead, `QueueAhead`:
+the loop queues the primary's chains until `queue_more` hands back), `host` (prompt lookup or a
+suffix index, where it matched the text) or `plain` (`PlainStretch(n)`: the loop decodes n
+tokens plainly, pipelined as mlx-lm, then hands the drafters what they missed in `catch_up`). An arm's rate is its
 tokens per use over its wall ms per use: the ms carry over between generations, the tokens are
 re-learned per text (`value`); a DFlash round's node budget is the one with the most expected
 tokens per ms (`choose_budget`, over calibrated node probabilities and the cost fit at the
@@ -24,7 +25,7 @@ from .tree import MAX_NODES, DraftTree, depths_of, preorder
 from .verify import pad_keys_default, row_bucket
 from .walk import greedy_walk
 
-__all__ = ["AdaptiveDrafter", "PlainStretch", "Calibration", "Rate"]
+__all__ = ["AdaptiveDrafter", "PlainStretch", "QueueAhead", "Calibration", "Rate"]
 
 ALPHA = 0.3  # weight of the newest use in an arm's averages
 STRETCH, MAX_STRETCH = 16, 256  # tokens of a plain stretch: first, and after repeated losses
@@ -36,17 +37,19 @@ MATCHES = 4  # host match lengths told apart (longer ones count as this)
 # trace, new kernels: on the H200 such a round costs several times a usual one) and is not
 # booked, unless SPIKES_IN_A_ROW uses in a row did: then that is what the arm costs
 SPIKE, SPIKES_IN_A_ROW = 4.0, 2
-# Rounds queued ahead (queued.py): the first QUEUED_WARM pay traces and checks and are not booked;
-# once QUEUED_MIN rounds are booked and their rate over the last QUEUED_WINDOW booked rounds
+# Rounds queued ahead (queued.py): the first QUEUED_WARM pay traces and checks and are not booked
+# (queued again later in a generation: the first, the pipeline's start);
+# once QUEUED_MIN rounds (queued again: QUEUED_AGAIN) are booked and their rate over the last QUEUED_WINDOW booked rounds
 # (tokens / ms: not an EWMA, whose few hard rounds ended a generation's queueing for good; not the
 # whole generation, which late on would never move) is below QUEUED_LOSS x plain decoding's, the
 # adaptive rounds take over. Not at 1.0: plain's rate is the start-up fit's, taken in quiet
 # conditions. On the H200 an EWMA over 8 rounds handed back where the chain ran 1.1-2.2x faster
 # than what followed (bench/RESULTS.md, first section). The bar is the better of plain's rate
 # and the host's over the same tokens (`_shadow`), once the host's shadow rounds cover at least
-# half the window's tokens. (QUEUED_MIN 8 was measured once on the H200: no clear gain over 16,
-# bench/RESULTS.md)
-QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 16, 32, 0.8
+# half the window's tokens. A hand-back is not for good: the primary's arm queues again when
+# chosen (`QueueAhead`), so the first decision comes early. (QUEUED_MIN 8 without the way back,
+# measured once on the H200: no clear gain over 16, bench/RESULTS.md)
+QUEUED_WARM, QUEUED_MIN, QUEUED_AGAIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 8, 4, 32, 0.8
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,12 @@ class PlainStretch:
 
     tokens: int
     watch: Optional[Callable[[int], bool]] = None
+
+
+@dataclass(frozen=True)
+class QueueAhead:
+    """No draft from the round loop: the loop queues the primary's chains ahead (queued.py) from
+    the root, after `requeue`, until `queue_more` hands back."""
 
 
 class Rate:
@@ -157,6 +166,7 @@ class AdaptiveDrafter:
         self.names = {"primary": _kind(primary) if primary is not None else "",
                       "host": _kind(host) if host is not None else "", "plain": "plain"}
         self.memory = memory
+        self.queueable = False  # set by the loop per generation: rounds can be queued ahead (queued.py)
         if memory is not None and memory in LEARNED:
             self.learned = LEARNED[memory]
             self._restart()
@@ -215,12 +225,18 @@ class AdaptiveDrafter:
         self.last = None  # (arm, start time, nodes) of the round or stretch under way
         self.emitted = 0
         self.scores = None  # draft probability of each node of the last DFlash draft (draft order)
+        self.requeued = False  # the queued rounds under way are not the generation's first
+        self._queue_from(None)
+        self.reach = self._reach_base()  # how deep the next host round drafts (`_reach_after`)
+
+    def _queue_from(self, root):
+        """A fresh record for queued rounds from `root` (None: before the prefill)."""
         self.queued, self.queued_seen = deque(maxlen=QUEUED_WINDOW), 0  # booked queued rounds: (tokens, ms)
         # the host's shadow rounds over the queued rounds' tokens (`_shadow`): (tokens, ms); the
-        # prompt's last token and the tokens emitted queued, and how many the host drafter has seen
-        self.shadow, self.queued_tokens, self.shadowed = deque(), [], 0
+        # root and the tokens emitted queued since, and how many of them the host drafter has seen
+        self.shadow = deque()
+        self.queued_tokens, self.shadowed = ([], 0) if root is None else ([int(root)], 1)
         self.shadow_total = [0, 0.0]  # the shadow rounds' tokens and ms, summed
-        self.reach = self._reach_base()  # how deep the next host round drafts (`_reach_after`)
 
     def _reach_base(self):
         """A host round's depth at first: half what the host may draft (the rest is for texts
@@ -246,7 +262,7 @@ class AdaptiveDrafter:
                 self.rates["plain"] = Rate(self.costs[0])
                 self.learned.plain_at = self.costs[0]
         self._restart()
-        self.queued_tokens, self.shadowed = [int(prompt[-1])], 1
+        self._queue_from(prompt[-1])
         self.context, self.priced = self.prefix + len(prompt), None
         self._reprice()
         if self.primary is not None:
@@ -284,6 +300,8 @@ class AdaptiveDrafter:
             self.last = ("plain", now, 1)
             self.fed = 0
             return PlainStretch(self.stretch, self.watch if self.host is not None else None)
+        if arm == "primary" and self.queueable:  # its rounds are booked in `queue_more`
+            return QueueAhead()
         if arm == "host":
             d = e if e is not None else self.host.draft(root, reach)
         else:
@@ -353,7 +371,7 @@ class AdaptiveDrafter:
         self.queued_tokens += [int(t) for t in tokens]
         self._shadow()
         self.queued_seen += 1
-        if self.queued_seen <= QUEUED_WARM:
+        if self.queued_seen <= (1 if self.requeued else QUEUED_WARM):
             return True
         booked = self.queued
         usual = sum(m for _, m in booked) / len(booked) if booked else None
@@ -375,7 +393,8 @@ class AdaptiveDrafter:
             host = total[0] / max(total[1], 1e-6)
             plain = host if plain is None else max(plain, host)
         rate = window / max(sum(m for _, m in booked), 1e-6)
-        return plain is None or len(booked) < QUEUED_MIN or rate >= QUEUED_LOSS * plain  # (QUEUED_MIN <= the window)
+        least = QUEUED_AGAIN if self.requeued else QUEUED_MIN  # (<= the window)
+        return plain is None or len(booked) < least or rate >= QUEUED_LOSS * plain
 
     def _shadow(self):
         """The host drafter follows the queued rounds' text as the adaptive rounds would run it:
@@ -418,11 +437,27 @@ class AdaptiveDrafter:
 
     def handed_back(self, start, tokens):
         """Queued rounds ended at `start` context rows, having emitted `tokens` (the last is
-        the next root): the drafters catch up, and the adaptive rounds go on."""
+        the next root): the drafters catch up, and the adaptive rounds go on. The primary's
+        arm stands at the window's rate (what `_choose` weighs against the others: its rounds
+        are queued rounds on this path) until it is chosen and queued again."""
         self.primary.handed_back(start, tokens)
         self.context = start + 1
         if self.host is not None:  # what its shadow rounds did not see
             self.host.commit(Draft.root_only(tokens[-1]), np.zeros(1, np.int64), tokens[max(self.shadowed - 1, 0):])
+        if self.queued:
+            n = len(self.queued)
+            emitted, ms = sum(t for t, _ in self.queued), sum(m for _, m in self.queued)
+            self.seen["primary"] = (float(emitted), n)
+            self.rates["primary"].tokens, self.rates["primary"].ms = emitted / n, ms / n
+            self.idle["primary"] = 0
+
+    def requeue(self, root):
+        """The loop queues rounds again from `root` (a `QueueAhead` chosen): a fresh window (the
+        text has moved on since the last), the host's shadow from `root` (it has seen every
+        token), the primary's context written to the end."""
+        self._queue_from(root)
+        self.requeued = True
+        self.primary.requeue()
 
     def catch_up(self, root, tokens, hidden=None):
         """After a plain stretch from `root`: the `tokens` it emitted (the last is the next root)

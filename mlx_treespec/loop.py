@@ -28,7 +28,7 @@ from .sampling import make_node_sampler
 from .spec import check_int
 from .support import require_tree_support
 from .tree import MAX_NODES, DraftTree
-from .adaptive import PlainStretch
+from .adaptive import PlainStretch, QueueAhead
 from .queued import can_queue, queued_rounds
 from .verify import TreeRound, cached_array, capturing, check_capture, rows_are_steps
 from .walk import greedy_walk
@@ -348,21 +348,32 @@ def tree_generate_step(
         yield from _plain_decode(model, caches, prompt[-1], max_tokens, choose, quantize, stop_tokens,
                                  stats, settle=prompt_cache is not None)
         return
-    if can_queue(drafter, caches, choose.greedy, kv_bits):  # chains with no host sync per round
-        def land(token, failed):
-            if prompt_cache is not None and _may_settle(failed):
-                _forward(model, caches, mx.array([token], mx.uint32), quantize)
-                mx.eval([c.state for c in caches])
+    queue = can_queue(drafter, caches, choose.greedy, kv_bits)  # chains with no host sync per round
+    if hasattr(drafter, "queueable"):  # (an adaptive drafter: its model arm is queued rounds)
+        drafter.queueable = queue
 
+    def land(token, failed):
+        if prompt_cache is not None and _may_settle(failed):
+            _forward(model, caches, mx.array([token], mx.uint32), quantize)
+            mx.eval([c.state for c in caches])
+
+    # queued rounds and the round loop hand the generation to each other: (root, tokens emitted)
+    resume = None
+    if queue:
         resume = yield from queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens,
                                           stop_tokens, stats, land)
         if resume is None:
             return
-    else:
-        resume = None
-    yield from _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose, quantize,
-                       stop_tokens, stats, kv_bits, quantized_kv_start, settle=prompt_cache is not None,
-                       resume=resume)
+    while True:
+        resume = yield from _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
+                                    quantize, stop_tokens, stats, kv_bits, quantized_kv_start,
+                                    settle=prompt_cache is not None, resume=resume)
+        if resume is None:
+            return
+        resume = yield from queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens,
+                                          stop_tokens, stats, land, resume=resume)
+        if resume is None:
+            return
 
 
 def check_stop_tokens(stop_tokens, vocab=None):
@@ -402,7 +413,9 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
             stats, kv_bits, quantized_kv_start, settle, resume=None):
     # Between rounds the caches hold every delivered token but `pending`: the held tokens
     # (accepted, left to lead the next forward) and the root (the last delivered token).
-    # `resume`: (root, tokens emitted) where queued rounds handed the generation over
+    # `resume`: (root, tokens emitted) where queued rounds handed the generation over. Returns
+    # None at the generation's end, or (root, tokens emitted) where the drafter asks for queued
+    # rounds (`QueueAhead`): the caches then hold every token but the root
     held, (root, n) = None, (resume or (prompt[-1], 0))
     rerun = kv_bits is None and rows_are_steps(model)  # held tokens lead a plain forward (a stretch's)
 
@@ -416,7 +429,7 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
                 _forward(model, caches, part, quantize)  # (one at a time where rows are not steps)
             mx.eval([c.state for c in caches])
 
-    failed = False  # an error (not the consumer's stop) unwinds the generation
+    failed = queued = False  # an error (not the consumer's stop) unwinds the generation
     try:
         if resume is None:  # (else the drafter was prefilled and caught up: queued.py)
             drafter.prefill(prompt, hidden) if capture else drafter.prefill(prompt)
@@ -439,6 +452,12 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
                     drafter.catch_up(lead, *caught)
                     continue
                 break
+            if isinstance(draft, QueueAhead):  # queued rounds from here (queued.py)
+                if held is not None:  # they lead with the root: the held tokens go in first
+                    _forward(model, caches, held, quantize)
+                    held = None
+                queued = True
+                return root, n
             if draft.size > MAX_NODES:
                 raise ValueError(f"the drafter proposed {draft.size} nodes; at most {MAX_NODES} fit")
             mx.async_eval(draft.arrays())  # the device drafts while the host builds the verify
@@ -488,7 +507,9 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
         failed = True
         raise
     finally:
-        land(failed)
+        if not queued:
+            land(failed)
+    return None
 
 
 def _stretch(model, caches, held, root, count, choose, quantize, capture, stats, caught, watch=None,

@@ -22,6 +22,9 @@ asked after every round with the tokens it emitted and its wall ms: False hands 
 back to the round loop at that round's end (an adaptive drafter whose queued chains lose to
 plain decoding or to its host drafter), and `handed_back(start,
 tokens)` tells it where the round loop starts (the context rows, the tokens emitted queued).
+The round loop may hand the generation back here (an adaptive drafter's `QueueAhead`): the
+caches then hold every token but the root, and the drafter's `requeue(root)` replaces its
+prefill.
 """
 import time
 
@@ -41,17 +44,24 @@ def can_queue(drafter, caches, greedy, kv_bits):
             and all(type(c).__name__ == "KVCache" and c.keys is not None for c in caches))
 
 
-def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, stop_tokens, stats, land):
+def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, stop_tokens, stats, land,
+                  resume=None):
     """Yields (token, logprobs, from_draft) as loop.tree_generate_step. `land(token, failed)`
     forwards a delivered token the caches do not hold (the prompt cache's rule; `failed`: an
-    error, not the consumer's stop, ends the generation). Returns None at the end
-    of the generation, or (root, tokens emitted) where the drafter's `queue_more` handed it back:
-    the caches then hold every emitted token but `root`, and no token is held."""
+    error, not the consumer's stop, ends the generation). `resume`: (root, tokens emitted
+    so far) where the round loop handed the generation over (None: from the prompt). Returns
+    None at the end of the generation, or (root, tokens emitted) where the drafter's
+    `queue_more` handed it back: the caches then hold every emitted token but `root`, and no
+    token is held."""
     verify.install(model)  # per-token RoPE positions
-    drafter.prefill(prompt, hidden)
+    root, n = resume if resume is not None else (prompt[-1], 0)
+    if resume is None:
+        drafter.prefill(prompt, hidden)
+    else:
+        drafter.requeue(root)
     ahead, eager = drafter.ahead, whole_buffer_forward(model, capture)
     keys, values = [c.keys for c in caches], [c.values for c in caches]
-    start, root = caches[0].offset, prompt[-1]  # host: rows the caches hold, the pending token
+    start = caches[0].offset  # host: rows the caches hold (all but `root`, the pending token)
     bound = start  # the most rows a queued round may have committed
     consts = {}  # the mask's constants per (width, rows): the rounds are host-bound
 
@@ -91,7 +101,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     more = getattr(drafter, "queue_more", None)
     nxt, out = queue(mx.array([root], mx.uint32), None, None, mx.array(start, mx.int32))
     mx.async_eval(out[1], out[2])
-    n, delivered, accepted, handed, everything, failed = 0, 0, 0, False, [], False
+    delivered, accepted, handed, everything, failed = 0, 0, False, [], False
     tic = time.perf_counter()
     try:
         while True:

@@ -517,6 +517,78 @@ def test_the_default_queues_dflash_chains_and_hands_back_when_they_lose(tmp_path
         assert used == {"queued": stats.rounds}
 
 
+class Requeues(Scripted):
+    """Scripted arms; queued rounds hand back after `per_entry` rounds each time they run. Checks
+    at every requeue that the DFlash context holds every row before the root (`context - 1`)
+    with nothing pending, where its chain starts."""
+
+    def __init__(self, script, per_entry, **kw):
+        super().__init__(script, **kw)
+        self.per_entry, self.left, self.requeues = per_entry, per_entry, []
+
+    def queue_more(self, tokens, ms):
+        super().queue_more(tokens, ms)
+        self.left -= 1
+        return self.left > 0
+
+    def requeue(self, root):
+        super().requeue(root)
+        self.left = self.per_entry
+        p = self.primary
+        self.requeues.append((p.length, self.context - 1, p.pending is None and p._queued is None))
+
+
+@pytest.mark.parametrize("n", [12, 1000])
+def test_queued_rounds_come_back_after_the_round_loop(tmp_path, monkeypatch, n):
+    # where rounds queue (the GPU path, here on CPU), a hand-back is not for good: the primary's
+    # arm chosen in the round loop queues its chains again from the root (held tokens forwarded
+    # first, the DFlash context written to the end); tokens stay plain decoding's through every
+    # kind of switch (a 1000-token prompt: buffers grown in between)
+    import mlx_treespec.verify as verify
+    from test_dflash import QueuedOracle
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    monkeypatch.setattr(adaptive, "STRETCH", 5)
+    target = tiny.build(tiny.CONFIGS["qwen3"])
+    bound = bind_dflash(save_random(tmp_path / "dflash", dflash_config(tiny.CONFIGS["qwen3"])), target)
+    prompt = repetitive() if n == 12 else np.random.default_rng(1).integers(0, tiny.VOCAB, n).tolist() + repetitive()
+    d = Requeues(["host", "primary", "plain", "host", "host", "primary"], 3,
+                 primary=QueuedOracle(bound, target, budget=12), host=LookupDrafter(8, 6), costs=(1.0, flat(1.0)))
+    out, stats = run(target, d, prompt, n=96)
+    assert out == plain(target, prompt, n=96)
+    entries = [i for i, k in enumerate(stats.drafter) if k == "queued" and (i == 0 or stats.drafter[i - 1] != "queued")]
+    assert len(entries) >= 3 and len(d.requeues) == len(entries) - 1, stats.drafter
+    assert all(length == rows and clean for length, rows, clean in d.requeues), d.requeues
+    if n == 12:  # (this text's lookup rounds hold tokens before a requeue)
+        assert any(stats.held[i - 1] for i in entries[1:]), "no requeue forwarded held tokens"
+    assert {"lookup", "plain"} <= set(stats.drafter)
+
+
+def test_a_hand_back_prices_the_primary_at_its_window_and_it_queues_again():
+    # after a hand-back the primary's arm stands at its queued window's rate (1 token per 10 ms
+    # here, below plain's 1 per ms): plain decoding is chosen; the probe after the stretch hands
+    # the round loop a QueueAhead, and the queued rounds that follow decide after one unbooked
+    # and QUEUED_AGAIN booked rounds
+    calls = []
+    stub = types.SimpleNamespace(handed_back=lambda start, tokens: None, requeue=lambda: calls.append("requeue"),
+                                 reset=lambda: None, prefill=lambda prompt: None, chain_ahead=None)
+    d = AdaptiveDrafter(primary=stub, costs=(1.0, flat(1.0)))
+    d.queueable = True
+    d.prefill([7, 8, 9])
+    rounds = 0
+    while d.queue_more([1], 10.0):
+        rounds += 1
+    assert rounds == adaptive.QUEUED_WARM + adaptive.QUEUED_MIN - 1
+    d.handed_back(100, [1] * (rounds + 1))
+    assert d.value("primary") == pytest.approx(0.1)
+    assert d.choose(["primary"]) == "plain"
+    assert isinstance(d.draft(1, 8), adaptive.QueueAhead)
+    d.requeue(1)
+    assert calls == ["requeue"] and d.queued_tokens == [1] and not d.queued
+    answers = [d.queue_more([1], 10.0) for _ in range(1 + adaptive.QUEUED_AGAIN)]
+    assert answers == [True] * adaptive.QUEUED_AGAIN + [False]
+
+
 def test_queued_rounds_hand_back_to_a_host_that_would_draft_faster():
     # while rounds queue, the host drafter follows their text in shadow rounds: each its draft
     # at the adaptive rounds' reach, walked against what the target emitted, priced by the fit.

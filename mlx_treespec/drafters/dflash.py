@@ -310,17 +310,18 @@ class DFlashDrafter:
         # the root and the accepted nodes are context now; their rows go in with the next block
         self.pending = hidden if self.pending is None else mx.concatenate([self.pending, hidden])
 
-    def settle(self, sync=True):
-        """Write every pending context row but the last block's worth, which a block forward
-        takes in its own pass (True where there were more). `_block_logits` does it queued;
-        after a plain stretch (adaptive.py's `catch_up`) it is done at once, so the stretch pays
-        for the rows it added, not the next DFlash round (whose time would otherwise price
-        DFlash against plain with the stretch's catch-up in it)."""
+    def settle(self, sync=True, keep=None):
+        """Write every pending context row but the last `keep` (default: a block's worth, which
+        a block forward takes in its own pass); True where rows were written. `_block_logits`
+        does it queued; after a plain stretch (adaptive.py's `catch_up`) it is done at once, so
+        the stretch pays for the rows it added, not the next DFlash round (whose time would
+        otherwise price DFlash against plain with the stretch's catch-up in it)."""
+        keep = self.block if keep is None else keep
         n = 0 if self.pending is None else self.pending.shape[0]
-        if n <= self.block:
+        if n <= keep:
             return False
-        self._write_context(self.pending[: n - self.block], sync=sync)
-        self.pending = self.pending[n - self.block :]
+        self._write_context(self.pending[: n - keep], sync=sync)
+        self.pending = self.pending[n - keep :] if keep else None
         return True
 
     # ------------------------------------------------------------------ drafting
@@ -426,6 +427,13 @@ class DFlashDrafter:
         """Rounds queued ahead ended (queued.py): every context row before `start` is written
         (the round queued past the end wrote the last round's), and the round loop drafts next."""
         self.length, self.pending, self._queued = int(start), None, None
+
+    def requeue(self):
+        """Rounds are queued again from here (after the round loop's): every pending context
+        row is written (a queued round's first block takes none), so `chain_ahead` starts at
+        the context's end."""
+        self.settle(sync=False, keep=0)
+        self._queued = None
 
     def ranked(self, root, depth):
         """One block forward; each of the first `depth` positions' best candidates on the host:
