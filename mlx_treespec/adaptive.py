@@ -226,6 +226,8 @@ class AdaptiveDrafter:
         self.emitted = 0
         self.scores = None  # draft probability of each node of the last DFlash draft (draft order)
         self.requeued = False  # the queued rounds under way are not the generation's first
+        # where rounds queue, rounds the primary's arm sits out after a hand-back (`handed_back`)
+        self.wait = REPROBE
         self._queue_from(None)
         self.reach = self._reach_base()  # how deep the next host round drafts (`_reach_after`)
 
@@ -450,6 +452,10 @@ class AdaptiveDrafter:
             self.seen["primary"] = (float(emitted), n)
             self.rates["primary"].tokens, self.rates["primary"].ms = emitted / n, ms / n
             self.idle["primary"] = 0
+            # queued again and handed back at the first decision: twice as long before the next
+            # try (a text where they lose would otherwise pay a window's warm-up every REPROBE)
+            lost = self.requeued and n <= QUEUED_AGAIN
+            self.wait = min(2 * self.wait, MAX_STRETCH) if lost else REPROBE
 
     def requeue(self, root):
         """The loop queues rounds again from `root` (a `QueueAhead` chosen): a fresh window (the
@@ -512,6 +518,8 @@ class AdaptiveDrafter:
         return (CARRIED_USES * prior + tokens) / (CARRIED_USES + uses) / max(rate.ms, 1e-6)
 
     def _choose(self, available):
+        if self.queueable and self.idle["primary"] < self.wait:  # (handed back lately: `wait`)
+            available = [a for a in available if a != "primary"]
         rates = {a: self.value(self._key(a)) for a in available + ["plain"]}
         for a in available:  # never used: try it
             if rates[a] is None:

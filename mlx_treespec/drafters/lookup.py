@@ -107,6 +107,19 @@ def merge_continuations(root: int, continuations, budget: int, max_depth: Option
     if any(not w > 0 for w in weights):
         raise ValueError("weights must be > 0 (a continuation's frequency contribution)")
 
+    # identical continuations (a text that loops: every match continues alike) walk one trie
+    # path: each is walked once, carrying their summed weight, longest match and first rank,
+    # which are the fields the walks would have left (the same trie, nodes in the same order)
+    merged: Dict[tuple, list] = {}
+    for rank, cont in enumerate(continuations):
+        cut = tuple(int(t) for t in list(cont)[: max_depth if max_depth is not None else len(cont)])
+        if cut in merged:
+            entry = merged[cut]
+            entry[0] += weights[rank]
+            entry[1] = max(entry[1], lengths[rank])
+        else:
+            merged[cut] = [weights[rank], lengths[rank], rank]
+
     # the trie: node 0 is the root; per node its token, depth, children and ranking fields
     kids: List[Dict[int, int]] = [{}]
     tok = [int(root)]
@@ -114,10 +127,9 @@ def merge_continuations(root: int, continuations, budget: int, max_depth: Option
     best_len = [0]
     weight = [0.0]
     first = [m]
-    for rank, cont in enumerate(continuations):
+    for cont, (w, length, rank) in merged.items():
         node = 0
-        for t in list(cont)[: max_depth if max_depth is not None else len(cont)]:
-            t = int(t)
+        for t in cont:
             child = kids[node].get(t)
             if child is None:
                 child = len(tok)
@@ -125,12 +137,12 @@ def merge_continuations(root: int, continuations, budget: int, max_depth: Option
                 kids.append({})
                 tok.append(t)
                 depth.append(depth[node] + 1)
-                best_len.append(lengths[rank])
+                best_len.append(length)
                 weight.append(0.0)
                 first.append(rank)
             node = child
-            best_len[node] = max(best_len[node], lengths[rank])
-            weight[node] += weights[rank]
+            best_len[node] = max(best_len[node], length)
+            weight[node] += w
             first[node] = min(first[node], rank)
 
     def key(c):
