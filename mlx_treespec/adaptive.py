@@ -49,7 +49,7 @@ SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # half the window's tokens. A hand-back is not for good: the primary's arm queues again when
 # chosen (`QueueAhead`), so the first decision comes early. (QUEUED_MIN 8 without the way back,
 # measured once on the H200: no clear gain over 16, bench/RESULTS.md)
-QUEUED_WARM, QUEUED_MIN, QUEUED_AGAIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 8, 4, 32, 0.8
+QUEUED_WARM, QUEUED_MIN, QUEUED_AGAIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 4, 4, 32, 0.8
 
 
 @dataclass(frozen=True)
