@@ -39,7 +39,7 @@ MATCHES = 4  # host match lengths told apart (longer ones count as this)
 SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # Rounds queued ahead (queued.py): the first QUEUED_WARM pay traces and checks and are not booked
 # (queued again later in a generation: the first, the pipeline's start);
-# once QUEUED_MIN rounds (queued again: QUEUED_AGAIN) are booked and their rate over the last QUEUED_WINDOW booked rounds
+# once QUEUED_MIN rounds are booked and their rate over the last QUEUED_WINDOW booked rounds
 # (tokens / ms: not an EWMA, whose few hard rounds ended a generation's queueing for good; not the
 # whole generation, which late on would never move) is below QUEUED_LOSS x plain decoding's, the
 # adaptive rounds take over. Not at 1.0: plain's rate is the start-up fit's, taken in quiet
@@ -47,9 +47,9 @@ SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # than what followed (bench/RESULTS.md, first section). The bar is the better of plain's rate
 # and the host's over the same tokens (`_shadow`), once the host's shadow rounds cover at least
 # half the window's tokens. A hand-back is not for good: the primary's arm queues again when
-# chosen (`QueueAhead`), so the first decision comes early. (QUEUED_MIN 8 without the way back,
-# measured once on the H200: no clear gain over 16, bench/RESULTS.md)
-QUEUED_WARM, QUEUED_MIN, QUEUED_AGAIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 4, 4, 32, 0.8
+# chosen (`QueueAhead`), so the decision comes early (on the H200, 4 beat 8 on all three demo
+# sets; 8 without the way back lost to 16: bench/RESULTS.md, first section)
+QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 4, 32, 0.8
 
 
 @dataclass(frozen=True)
@@ -395,8 +395,7 @@ class AdaptiveDrafter:
             host = total[0] / max(total[1], 1e-6)
             plain = host if plain is None else max(plain, host)
         rate = window / max(sum(m for _, m in booked), 1e-6)
-        least = QUEUED_AGAIN if self.requeued else QUEUED_MIN  # (<= the window)
-        return plain is None or len(booked) < least or rate >= QUEUED_LOSS * plain
+        return plain is None or len(booked) < QUEUED_MIN or rate >= QUEUED_LOSS * plain  # (QUEUED_MIN <= the window)
 
     def _shadow(self):
         """The host drafter follows the queued rounds' text as the adaptive rounds would run it:
@@ -454,7 +453,7 @@ class AdaptiveDrafter:
             self.idle["primary"] = 0
             # queued again and handed back at the first decision: twice as long before the next
             # try (a text where they lose would otherwise pay a window's warm-up every REPROBE)
-            lost = self.requeued and n <= QUEUED_AGAIN
+            lost = self.requeued and n <= QUEUED_MIN
             self.wait = min(2 * self.wait, MAX_STRETCH) if lost else REPROBE
 
     def requeue(self, root):

@@ -567,7 +567,7 @@ def test_queued_rounds_come_back_after_the_round_loop(tmp_path, monkeypatch, n):
 def test_a_hand_back_prices_the_primary_at_its_window_and_it_queues_again():
     # after a hand-back the primary's arm stands at its queued window's rate (1 token per 10 ms
     # here, below plain's 1 per ms) and sits out REPROBE rounds; then the round loop is handed a
-    # QueueAhead, and the queued rounds that follow decide after one unbooked and QUEUED_AGAIN
+    # QueueAhead, and the queued rounds that follow decide after one unbooked and QUEUED_MIN
     # booked rounds. Queued again and lost at once: twice as long before the next try
     calls = []
     stub = types.SimpleNamespace(handed_back=lambda start, tokens: None, requeue=lambda: calls.append("requeue"),
@@ -586,11 +586,11 @@ def test_a_hand_back_prices_the_primary_at_its_window_and_it_queues_again():
         assert isinstance(d.draft(1, 8), adaptive.QueueAhead)
         d.requeue(1)
         assert calls[-1] == "requeue" and d.queued_tokens == [1] and not d.queued
-        answers = [d.queue_more([1], 10.0) for _ in range(1 + adaptive.QUEUED_AGAIN)]
-        assert answers == [True] * adaptive.QUEUED_AGAIN + [False]
+        answers = [d.queue_more([1], 10.0) for _ in range(1 + adaptive.QUEUED_MIN)]
+        assert answers == [True] * adaptive.QUEUED_MIN + [False]
         d.handed_back(100, [1] * len(answers))
     d.requeue(1)  # a try that outlasts its first decision: back to REPROBE
-    d.queued.extend([(9, 1.0)] * (adaptive.QUEUED_AGAIN + 1))
+    d.queued.extend([(9, 1.0)] * (adaptive.QUEUED_MIN + 1))
     d.handed_back(100, [1])
     assert d.wait == adaptive.REPROBE
 
