@@ -30,6 +30,7 @@ __all__ = ["AdaptiveDrafter", "PlainStretch", "QueueAhead", "Calibration", "Rate
 ALPHA = 0.3  # weight of the newest use in an arm's averages
 STRETCH, MAX_STRETCH = 16, 256  # tokens of a plain stretch: first, and after repeated losses
 REPROBE = 16  # available rounds after which an arm not taken is tried once
+MAX_WAIT = 64  # where rounds queue: the most rounds the primary's arm sits out (`handed_back`)
 CARRIED_USES = 1  # weight of the tokens per use carried from earlier generations, in uses
 REPRICE = 1024  # context rows between two asks of `context_costs`
 MATCHES = 4  # host match lengths told apart (longer ones count as this)
@@ -44,11 +45,11 @@ SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # whole generation, which late on would never move) is below QUEUED_LOSS x plain decoding's, the
 # adaptive rounds take over. Not at 1.0: plain's rate is the start-up fit's, taken in quiet
 # conditions. On the H200 an EWMA over 8 rounds handed back where the chain ran 1.1-2.2x faster
-# than what followed (bench/RESULTS.md, first section). The bar is the better of plain's rate
+# than what followed (bench/RESULTS.md, "The retrained hybrid DFlash head"). The bar is the better of plain's rate
 # and the host's over the same tokens (`_shadow`), once the host's shadow rounds cover at least
 # half the window's tokens. A hand-back is not for good: the primary's arm queues again when
 # chosen (`QueueAhead`), so the decision comes early (on the H200, 4 beat 8 on all three demo
-# sets; 8 without the way back lost to 16: bench/RESULTS.md, first section)
+# sets: bench/RESULTS.md, "The default comes back to queued rounds"; 8 without the way back did not pay clearly over 16: bench/RESULTS.md, "The default, three runs of each prompt")
 QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 4, 32, 0.8
 
 
@@ -439,22 +440,21 @@ class AdaptiveDrafter:
     def handed_back(self, start, tokens):
         """Queued rounds ended at `start` context rows, having emitted `tokens` (the last is
         the next root): the drafters catch up, and the adaptive rounds go on. The primary's
-        arm stands at the window's rate (what `_choose` weighs against the others: its rounds
-        are queued rounds on this path) until it is chosen and queued again."""
+        arm (queued rounds, on this path) sits out `wait` rounds, then is tried again."""
         self.primary.handed_back(start, tokens)
         self.context = start + 1
         if self.host is not None:  # what its shadow rounds did not see
             self.host.commit(Draft.root_only(tokens[-1]), np.zeros(1, np.int64), tokens[max(self.shadowed - 1, 0):])
-        if self.queued:
-            n = len(self.queued)
-            emitted, ms = sum(t for t, _ in self.queued), sum(m for _, m in self.queued)
-            self.seen["primary"] = (float(emitted), n)
-            self.rates["primary"].tokens, self.rates["primary"].ms = emitted / n, ms / n
-            self.idle["primary"] = 0
-            # queued again and handed back at the first decision: twice as long before the next
-            # try (a text where they lose would otherwise pay a window's warm-up every REPROBE)
-            lost = self.requeued and n <= QUEUED_MIN
-            self.wait = min(2 * self.wait, MAX_STRETCH) if lost else REPROBE
+        # a try that handed back at its first decision: twice as long before the next (a text
+        # where queued rounds lose would otherwise pay a window's warm-up every REPROBE rounds);
+        # one that outlasted it won for a while, as speculation winning resets a stretch
+        n = len(self.queued)
+        if self.requeued and n <= QUEUED_MIN:
+            self.wait = min(2 * self.wait, MAX_WAIT)
+        else:
+            self.wait = REPROBE
+            if n > QUEUED_MIN:
+                self.stretch = STRETCH
 
     def requeue(self, root):
         """The loop queues rounds again from `root` (a `QueueAhead` chosen): a fresh window (the
@@ -517,7 +517,10 @@ class AdaptiveDrafter:
         return (CARRIED_USES * prior + tokens) / (CARRIED_USES + uses) / max(rate.ms, 1e-6)
 
     def _choose(self, available):
-        if self.queueable and self.idle["primary"] < self.wait:  # (handed back lately: `wait`)
+        if self.queueable and "primary" in available:  # queued rounds: tried again after `wait`
+            if self.idle["primary"] >= self.wait:
+                self.after_stretch = False  # (queue_more judges the try)
+                return "primary"
             available = [a for a in available if a != "primary"]
         rates = {a: self.value(self._key(a)) for a in available + ["plain"]}
         for a in available:  # never used: try it

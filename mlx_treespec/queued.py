@@ -53,12 +53,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     None at the end of the generation, or (root, tokens emitted) where the drafter's
     `queue_more` handed it back: the caches then hold every emitted token but `root`, and no
     token is held."""
-    verify.install(model)  # per-token RoPE positions
     root, n = resume if resume is not None else (prompt[-1], 0)
-    if resume is None:
-        drafter.prefill(prompt, hidden)
-    else:
-        drafter.requeue(root)
     ahead, eager = drafter.ahead, whole_buffer_forward(model, capture)
     keys, values = [c.keys for c in caches], [c.values for c in caches]
     start = caches[0].offset  # host: rows the caches hold (all but `root`, the pending token)
@@ -99,11 +94,16 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         return (choice[count - 1].reshape(1), rows, count, dev_start + count), (logits, choice, count)
 
     more = getattr(drafter, "queue_more", None)
-    nxt, out = queue(mx.array([root], mx.uint32), None, None, mx.array(start, mx.int32))
-    mx.async_eval(out[1], out[2])
     delivered, accepted, handed, everything, failed = 0, 0, False, [], False
-    tic = time.perf_counter()
-    try:
+    try:  # (from the first call: an error anywhere still lands the pending root)
+        verify.install(model)  # per-token RoPE positions
+        if resume is None:
+            drafter.prefill(prompt, hidden)
+        else:
+            drafter.requeue(root)
+        nxt, out = queue(mx.array([root], mx.uint32), None, None, mx.array(start, mx.int32))
+        mx.async_eval(out[1], out[2])
+        tic = time.perf_counter()
         while True:
             logits, choice, count = out
             nxt, out = queue(*nxt)  # round r + 1, queued before round r is read

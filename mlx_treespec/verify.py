@@ -461,7 +461,7 @@ def compiled_forward(model, capture, n, args, reference):
     first check paid for the trace and the kernel plans; one sample per shape), and a shape
     whose eager forward was the faster runs eagerly from then on: compiling saves host time per
     op, but on the H200 the compiled forward's attention over long key buffers cost more than
-    all it saved (bench/RESULTS.md, first section).
+    all it saved (bench/RESULTS.md, "Long-context verify").
 
     Returns (result, trusted): the compiled (logits, rows, keys, values) with trusted True, or
     the reference's result with False; None where the eager path runs."""

@@ -1,5 +1,6 @@
 """Adaptive drafting: exact whatever it picks (rounds that switch drafter, rounds with no draft),
 and its choices are what the arithmetic says for a mocked cost curve (CPU, tiny models)."""
+import contextlib
 import json
 
 import types
@@ -519,8 +520,9 @@ def test_the_default_queues_dflash_chains_and_hands_back_when_they_lose(tmp_path
 
 class Requeues(Scripted):
     """Scripted arms; queued rounds hand back after `per_entry` rounds each time they run. Checks
-    at every requeue that the DFlash context holds every row before the root (`context - 1`)
-    with nothing pending, where its chain starts."""
+    at every requeue that the DFlash context holds every row of this turn before the root
+    (`context - 1`, less a prompt cache's earlier turns) with nothing pending, where its chain
+    starts."""
 
     def __init__(self, script, per_entry, **kw):
         super().__init__(script, **kw)
@@ -535,15 +537,16 @@ class Requeues(Scripted):
         super().requeue(root)
         self.left = self.per_entry
         p = self.primary
-        self.requeues.append((p.length, self.context - 1, p.pending is None and p._queued is None))
+        self.requeues.append((p.length, self.context - 1 - self.prefix, p.pending is None and p._queued is None))
 
 
-@pytest.mark.parametrize("n", [12, 1000])
+@pytest.mark.parametrize("n", [12, 1000, "second turn"])
 def test_queued_rounds_come_back_after_the_round_loop(tmp_path, monkeypatch, n):
     # where rounds queue (the GPU path, here on CPU), a hand-back is not for good: the primary's
     # arm chosen in the round loop queues its chains again from the root (held tokens forwarded
     # first, the DFlash context written to the end); tokens stay plain decoding's through every
-    # kind of switch (a 1000-token prompt: buffers grown in between)
+    # kind of switch (a 1000-token prompt: buffers grown in between; a second turn over a
+    # prompt cache: the DFlash context counts this turn's rows only)
     import mlx_treespec.verify as verify
     from test_dflash import QueuedOracle
 
@@ -551,24 +554,96 @@ def test_queued_rounds_come_back_after_the_round_loop(tmp_path, monkeypatch, n):
     monkeypatch.setattr(adaptive, "STRETCH", 5)
     target = tiny.build(tiny.CONFIGS["qwen3"])
     bound = bind_dflash(save_random(tmp_path / "dflash", dflash_config(tiny.CONFIGS["qwen3"])), target)
-    prompt = repetitive() if n == 12 else np.random.default_rng(1).integers(0, tiny.VOCAB, n).tolist() + repetitive()
+    prompt = np.random.default_rng(1).integers(0, tiny.VOCAB, n).tolist() + repetitive() if n == 1000 else repetitive()
     d = Requeues(["host", "primary", "plain", "host", "host", "primary"], 3,
                  primary=QueuedOracle(bound, target, budget=12), host=LookupDrafter(8, 6), costs=(1.0, flat(1.0)))
+    if n == "second turn":
+        import mlx.core as mx
+        from mlx_lm.generate import generate_step
+        from test_reliability import mlx_cache_after
+
+        earlier = list(range(20))
+        first = plain(target, earlier, n=8)
+        cache, ref_cache = mlx_cache_after(target, earlier, first, {}), mlx_cache_after(target, earlier, first, {})
+        out, stats = run(target, d, prompt, n=96, prompt_cache=cache)
+        want = [t for t, _ in generate_step(mx.array(prompt), target, max_tokens=96, prompt_cache=ref_cache)]
+        assert d.prefix > 0 and out == want
+        return _requeued(d, stats, check_held=False)
     out, stats = run(target, d, prompt, n=96)
     assert out == plain(target, prompt, n=96)
+    _requeued(d, stats, check_held=n == 12)
+
+
+def _requeued(d, stats, check_held):
     entries = [i for i, k in enumerate(stats.drafter) if k == "queued" and (i == 0 or stats.drafter[i - 1] != "queued")]
     assert len(entries) >= 3 and len(d.requeues) == len(entries) - 1, stats.drafter
     assert all(length == rows and clean for length, rows, clean in d.requeues), d.requeues
-    if n == 12:  # (this text's lookup rounds hold tokens before a requeue)
+    if check_held:  # (this text's lookup rounds hold tokens before a requeue)
         assert any(stats.held[i - 1] for i in entries[1:]), "no requeue forwarded held tokens"
     assert {"lookup", "plain"} <= set(stats.drafter)
 
 
-def test_a_hand_back_prices_the_primary_at_its_window_and_it_queues_again():
-    # after a hand-back the primary's arm stands at its queued window's rate (1 token per 10 ms
-    # here, below plain's 1 per ms) and sits out REPROBE rounds; then the round loop is handed a
-    # QueueAhead, and the queued rounds that follow decide after one unbooked and QUEUED_MIN
-    # booked rounds. Queued again and lost at once: twice as long before the next try
+@pytest.mark.parametrize("end", ["cut", "stop token", "max_tokens", "requeue raises"])
+def test_a_prompt_cache_holds_every_token_through_a_requeue(tmp_path, monkeypatch, end):
+    # a generation that ends inside queued rounds the round loop handed back to (the consumer
+    # stops, a stop token, max_tokens), or at the requeue itself (an error), leaves a prompt
+    # cache holding the prompt and every delivered token (mlx-lm's rule), as one that ends
+    # anywhere else
+    import mlx_treespec.verify as verify
+    from mlx_lm.models.cache import make_prompt_cache
+    from test_dflash import QueuedOracle
+    from test_reliability import check_cache_holds
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    monkeypatch.setattr(adaptive, "STRETCH", 5)
+    target = tiny.build(tiny.CONFIGS["qwen3"])
+    bound = bind_dflash(save_random(tmp_path / "dflash", dflash_config(tiny.CONFIGS["qwen3"])), target)
+    prompt = repetitive()
+
+    def make():
+        return Requeues(["host", "primary", "plain", "host", "host", "primary"], 3,
+                        primary=QueuedOracle(bound, target, budget=12), host=LookupDrafter(8, 6),
+                        costs=(1.0, flat(1.0)))
+
+    ref = plain(target, prompt, n=96)
+    _, stats = run(target, make(), prompt, n=96)
+    # the token positions the second queued period emitted (after a requeue)
+    spans, pos, entry = [], 0, 0
+    for i, (kind, e) in enumerate(zip(stats.drafter, stats.emitted)):
+        entry += kind == "queued" and (i == 0 or stats.drafter[i - 1] != "queued")
+        if kind == "queued" and entry == 2:
+            spans += range(pos, pos + e)
+        pos += e
+    firsts = [p for p in spans if ref.index(ref[p]) == p]
+    assert firsts, "the requeued rounds emitted no token seen for the first time"
+    k = firsts[len(firsts) // 2] + 1  # tokens delivered, the last from the requeued rounds
+    kw = dict(max_tokens=k if end == "max_tokens" else 96)
+    if end == "stop token":
+        kw["stop_tokens"] = [ref[k - 1]]
+    cache = make_prompt_cache(target)
+    d = make()
+    if end == "requeue raises":
+        def fails(root):
+            raise RuntimeError("requeue")
+        d.requeue = fails
+    steps = tree_generate_step(prompt, target, d, prompt_cache=cache, **kw)
+    got = []
+    with pytest.raises(RuntimeError) if end == "requeue raises" else contextlib.nullcontext():
+        for t, _, _ in steps:
+            got.append(t)
+            if end == "cut" and len(got) == k:
+                break
+    steps.close()
+    assert got == ref[: len(got) if end == "requeue raises" else k] and got
+    check_cache_holds(target, cache, prompt, got, {})
+
+
+def test_after_a_hand_back_queued_rounds_sit_out_a_wait_then_are_tried_again():
+    # where rounds queue, the primary's arm is queued rounds: after a hand-back it sits out
+    # REPROBE rounds (plain here: no host), then the round loop is handed a QueueAhead, and the
+    # queued rounds that follow decide after one unbooked and QUEUED_MIN booked rounds. A try
+    # that hands back at its first decision doubles the wait (up to MAX_WAIT); one that outlasts
+    # it resets the wait and the stretch. Plain stretches never double on the way
     calls = []
     stub = types.SimpleNamespace(handed_back=lambda start, tokens: None, requeue=lambda: calls.append("requeue"),
                                  reset=lambda: None, prefill=lambda prompt: None, chain_ahead=None)
@@ -580,8 +655,11 @@ def test_a_hand_back_prices_the_primary_at_its_window_and_it_queues_again():
         rounds += 1
     assert rounds == adaptive.QUEUED_WARM + adaptive.QUEUED_MIN - 1
     d.handed_back(100, [1] * (rounds + 1))
-    assert d.value("primary") == pytest.approx(0.1)
-    for wait in (adaptive.REPROBE, 2 * adaptive.REPROBE, 4 * adaptive.REPROBE):
+    waits = [adaptive.REPROBE * 2 ** k for k in range(4)]
+    assert waits[-1] > adaptive.MAX_WAIT
+    for wait in waits:
+        wait = min(wait, adaptive.MAX_WAIT)
+        assert d.wait == wait
         assert [d.choose(["primary"]) for _ in range(wait)] == ["plain"] * wait
         assert isinstance(d.draft(1, 8), adaptive.QueueAhead)
         d.requeue(1)
@@ -589,10 +667,15 @@ def test_a_hand_back_prices_the_primary_at_its_window_and_it_queues_again():
         answers = [d.queue_more([1], 10.0) for _ in range(1 + adaptive.QUEUED_MIN)]
         assert answers == [True] * adaptive.QUEUED_MIN + [False]
         d.handed_back(100, [1] * len(answers))
-    d.requeue(1)  # a try that outlasts its first decision: back to REPROBE
+        assert d.stretch == adaptive.STRETCH and not d.probing
+    d.stretch = 4 * adaptive.STRETCH
+    d.requeue(1)  # a try that outlasts its first decision: back to REPROBE and STRETCH
     d.queued.extend([(9, 1.0)] * (adaptive.QUEUED_MIN + 1))
     d.handed_back(100, [1])
-    assert d.wait == adaptive.REPROBE
+    assert d.wait == adaptive.REPROBE and d.stretch == adaptive.STRETCH
+    d.after_stretch, d.idle["primary"] = True, d.wait  # right after a stretch, the wait over:
+    assert d.choose(["primary", "host"]) == "primary"  # tried, and not as the stretch's probe
+    assert not d.probing and not d.after_stretch
 
 
 def test_queued_rounds_hand_back_to_a_host_that_would_draft_faster():

@@ -260,6 +260,7 @@ class DFlashDrafter:
         self.length = 0  # context rows held (= the position of the next root)
         self.pending = None  # context features not yet projected [n, n*H]
         self._queued = None  # rounds queued ahead: (context rows on the device, a host bound on them)
+        self._entry = 0  # the context rows when the rounds under way began to queue
 
     def _room(self, rows):
         """Grow every layer's buffers (a multiple of `width_step()`: each width is a trace of
@@ -412,6 +413,7 @@ class DFlashDrafter:
         B = self.block
         if self._queued is None:
             self._queued = (mx.array(self.length, mx.int32), self.length)
+            self._entry = self.length
         L0, bound = self._queued  # the context rows, and at most how many: room for this block
         self._room(bound + 2 * B)
         feats = self._block_rows(rows)  # rows past `count` are written after the context, hidden
@@ -423,10 +425,13 @@ class DFlashDrafter:
         self.forwards = 1
         return mx.argmax(logits[1 : self.depth + 1], axis=-1).astype(mx.uint32)
 
-    def handed_back(self, start, tokens=()):
-        """Rounds queued ahead ended (queued.py): every context row before `start` is written
-        (the round queued past the end wrote the last round's), and the round loop drafts next."""
-        self.length, self.pending, self._queued = int(start), None, None
+    def handed_back(self, start, tokens):
+        """Rounds queued ahead ended (queued.py) at the target's `start` rows, having emitted
+        `tokens`: the context gained a row for the root they started from and for each of them
+        but the last, the next root (the round queued past the end wrote the last round's), and the round loop drafts next.
+        (Counted from the rows at entry, not `start`: a prompt cache's earlier turns are in
+        the target's rows, not in this context.)"""
+        self.length, self.pending, self._queued = self._entry + len(tokens), None, None
 
     def requeue(self):
         """Rounds are queued again from here (after the round loop's): every pending context

@@ -100,6 +100,7 @@ def merge_continuations(root: int, continuations, budget: int, max_depth: Option
         raise ValueError(f"budget must be >= 0, got {budget}")
     check_branches(branches)
     m = len(continuations)
+    unit = weights is None
     weights = [1.0] * m if weights is None else [float(w) for w in weights]
     lengths = [0] * m if lengths is None else [int(x) for x in lengths]
     if len(weights) != m or len(lengths) != m:
@@ -109,16 +110,19 @@ def merge_continuations(root: int, continuations, budget: int, max_depth: Option
 
     # identical continuations (a text that loops: every match continues alike) walk one trie
     # path: each is walked once, carrying their summed weight, longest match and first rank,
-    # which are the fields the walks would have left (the same trie, nodes in the same order)
-    merged: Dict[tuple, list] = {}
+    # which are the fields the walks would have left (the same trie, nodes in the same order).
+    # Only with unit weights: float sums in another order could break a tie differently
+    walks: List[list] = []  # [tokens, weight, match length, rank], in rank order
+    seen: Dict[tuple, list] = {}
     for rank, cont in enumerate(continuations):
         cut = tuple(int(t) for t in list(cont)[: max_depth if max_depth is not None else len(cont)])
-        if cut in merged:
-            entry = merged[cut]
-            entry[0] += weights[rank]
-            entry[1] = max(entry[1], lengths[rank])
+        if unit and cut in seen:
+            entry = seen[cut]
+            entry[1] += weights[rank]
+            entry[2] = max(entry[2], lengths[rank])
         else:
-            merged[cut] = [weights[rank], lengths[rank], rank]
+            walks.append([cut, weights[rank], lengths[rank], rank])
+            seen[cut] = walks[-1]
 
     # the trie: node 0 is the root; per node its token, depth, children and ranking fields
     kids: List[Dict[int, int]] = [{}]
@@ -127,7 +131,7 @@ def merge_continuations(root: int, continuations, budget: int, max_depth: Option
     best_len = [0]
     weight = [0.0]
     first = [m]
-    for cont, (w, length, rank) in merged.items():
+    for cont, w, length, rank in walks:
         node = 0
         for t in cont:
             child = kids[node].get(t)
