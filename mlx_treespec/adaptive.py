@@ -4,8 +4,8 @@
 DFlash, a draft model, an MTP or EAGLE-3 head; where rounds can be queued ahead, `QueueAhead`:
 the loop queues the primary's chains until `queue_more` hands back), `host` (prompt lookup or a
 suffix index, where it matched the text) or `plain` (`PlainStretch(n)`: the loop decodes n
-tokens plainly, pipelined as mlx-lm, then hands the drafters what they missed in `catch_up`). An arm's rate is its
-tokens per use over its wall ms per use: the ms carry over between generations, the tokens are
+tokens plainly, pipelined as mlx-lm, then hands the drafters what they missed in `catch_up`).
+An arm's rate is its tokens per use over its wall ms per use: the ms carry over between generations, the tokens are
 re-learned per text (`value`); a DFlash round's node budget is the one with the most expected
 tokens per ms (`choose_budget`, over calibrated node probabilities and the cost fit at the
 generation's context). The rules, their constants and the tests that pin them are
@@ -45,11 +45,12 @@ SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # whole generation, which late on would never move) is below QUEUED_LOSS x plain decoding's, the
 # adaptive rounds take over. Not at 1.0: plain's rate is the start-up fit's, taken in quiet
 # conditions. On the H200 an EWMA over 8 rounds handed back where the chain ran 1.1-2.2x faster
-# than what followed (bench/RESULTS.md, "The retrained hybrid DFlash head"). The bar is the better of plain's rate
-# and the host's over the same tokens (`_shadow`), once the host's shadow rounds cover at least
-# half the window's tokens. A hand-back is not for good: the primary's arm queues again when
-# chosen (`QueueAhead`), so the decision comes early (on the H200, 4 beat 8 on all three demo
-# sets: bench/RESULTS.md, "The default comes back to queued rounds"; 8 without the way back did not pay clearly over 16: bench/RESULTS.md, "The default, three runs of each prompt")
+# than what followed (bench/RESULTS.md, "The retrained hybrid DFlash head"). The bar is the
+# better of plain's rate and the host's over the same tokens (`_shadow`), once the host's shadow
+# rounds cover at least half the window's tokens. A hand-back is not for good: the primary's
+# arm queues again when chosen (`QueueAhead`), so the decision comes early (on the H200 4 beat
+# 8 on all three demo sets: bench/RESULTS.md, "The default comes back to queued rounds"; 8
+# without the way back did not pay clearly over 16: "The default, three runs of each prompt")
 QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 4, 32, 0.8
 
 

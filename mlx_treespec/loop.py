@@ -429,7 +429,8 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
                 _forward(model, caches, part, quantize)  # (one at a time where rows are not steps)
             mx.eval([c.state for c in caches])
 
-    failed = queued = False  # an error (not the consumer's stop) unwinds the generation
+    failed = False  # an error (not the consumer's stop) unwinds the generation
+    queued = False  # handed to queued rounds: the generation goes on there
     try:
         if resume is None:  # (else the drafter was prefilled and caught up: queued.py)
             drafter.prefill(prompt, hidden) if capture else drafter.prefill(prompt)

@@ -537,7 +537,8 @@ class Requeues(Scripted):
         super().requeue(root)
         self.left = self.per_entry
         p = self.primary
-        self.requeues.append((p.length, self.context - 1 - self.prefix, p.pending is None and p._queued is None))
+        clean = p.pending is None and p._queued is None
+        self.requeues.append((p.length, self.context - 1 - self.prefix, clean))
 
 
 @pytest.mark.parametrize("n", [12, 1000, "second turn"])
@@ -554,7 +555,9 @@ def test_queued_rounds_come_back_after_the_round_loop(tmp_path, monkeypatch, n):
     monkeypatch.setattr(adaptive, "STRETCH", 5)
     target = tiny.build(tiny.CONFIGS["qwen3"])
     bound = bind_dflash(save_random(tmp_path / "dflash", dflash_config(tiny.CONFIGS["qwen3"])), target)
-    prompt = np.random.default_rng(1).integers(0, tiny.VOCAB, n).tolist() + repetitive() if n == 1000 else repetitive()
+    prompt = repetitive()
+    if n == 1000:
+        prompt = np.random.default_rng(1).integers(0, tiny.VOCAB, n).tolist() + prompt
     d = Requeues(["host", "primary", "plain", "host", "host", "primary"], 3,
                  primary=QueuedOracle(bound, target, budget=12), host=LookupDrafter(8, 6), costs=(1.0, flat(1.0)))
     if n == "second turn":
@@ -564,7 +567,7 @@ def test_queued_rounds_come_back_after_the_round_loop(tmp_path, monkeypatch, n):
 
         earlier = list(range(20))
         first = plain(target, earlier, n=8)
-        cache, ref_cache = mlx_cache_after(target, earlier, first, {}), mlx_cache_after(target, earlier, first, {})
+        cache, ref_cache = (mlx_cache_after(target, earlier, first, {}) for _ in range(2))
         out, stats = run(target, d, prompt, n=96, prompt_cache=cache)
         want = [t for t, _ in generate_step(mx.array(prompt), target, max_tokens=96, prompt_cache=ref_cache)]
         assert d.prefix > 0 and out == want
@@ -575,7 +578,8 @@ def test_queued_rounds_come_back_after_the_round_loop(tmp_path, monkeypatch, n):
 
 
 def _requeued(d, stats, check_held):
-    entries = [i for i, k in enumerate(stats.drafter) if k == "queued" and (i == 0 or stats.drafter[i - 1] != "queued")]
+    entries = [i for i, k in enumerate(stats.drafter)
+               if k == "queued" and (i == 0 or stats.drafter[i - 1] != "queued")]
     assert len(entries) >= 3 and len(d.requeues) == len(entries) - 1, stats.drafter
     assert all(length == rows and clean for length, rows, clean in d.requeues), d.requeues
     if check_held:  # (this text's lookup rounds hold tokens before a requeue)

@@ -427,10 +427,10 @@ class DFlashDrafter:
 
     def handed_back(self, start, tokens):
         """Rounds queued ahead ended (queued.py) at the target's `start` rows, having emitted
-        `tokens`: the context gained a row for the root they started from and for each of them
-        but the last, the next root (the round queued past the end wrote the last round's), and the round loop drafts next.
-        (Counted from the rows at entry, not `start`: a prompt cache's earlier turns are in
-        the target's rows, not in this context.)"""
+        `tokens`; the round loop drafts next. The context gained a row for the root they started
+        from and for each of them but the last, the next root (the round queued past the end
+        wrote the last round's): counted from the rows at entry, not `start`, as a prompt
+        cache's earlier turns are in the target's rows, not in this context."""
         self.length, self.pending, self._queued = self._entry + len(tokens), None, None
 
     def requeue(self):
