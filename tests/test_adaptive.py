@@ -541,13 +541,11 @@ class Requeues(Scripted):
         self.requeues.append((p.length, self.context - 1 - self.prefix, clean))
 
 
-@pytest.mark.parametrize("n", [12, 1000, "second turn"])
-def test_queued_rounds_come_back_after_the_round_loop(tmp_path, monkeypatch, n):
-    # where rounds queue (the GPU path, here on CPU), a hand-back is not for good: the primary's
-    # arm chosen in the round loop queues its chains again from the root (held tokens forwarded
-    # first, the DFlash context written to the end); tokens stay plain decoding's through every
-    # kind of switch (a 1000-token prompt: buffers grown in between; a second turn over a
-    # prompt cache: the DFlash context counts this turn's rows only)
+@pytest.fixture
+def requeuing(tmp_path, monkeypatch):
+    """The GPU path on CPU (rounds queue), a tiny target, and a maker of scripted drafters whose
+    queued rounds hand back after 3 rounds and are requeued (this text's lookup rounds hold
+    tokens before a requeue)."""
     import mlx_treespec.verify as verify
     from test_dflash import QueuedOracle
 
@@ -555,11 +553,27 @@ def test_queued_rounds_come_back_after_the_round_loop(tmp_path, monkeypatch, n):
     monkeypatch.setattr(adaptive, "STRETCH", 5)
     target = tiny.build(tiny.CONFIGS["qwen3"])
     bound = bind_dflash(save_random(tmp_path / "dflash", dflash_config(tiny.CONFIGS["qwen3"])), target)
+
+    def make():
+        return Requeues(["host", "primary", "plain", "host", "host", "primary"], 3,
+                        primary=QueuedOracle(bound, target, budget=12), host=LookupDrafter(8, 6),
+                        costs=(1.0, flat(1.0)))
+
+    return target, make
+
+
+@pytest.mark.parametrize("n", [12, 1000, "second turn"])
+def test_queued_rounds_come_back_after_the_round_loop(requeuing, n):
+    # where rounds queue (the GPU path, here on CPU), a hand-back is not for good: the primary's
+    # arm chosen in the round loop queues its chains again from the root (held tokens forwarded
+    # first, the DFlash context written to the end); tokens stay plain decoding's through every
+    # kind of switch (a 1000-token prompt: buffers grown in between; a second turn over a
+    # prompt cache: the DFlash context counts this turn's rows only)
+    target, make = requeuing
     prompt = repetitive()
     if n == 1000:
         prompt = np.random.default_rng(1).integers(0, tiny.VOCAB, n).tolist() + prompt
-    d = Requeues(["host", "primary", "plain", "host", "host", "primary"], 3,
-                 primary=QueuedOracle(bound, target, budget=12), host=LookupDrafter(8, 6), costs=(1.0, flat(1.0)))
+    d = make()
     if n == "second turn":
         import mlx.core as mx
         from mlx_lm.generate import generate_step
@@ -588,26 +602,16 @@ def _requeued(d, stats, check_held):
 
 
 @pytest.mark.parametrize("end", ["cut", "stop token", "max_tokens", "requeue raises"])
-def test_a_prompt_cache_holds_every_token_through_a_requeue(tmp_path, monkeypatch, end):
+def test_a_prompt_cache_holds_every_token_through_a_requeue(requeuing, end):
     # a generation that ends inside queued rounds the round loop handed back to (the consumer
     # stops, a stop token, max_tokens), or at the requeue itself (an error), leaves a prompt
     # cache holding the prompt and every delivered token (mlx-lm's rule), as one that ends
     # anywhere else
-    import mlx_treespec.verify as verify
     from mlx_lm.models.cache import make_prompt_cache
-    from test_dflash import QueuedOracle
     from test_reliability import check_cache_holds
 
-    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
-    monkeypatch.setattr(adaptive, "STRETCH", 5)
-    target = tiny.build(tiny.CONFIGS["qwen3"])
-    bound = bind_dflash(save_random(tmp_path / "dflash", dflash_config(tiny.CONFIGS["qwen3"])), target)
+    target, make = requeuing
     prompt = repetitive()
-
-    def make():
-        return Requeues(["host", "primary", "plain", "host", "host", "primary"], 3,
-                        primary=QueuedOracle(bound, target, budget=12), host=LookupDrafter(8, 6),
-                        costs=(1.0, flat(1.0)))
 
     ref = plain(target, prompt, n=96)
     _, stats = run(target, make(), prompt, n=96)
