@@ -5,8 +5,8 @@ DFlash, a draft model, an MTP or EAGLE-3 head; where rounds can be queued ahead,
 the loop queues the primary's chains until `queue_more` hands back), `host` (prompt lookup or a
 suffix index, where it matched the text) or `plain` (`PlainStretch(n)`: the loop decodes n
 tokens plainly, pipelined as mlx-lm, then hands the drafters what they missed in `catch_up`).
-An arm's rate is its tokens per use over its wall ms per use: the ms carry over between generations, the tokens are
-re-learned per text (`value`); a DFlash round's node budget is the one with the most expected
+An arm's rate is its tokens per use over its wall ms per use: the ms carry over between
+generations, the tokens are re-learned per text (`value`); a DFlash round's node budget is the one with the most expected
 tokens per ms (`choose_budget`, over calibrated node probabilities and the cost fit at the
 generation's context). The rules, their constants and the tests that pin them are
 docs/design.md's "Adaptive drafting". Exactness does not depend on any of it: every arm drafts
