@@ -16,7 +16,8 @@
 #   drafters the demo hybrid: the attention draft model (/d1) against the hybrid one (/d2, HYBRID_DRAFTER),
 #            beside plain, the default and the DFlash arms, on unseen, held-out and editing prompts
 #   default  the default (queued DFlash where rounds queue, then adaptive) vs plain and the fixed arms,
-#            on DEFAULT_TARGETS (demo; "demo demo-hybrid" for both); REPS runs of each prompt, pooled
+#            on DEFAULT_TARGETS (demo; "demo demo-hybrid" for both); REPS runs of each prompt, pooled;
+#            DEFAULT_ARMS replaces the arms (e.g. adding dflash:15/sync, the chain through the round loop)
 # DFLASH, HYBRID_DFLASH, EAGLE3 override the shipped demo drafters (folders).
 set -u
 export PYTHONPATH=/root/mlx-site:$PWD PYTHONUNBUFFERED=1
@@ -67,7 +68,7 @@ for section in "$@"; do
               --prompts unseen,heldout,editing --n $N --max-tokens $TOKENS --seconds ${DRAFTERS_SECONDS:-420} --out "$OUT/drafters" ;;
     default) for t in ${DEFAULT_TARGETS:-demo}; do
             timeout ${DEFAULT_TIMEOUT:-500} python3 bench/run.py loop --section default_$t --target $t \
-              --arms plain,auto:dflash,dflash:15,ddtree:31,lookup:16:8 \
+              --arms ${DEFAULT_ARMS:-plain,auto:dflash,dflash:15,ddtree:31,lookup:16:8} \
               --prompts unseen,heldout,editing --n $N --reps ${REPS:-1} --max-tokens $TOKENS --seconds ${DEFAULT_SECONDS:-400} --out "$OUT/default_$t"
           done ;;
   esac

@@ -83,6 +83,7 @@ __all__ = [
     "tree_conv1d",
     "gdn_layer_tree_forward",
     "gdn_layer_commit",
+    "gdn_chain_prefix",
     "forkable",
     "kernel_body",
     "kernel_backend",
@@ -720,6 +721,7 @@ def gdn_layer_tree_forward(layer, x: mx.array, cache, parents,
     for every node ``[B, T, D]`` (what plain decoding along the node's root path produces at
     that node; bitwise on CPU) and the replay payload for :func:`gdn_layer_commit`.
 
+    ``parents``: round parents, or their :class:`TreePlan` (built once for a forward's layers).
     ``prior``: the payload of the round's earlier forwards through this layer (a draft model
     forwards each draft step over the nodes before it). The new nodes then continue that
     round: ``parents`` index all its nodes (the prior ones first), -1 the committed state; the
@@ -729,10 +731,9 @@ def gdn_layer_tree_forward(layer, x: mx.array, cache, parents,
     _check_cache(cache)
     B, S, _ = x.shape
     first = 0 if prior is None else prior["parents"].size
-    parents = np.asarray(parents, np.int64)
     if prior is not None:
-        parents = np.concatenate([prior["parents"], parents])
-    plan = tree_plan(parents, first + S)
+        parents = np.concatenate([prior["parents"], np.asarray(parents, np.int64)])
+    plan = tree_plan(parents, first + S)  # (a plan as is: one per forward serves every layer)
     parents = plan.parents
     K = layer.conv_kernel_size
     conv = layer.conv1d
@@ -842,3 +843,32 @@ def gdn_layer_commit(layer, cache, payload: Dict[str, Any], path, apply: bool = 
     if not apply:
         return write
     write()
+
+
+def gdn_chain_prefix(payload: Dict[str, Any], count: mx.array) -> Tuple[mx.array, mx.array]:
+    """A chain forward's states after its first ``count`` nodes, with ``count`` (mx int32) a
+    device value the host has not read: (conv state, recurrent state), what
+    :func:`gdn_layer_commit` of the path ``[0, count)`` writes (bitwise on CPU).
+
+    The replay runs over every node of the chain: nodes from ``count`` on decay by 1 and write
+    with beta 0, which leaves the state as it is (``state * 1`` and ``state + k * 0``), so its
+    length need not be known (rounds queued ahead: queued.py).
+    """
+    parents = payload["parents"]
+    T = int(parents.size)
+    if not np.array_equal(parents, chain_parents(T)):
+        raise ValueError("gdn_chain_prefix needs a chain forward's payload")
+    steps = mx.arange(T, dtype=mx.int32)
+    conv_input = mx.concatenate([payload["conv_state"], payload["qkv"]], axis=1)
+    keep = payload["conv_state"].shape[1]  # the conv's K-1 last inputs
+    conv = mx.take(conv_input, count + mx.arange(keep, dtype=mx.int32), axis=1)
+
+    def live(a, dead):  # [B, T, ...]: the node's value before `count`, `dead` after
+        mask = (steps < count).reshape((1, T) + (1,) * (a.ndim - 2))
+        return mx.where(mask, a, mx.array(dead, a.dtype))
+
+    _, state = tree_gated_delta(
+        payload["q"], payload["k"], payload["v"], live(payload["g"], 1), live(payload["beta"], 0),
+        payload["state"], chain_plan(T), payload["use_kernel"], return_final_state=True,
+    )
+    return conv, state

@@ -15,8 +15,13 @@ offset are masked and overwritten by the next round. Stopping (the tokens left, 
 the consumer) is decided on the host one round late: the round queued past the end writes only
 rows past the committed offset, so the caches end as if it never ran.
 
-Where it runs (`can_queue`): greedy decoding, plain KV caches (not quantized, not rotating, no
-recurrent layers), whole-buffer attention (GPUs: `verify.pad_keys_default`), a drafter with
+A hybrid's recurrent layers (GatedDeltaNet) scan the chain from their committed states; their
+commit runs the scan again over the whole chain with the nodes from the accepted count on made
+inert (`gdn.gdn_chain_prefix`), so it too needs no host value. The host keeps, per recurrent
+layer, the states that match the rows it has read (`settled`), and writes those at the end.
+
+Where it runs (`can_queue`): greedy decoding, plain KV caches (not quantized, not rotating) and
+GatedDeltaNet states, whole-buffer attention (GPUs: `verify.pad_keys_default`), a drafter with
 `ahead`. Elsewhere the round loop runs. A drafter may also offer `queue_more(emitted, ms)`,
 asked after every round with the tokens it emitted and its wall ms: False hands the generation
 back to the round loop at that round's end (an adaptive drafter whose queued chains lose to
@@ -32,6 +37,7 @@ import numpy as np
 import mlx.core as mx
 
 from . import verify
+from .cache import cache_kind
 from .verify import compiled_forward, grown, whole_buffer_forward
 
 __all__ = ["can_queue", "queued_rounds"]
@@ -40,8 +46,17 @@ __all__ = ["can_queue", "queued_rounds"]
 def can_queue(drafter, caches, greedy, kv_bits):
     """Whether a generation's rounds may be queued ahead (see the module docstring)."""
     return (getattr(drafter, "ahead", None) is not None and greedy and kv_bits is None
-            and verify.pad_keys_default() and bool(caches)
-            and all(type(c).__name__ == "KVCache" and c.keys is not None for c in caches))
+            and verify.pad_keys_default() and any(type(c).__name__ == "KVCache" for c in caches)
+            and all(_queueable(c) for c in caches))
+
+
+def _queueable(cache):
+    """A plain KV cache, or a recurrent layer's state (the gate admits GatedDeltaNet layers only),
+    holding the prompt."""
+    if type(cache).__name__ == "KVCache":
+        return cache.keys is not None
+    return (cache_kind(cache) == "arrays" and cache[1] is not None and cache.lengths is None
+            and cache.left_padding is None)
 
 
 def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, stop_tokens, stats, land,
@@ -53,10 +68,17 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     None at the end of the generation, or (root, tokens emitted) where the drafter's
     `queue_more` handed it back: the caches then hold every emitted token but `root`, and no
     token is held."""
+    from .gdn import gdn_chain_prefix  # (imported where it is used: the package's import stays light)
+
     root, n = resume if resume is not None else (prompt[-1], 0)
-    ahead, eager = drafter.ahead, whole_buffer_forward(model, capture)
-    keys, values = [c.keys for c in caches], [c.values for c in caches]
-    start = caches[0].offset  # host: rows the caches hold (all but `root`, the pending token)
+    scans = frozenset(i for i, c in enumerate(caches) if cache_kind(c) == "arrays")  # recurrent layers
+    ahead, eager = drafter.ahead, whole_buffer_forward(model, capture, scans)
+    # per layer: K/V buffers, or a recurrent layer's (conv state, recurrent state)
+    keys = [c[0] if i in scans else c.keys for i, c in enumerate(caches)]
+    values = [c[1] if i in scans else c.values for i, c in enumerate(caches)]
+    first_kv = min(set(range(len(caches))) - scans)
+    settled = {i: (keys[i], values[i]) for i in scans}  # recurrent states at the host's `start`
+    start = caches[first_kv].offset  # host: rows the caches hold (all but `root`, the pending token)
     bound = start  # the most rows a queued round may have committed
     consts = {}  # the mask's constants per (width, rows): the rounds are host-bound
 
@@ -73,10 +95,10 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         chain = ahead(dev_root, rows, count)                                                  # draft
         tokens = mx.concatenate([dev_root, chain])
         T = tokens.shape[0]
-        if bound + T > keys[0].shape[2]:  # room for this round's rows, in width_step() steps
-            keys = [grown(k, bound + T) for k in keys]
-            values = [grown(v, bound + T) for v in values]
-        columns, steps, zero, low = mask_constants(keys[0].shape[2], T, keys[0].dtype)
+        if bound + T > keys[first_kv].shape[2]:  # room for this round's rows, in width_step() steps
+            keys = [k if i in scans else grown(k, bound + T) for i, k in enumerate(keys)]
+            values = [v if i in scans else grown(v, bound + T) for i, v in enumerate(values)]
+        columns, steps, zero, low = mask_constants(keys[first_kv].shape[2], T, keys[first_kv].dtype)
         positions = dev_start + steps
         mask = mx.where(columns <= positions[:, None], zero, low)  # history and the chain before each row
         args = (tokens, positions, mask, dev_start.reshape(1), keys, values)
@@ -85,13 +107,19 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             out, h, k, v = eager(*args)
             return out, (h[0][:T] if h else None), k, v
 
-        res = compiled_forward(model, capture, T, args, reference)                            # verify
+        res = None if scans else compiled_forward(model, capture, T, args, reference)        # verify
         logits, rows, keys, values = reference() if res is None else res[0]
         choice = mx.argmax(logits, axis=-1).astype(mx.uint32)
         count = mx.sum(mx.cumprod((chain == choice[:-1]).astype(mx.int32))) + 1               # walk
         bound += T
-        # commit: the root and the accepted chain are the rows before dev_start + count
-        return (choice[count - 1].reshape(1), rows, count, dev_start + count), (logits, choice, count)
+        # commit: the root and the accepted chain are the rows before dev_start + count, and the
+        # recurrent states those rows leave
+        payloads = {i: keys[i] for i in scans}
+        for i, payload in payloads.items():
+            keys[i], values[i] = gdn_chain_prefix(payload, count)
+        states = {i: (keys[i], values[i]) for i in scans}
+        return (choice[count - 1].reshape(1), rows, count, dev_start + count), \
+            (logits, choice, count, payloads, states)
 
     more = getattr(drafter, "queue_more", None)
     delivered, accepted, handed, everything, failed = 0, 0, False, [], False
@@ -105,7 +133,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         mx.async_eval(out[1], out[2])
         tic = time.perf_counter()
         while True:
-            logits, choice, count = out
+            logits, choice, count, payloads, states = out
             nxt, out = queue(*nxt)  # round r + 1, queued before round r is read
             mx.async_eval(out[1], out[2])
             ts = time.perf_counter()
@@ -134,6 +162,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             if len(emitted) < accepted + 1 or emitted[-1] in stop_tokens or n == max_tokens:
                 break
             start, root, delivered = start + accepted + 1, emitted[-1], -1  # round r is whole
+            settled = states
             if more is not None and not more(emitted, ms):
                 handed = True
                 break
@@ -148,8 +177,13 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             kept = min(delivered, accepted)  # accepted drafts delivered are in the rows
             pending = None if delivered <= accepted else emitted[accepted]
             start, root = start + kept + 1, pending
-        for c, k, v in zip(caches, keys, values):
-            c.keys, c.values, c.offset = k, v, start
+            settled = states if kept == accepted else {
+                i: gdn_chain_prefix(p, mx.array(kept + 1, mx.int32)) for i, p in payloads.items()}
+        for i, c in enumerate(caches):
+            if i in scans:
+                c[0], c[1] = settled[i]
+            else:
+                c.keys, c.values, c.offset = keys[i], values[i], start
         if root is not None and not handed:
             land(root, failed)
     if handed:  # the queued round past this one wrote only dead rows (and the drafter's context)

@@ -403,25 +403,58 @@ class _TracedAppend:
         return self.keys, self.values
 
 
+class _TracedScan:
+    """A GatedDeltaNet layer's ArraysCache inside a whole-buffer forward (queued.py): its
+    committed conv and recurrent states in, the chain scan's payload (gdn.py) recorded for the
+    commit, which waits for the accepted count."""
+
+    def __init__(self, conv, state):
+        self.inner, self.payload = [conv, state], None
+
+    def __getitem__(self, i):
+        return self.inner[i]
+
+    def __setitem__(self, i, v):  # only mlx-lm's scheduling hint (mx.depends on the same value)
+        self.inner[i] = v
+
+    def make_mask(self, N):
+        return None
+
+    def record(self, layer, payload):
+        self.payload = payload
+
+
 CHECKS = 2  # compiled calls per shape checked bitwise against the eager forward before trusted
 _clock = time.perf_counter  # times the last check's two forwards (tests replace it)
 
 
-def whole_buffer_forward(model, capture):
+def whole_buffer_forward(model, capture, scans=frozenset()):
     """A tree forward over whole KV buffers: tokens [T], positions [T], the round's additive
     mask [T, W], the write offset start [1] and each layer's buffers in; logits [T, V], the
-    captured rows and the new buffers out."""
+    captured rows and the new buffers out.
+
+    `scans`: the indices of recurrent layers (a hybrid's GatedDeltaNet; eager only), whose
+    "buffers" are their committed conv and recurrent states; the tokens are then a chain, and
+    such a layer gives out its scan's payload (and None) for `gdn.gdn_chain_prefix`."""
 
     def forward(tokens, positions, mask, start, keys, values):
-        bufs = [_TracedAppend(k, v, start, mask) for k, v in zip(keys, values)]
+        bufs = [_TracedScan(k, v) if i in scans else _TracedAppend(k, v, start, mask)
+                for i, (k, v) in enumerate(zip(keys, values))]
         _CTX.positions = positions
+        if scans:
+            from .gdn import chain_plan
+
+            _CTX.parents, _CTX.first = chain_plan(tokens.shape[0]), 0
         try:
             with capturing(model, capture) as cap:
                 out = model(tokens[None], cache=bufs)[0]
                 hidden = [cap.hidden()] if capture else []
         finally:
             _CTX.positions = None
-        return out, hidden, [b.keys for b in bufs], [b.values for b in bufs]
+            if scans:
+                _CTX.parents, _CTX.first = None, 0
+        return (out, hidden, [b.payload if i in scans else b.keys for i, b in enumerate(bufs)],
+                [None if i in scans else b.values for i, b in enumerate(bufs)])
 
     return forward
 
@@ -796,6 +829,10 @@ class TreeRound:
             if _CTX.parents is not None:  # recurrent layers: children of the committed state
                 _CTX.parents = np.concatenate([_CTX.parents, np.full(pad, -1, np.int64)])
         try:
+            if _CTX.parents is not None and first == 0 and not self.all_append:
+                from .gdn import tree_plan
+
+                _CTX.parents = tree_plan(_CTX.parents)  # one plan (host tables) for every recurrent layer
             out = self._run_compiled(tokens, positions, n) if self._compilable() else None
             if out is None:
                 out = self._run_eager(tokens, positions, n)

@@ -543,33 +543,38 @@ class Requeues(Scripted):
 
 @pytest.fixture
 def requeuing(tmp_path, monkeypatch):
-    """The GPU path on CPU (rounds queue), a tiny target, and a maker of scripted drafters whose
-    queued rounds hand back after 3 rounds and are requeued (this text's lookup rounds hold
-    tokens before a requeue)."""
+    """The GPU path on CPU (rounds queue), and for a tiny target of a family, a maker of
+    scripted drafters whose queued rounds hand back after 3 rounds and are requeued (this
+    text's lookup rounds hold tokens before a requeue)."""
     import mlx_treespec.verify as verify
     from test_dflash import QueuedOracle
 
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
     monkeypatch.setattr(adaptive, "STRETCH", 5)
-    target = tiny.build(tiny.CONFIGS["qwen3"])
-    bound = bind_dflash(save_random(tmp_path / "dflash", dflash_config(tiny.CONFIGS["qwen3"])), target)
 
-    def make():
-        return Requeues(["host", "primary", "plain", "host", "host", "primary"], 3,
-                        primary=QueuedOracle(bound, target, budget=12), host=LookupDrafter(8, 6),
-                        costs=(1.0, flat(1.0)))
+    def pair(family="qwen3"):
+        target = tiny.build(tiny.CONFIGS[family])
+        bound = bind_dflash(save_random(tmp_path / family, dflash_config(tiny.CONFIGS[family])), target)
 
-    return target, make
+        def make():
+            return Requeues(["host", "primary", "plain", "host", "host", "primary"], 3,
+                            primary=QueuedOracle(bound, target, budget=12), host=LookupDrafter(8, 6),
+                            costs=(1.0, flat(1.0)))
+
+        return target, make
+
+    return pair
 
 
-@pytest.mark.parametrize("n", [12, 1000, "second turn"])
+@pytest.mark.parametrize("n", [12, 1000, "second turn", "hybrid"])
 def test_queued_rounds_come_back_after_the_round_loop(requeuing, n):
     # where rounds queue (the GPU path, here on CPU), a hand-back is not for good: the primary's
     # arm chosen in the round loop queues its chains again from the root (held tokens forwarded
     # first, the DFlash context written to the end); tokens stay plain decoding's through every
     # kind of switch (a 1000-token prompt: buffers grown in between; a second turn over a
-    # prompt cache: the DFlash context counts this turn's rows only)
-    target, make = requeuing
+    # prompt cache: the DFlash context counts this turn's rows only; a hybrid: the recurrent
+    # states handed over both ways)
+    target, make = requeuing("qwen3_5" if n == "hybrid" else "qwen3")
     prompt = repetitive()
     if n == 1000:
         prompt = np.random.default_rng(1).integers(0, tiny.VOCAB, n).tolist() + prompt
@@ -588,7 +593,7 @@ def test_queued_rounds_come_back_after_the_round_loop(requeuing, n):
         return _requeued(d, stats, check_held=False)
     out, stats = run(target, d, prompt, n=96)
     assert out == plain(target, prompt, n=96)
-    _requeued(d, stats, check_held=n == 12)
+    _requeued(d, stats, check_held=n == 12)  # (a hybrid's rounds hold no tokens: they commit whole paths)
 
 
 def _requeued(d, stats, check_held):
@@ -601,16 +606,17 @@ def _requeued(d, stats, check_held):
     assert {"lookup", "plain"} <= set(stats.drafter)
 
 
-@pytest.mark.parametrize("end", ["cut", "stop token", "max_tokens", "requeue raises"])
+@pytest.mark.parametrize("end", ["cut", "stop token", "max_tokens", "requeue raises", "hybrid cut"])
 def test_a_prompt_cache_holds_every_token_through_a_requeue(requeuing, end):
     # a generation that ends inside queued rounds the round loop handed back to (the consumer
     # stops, a stop token, max_tokens), or at the requeue itself (an error), leaves a prompt
     # cache holding the prompt and every delivered token (mlx-lm's rule), as one that ends
-    # anywhere else
+    # anywhere else (a hybrid's recurrent states too)
     from mlx_lm.models.cache import make_prompt_cache
     from test_reliability import check_cache_holds
 
-    target, make = requeuing
+    target, make = requeuing("qwen3_5" if end.startswith("hybrid") else "qwen3")
+    end = end.split()[-1] if end.startswith("hybrid") else end
     prompt = repetitive()
 
     ref = plain(target, prompt, n=96)

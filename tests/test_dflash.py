@@ -470,7 +470,7 @@ def gpu_path(monkeypatch):
 
 
 @pytest.mark.parametrize("family,n", [("qwen3", 12), ("qwen3", 1000), ("llama", 12), ("phi3", 12),
-                                      ("qwen3_moe", 12)])
+                                      ("qwen3_moe", 12), ("qwen3_5", 12), ("qwen3_next", 12)])
 def test_queued_chain_rounds_are_plain_decoding(targets, folders, gpu_path, family, n):
     # chains on the GPU path run queued ahead (walk and commit on the device, no host sync
     # between rounds): the tokens are plain decoding's, with real acceptance; a 1000-token
@@ -484,20 +484,22 @@ def test_queued_chain_rounds_are_plain_decoding(targets, folders, gpu_path, fami
     assert sum(stats.accepted) > 0 and any(a < 7 for a in stats.accepted)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
 @pytest.mark.parametrize("end", ["cut after 1", "cut after 5", "max_tokens 13", "stop token"])
-def test_queued_rounds_end_with_prompt_plus_delivered(targets, folders, gpu_path, end):
+def test_queued_rounds_end_with_prompt_plus_delivered(targets, folders, gpu_path, end, family):
     # stopping is decided on the host a round late: the round queued past the end leaves no
-    # trace, and a prompt cache holds the prompt and every delivered token (mlx-lm's rule)
+    # trace, and a prompt cache holds the prompt and every delivered token (mlx-lm's rule);
+    # a hybrid's recurrent states included (a cut inside a round: its prefix replayed)
     from test_reliability import check_cache_holds
 
-    target = targets("qwen3")
+    target = targets(family)
     prompt = prompt_tokens(7)
     ref = plain(target, prompt)
     kw = dict(max_tokens=13) if end == "max_tokens 13" else dict(max_tokens=N)
     if end == "stop token":
         kw["stop_tokens"] = [ref[9]]
     cache = make_prompt_cache(target)
-    d = QueuedOracle(bind_dflash(folders("qwen3"), target), target, seed=1, topk=1, depth=7)
+    d = QueuedOracle(bind_dflash(folders(family), target), target, seed=1, topk=1, depth=7)
     steps = tree_generate_step(prompt, target, d, prompt_cache=cache, **kw)
     got = []
     for t, _, _ in steps:

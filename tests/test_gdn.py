@@ -432,6 +432,46 @@ def test_layer_tree_forward_and_commit_equal_plain_decoding(cfg_name):
         gdn.gdn_layer_commit(layer, ArraysCache(2), payload, np.array([1, 2]))  # not a root
 
 
+@pytest.mark.parametrize("cfg_name", list(LAYER_CONFIGS))
+def test_chain_prefix_is_the_commit_of_each_prefix(cfg_name):
+    # rounds queued ahead commit a chain's recurrent states with the accepted count a device
+    # value: the states equal the commit's (plain decoding's) for every count, bitwise
+    layer = build_layer(LAYER_CONFIGS[cfg_name], seed=4)
+    D = LAYER_CONFIGS[cfg_name]["hidden_size"]
+    mx.random.seed(5)
+    cache = ArraysCache(2)
+    layer(mx.random.normal((1, 3, D)), None, cache)
+    T = 6
+    x = mx.random.normal((1, T, D))
+    _, payload = gdn.gdn_layer_tree_forward(layer, x, cache, gdn.chain_plan(T))
+    for count in range(1, T + 1):
+        conv, state = gdn.gdn_chain_prefix(payload, mx.array(count, mx.int32))
+        c = ArraysCache(2)
+        c[0], c[1] = cache[0], cache[1]
+        gdn.gdn_layer_commit(layer, c, payload, np.arange(count))
+        for a, b in ((conv, c[0]), (state, c[1])):
+            assert a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b), count
+    _, tree = gdn.gdn_layer_tree_forward(layer, x, cache, [-1, 0, 0, 1, 2, 3])
+    with pytest.raises(ValueError, match="chain"):
+        gdn.gdn_chain_prefix(tree, mx.array(2, mx.int32))
+
+
+@pytest.mark.parametrize("gvec", [False, True])
+def test_kernel_body_leaves_the_state_past_the_count(gvec):
+    # the same prefix trick through the kernel body (emulated on CPU: the Metal kernel and its
+    # CUDA twin share it): nodes with decay 1 and beta 0 leave the state bitwise as it was
+    if not msl_check.have_gxx():
+        pytest.fail("g++ is required for the kernel emulation")
+    T, count = 8, 3
+    q, k, v, g, beta, state = make_inputs(T, B=1, Dk=32, Dv=8, gvec=gvec, seed=9)
+    live = (mx.arange(T) < count).reshape((1, T) + (1,) * (g.ndim - 2))
+    inert = mx.where(live, g, 1.0), mx.where(live.reshape(1, T, 1), beta, 0.0)
+    _, final = msl_check.emulate_tree_kernel(q, k, v, *inert, state, gdn.chain_parents(T))
+    short = [a[:, :count] for a in (q, k, v, g, beta)]
+    _, want = msl_check.emulate_tree_kernel(*short, state, gdn.chain_parents(count))
+    assert np.array_equal(final, want)
+
+
 def test_layer_on_fresh_cache():
     """cache[0] / cache[1] None (no prefill): zeros are used, as the layer does."""
     cfg = LAYER_CONFIGS["qwen3_5_dk32"]

@@ -79,11 +79,15 @@ def mlx_cache_after(target, prompt, delivered, opts):
 
 
 def check_cache_holds(target, cache, prompt, delivered, opts, follow=(3, 5, 7)):
-    """Every layer at one offset, that of prompt + delivered, and a next turn from the cache
-    emits what mlx-lm emits from the cache its own loop leaves after the same tokens."""
+    """Every layer at one offset, that of prompt + delivered, recurrent states (bitwise) those of
+    mlx-lm's cache after the same tokens, and a next turn from the cache emits what mlx-lm emits
+    from the cache its own loop leaves."""
     offsets = {c.offset for c in cache if cache_kind(c) in ("append", "rotating")}
     assert offsets == {len(prompt) + len(delivered)}, (offsets, len(prompt) + len(delivered))
     ref_cache = mlx_cache_after(target, prompt, delivered, opts)
+    for i, (c, r) in enumerate(zip(cache, ref_cache)):
+        if cache_kind(c) == "arrays":
+            assert all(mx.array_equal(a, b).item() for a, b in zip(c.cache, r.cache)), f"layer {i}'s state"
     ours = [t for t, _ in generate_step(mx.array(list(follow)), target, max_tokens=12, prompt_cache=cache,
                                         **_mlx(opts))]
     ref = [t for t, _ in generate_step(mx.array(list(follow)), target, max_tokens=12, prompt_cache=ref_cache,
