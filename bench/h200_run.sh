@@ -17,7 +17,8 @@
 #            beside plain, the default and the DFlash arms, on unseen, held-out and editing prompts
 #   default  the default (queued DFlash where rounds queue, then adaptive) vs plain and the fixed arms,
 #            on DEFAULT_TARGETS (demo; "demo demo-hybrid" for both); REPS runs of each prompt, pooled;
-#            DEFAULT_ARMS replaces the arms (e.g. adding dflash:15/sync, the chain through the round loop)
+#            DEFAULT_ARMS, DEFAULT_PROMPTS replace the arms (e.g. adding dflash:15/sync, the chain through
+#            the round loop) and the prompt sets
 # DFLASH, HYBRID_DFLASH, EAGLE3 override the shipped demo drafters (folders).
 set -u
 export PYTHONPATH=/root/mlx-site:$PWD PYTHONUNBUFFERED=1
@@ -69,7 +70,7 @@ for section in "$@"; do
     default) for t in ${DEFAULT_TARGETS:-demo}; do
             timeout ${DEFAULT_TIMEOUT:-500} python3 bench/run.py loop --section default_$t --target $t \
               --arms ${DEFAULT_ARMS:-plain,auto:dflash,dflash:15,ddtree:31,lookup:16:8} \
-              --prompts unseen,heldout,editing --n $N --reps ${REPS:-1} --max-tokens $TOKENS --seconds ${DEFAULT_SECONDS:-400} --out "$OUT/default_$t"
+              --prompts ${DEFAULT_PROMPTS:-unseen,heldout,editing} --n $N --reps ${REPS:-1} --max-tokens $TOKENS --seconds ${DEFAULT_SECONDS:-400} --out "$OUT/default_$t"
           done ;;
   esac
 done
