@@ -732,7 +732,8 @@ def gdn_layer_tree_forward(layer, x: mx.array, cache, parents,
     B, S, _ = x.shape
     first = 0 if prior is None else prior["parents"].size
     if prior is not None:
-        parents = np.concatenate([prior["parents"], np.asarray(parents, np.int64)])
+        new = parents.parents if isinstance(parents, TreePlan) else np.asarray(parents, np.int64)
+        parents = np.concatenate([prior["parents"], new])
     plan = tree_plan(parents, first + S)  # (a plan as is: one per forward serves every layer)
     parents = plan.parents
     K = layer.conv_kernel_size

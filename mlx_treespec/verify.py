@@ -440,12 +440,12 @@ def whole_buffer_forward(model, capture, scans=frozenset()):
     def forward(tokens, positions, mask, start, keys, values):
         bufs = [_TracedScan(k, v) if i in scans else _TracedAppend(k, v, start, mask)
                 for i, (k, v) in enumerate(zip(keys, values))]
-        _CTX.positions = positions
-        if scans:
-            from .gdn import chain_plan
-
-            _CTX.parents, _CTX.first = chain_plan(tokens.shape[0]), 0
         try:
+            _CTX.positions = positions
+            if scans:
+                from .gdn import chain_plan
+
+                _CTX.parents, _CTX.first = chain_plan(tokens.shape[0]), 0
             with capturing(model, capture) as cap:
                 out = model(tokens[None], cache=bufs)[0]
                 hidden = [cap.hidden()] if capture else []
@@ -829,7 +829,7 @@ class TreeRound:
             if _CTX.parents is not None:  # recurrent layers: children of the committed state
                 _CTX.parents = np.concatenate([_CTX.parents, np.full(pad, -1, np.int64)])
         try:
-            if _CTX.parents is not None and first == 0 and not self.all_append:
+            if _CTX.parents is not None and first == 0 and "arrays" in self.kinds:
                 from .gdn import tree_plan
 
                 _CTX.parents = tree_plan(_CTX.parents)  # one plan (host tables) for every recurrent layer
