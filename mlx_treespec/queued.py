@@ -115,9 +115,9 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         # commit: the root and the accepted chain are the rows before dev_start + count, and the
         # recurrent states those rows leave
         payloads = {i: keys[i] for i in scans}
-        for i, payload in payloads.items():
-            keys[i], values[i] = gdn_chain_prefix(payload, count)
-        states = {i: (keys[i], values[i]) for i in scans}
+        states = gdn_chain_prefix(payloads, count)
+        for i, (conv, state) in states.items():
+            keys[i], values[i] = conv, state
         return (choice[count - 1].reshape(1), rows, count, dev_start + count), \
             (logits, choice, count, payloads, states)
 
@@ -177,8 +177,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             kept = min(delivered, accepted)  # accepted drafts delivered are in the rows
             pending = None if delivered <= accepted else emitted[accepted]
             start, root = start + kept + 1, pending
-            settled = states if kept == accepted else {
-                i: gdn_chain_prefix(p, mx.array(kept + 1, mx.int32)) for i, p in payloads.items()}
+            settled = states if kept == accepted else gdn_chain_prefix(payloads, mx.array(kept + 1, mx.int32))
         for i, c in enumerate(caches):
             if i in scans:
                 c[0], c[1] = settled[i]

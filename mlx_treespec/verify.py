@@ -295,7 +295,9 @@ _NODE_ROWS = ("qkv", "q", "k", "v", "g", "beta")  # payload arrays [B, nodes, ..
 
 
 class _ArraysLayer:
-    """Stands in for a GatedDeltaNet layer's ArraysCache: verify reads it, commit replays."""
+    """Stands in for a GatedDeltaNet layer's ArraysCache: verify reads it, commit replays. In a
+    whole-buffer forward of queued rounds its `inner` is the [conv, recurrent] states the rounds
+    carry (no round: `rnd` None)."""
 
     def __init__(self, inner, rnd):
         self.inner = inner
@@ -403,27 +405,6 @@ class _TracedAppend:
         return self.keys, self.values
 
 
-class _TracedScan:
-    """A GatedDeltaNet layer's ArraysCache inside a whole-buffer forward (queued.py): its
-    committed conv and recurrent states in, the chain scan's payload (gdn.py) recorded for the
-    commit, which waits for the accepted count."""
-
-    def __init__(self, conv, state):
-        self.inner, self.payload = [conv, state], None
-
-    def __getitem__(self, i):
-        return self.inner[i]
-
-    def __setitem__(self, i, v):  # only mlx-lm's scheduling hint (mx.depends on the same value)
-        self.inner[i] = v
-
-    def make_mask(self, N):
-        return None
-
-    def record(self, layer, payload):
-        self.payload = payload
-
-
 CHECKS = 2  # compiled calls per shape checked bitwise against the eager forward before trusted
 _clock = time.perf_counter  # times the last check's two forwards (tests replace it)
 
@@ -438,7 +419,7 @@ def whole_buffer_forward(model, capture, scans=frozenset()):
     such a layer gives out its scan's payload (and None) for `gdn.gdn_chain_prefix`."""
 
     def forward(tokens, positions, mask, start, keys, values):
-        bufs = [_TracedScan(k, v) if i in scans else _TracedAppend(k, v, start, mask)
+        bufs = [_ArraysLayer([k, v], None) if i in scans else _TracedAppend(k, v, start, mask)
                 for i, (k, v) in enumerate(zip(keys, values))]
         try:
             _CTX.positions = positions

@@ -445,7 +445,7 @@ def test_chain_prefix_is_the_commit_of_each_prefix(cfg_name):
     x = mx.random.normal((1, T, D))
     _, payload = gdn.gdn_layer_tree_forward(layer, x, cache, gdn.chain_plan(T))
     for count in range(1, T + 1):
-        conv, state = gdn.gdn_chain_prefix(payload, mx.array(count, mx.int32))
+        conv, state = gdn.gdn_chain_prefix({0: payload}, mx.array(count, mx.int32))[0]
         c = ArraysCache(2)
         c[0], c[1] = cache[0], cache[1]
         gdn.gdn_layer_commit(layer, c, payload, np.arange(count))
@@ -453,7 +453,7 @@ def test_chain_prefix_is_the_commit_of_each_prefix(cfg_name):
             assert a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b), count
     _, tree = gdn.gdn_layer_tree_forward(layer, x, cache, [-1, 0, 0, 1, 2, 3])
     with pytest.raises(ValueError, match="chain"):
-        gdn.gdn_chain_prefix(tree, mx.array(2, mx.int32))
+        gdn.gdn_chain_prefix({0: tree}, mx.array(2, mx.int32))
 
 
 @pytest.mark.parametrize("gvec", [False, True])
