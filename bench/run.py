@@ -637,6 +637,9 @@ class _WithMask:
 
 def _attention_forms(model, ctx, T, n_kv, head_dim, dtype, width, repeats):
     """ms of one layer's attention (all layers' worth: x n_layers) in each mask form."""
+    from mlx_treespec.attention import tree_attention
+    from mlx_treespec.verify import kernel_fits
+
     layer = model.layers[0].self_attn
     n_q = getattr(layer, "n_heads", None) or getattr(layer, "num_attention_heads")
     n_layers = len(model.layers)
@@ -660,6 +663,9 @@ def _attention_forms(model, ctx, T, n_kv, head_dim, dtype, width, repeats):
         "additive whole buffer": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=add_full),
         "cascade (fused history + tree ops)": lambda: _split_attention(q, ku, vu, scale, ctx, mx.array(tree)),
     }
+    if kernel_fits(k):  # CUDA: the tree-attention kernel over the whole buffer, as a verify runs it
+        bounds = mx.array([ctx, used], mx.int32)
+        forms["tree kernel (whole buffer)"] = lambda: tree_attention(q, k, v, add_full, bounds, scale)
     mx.eval(q, k, v, bool_full, add_full, ku, vu)
     out = {}
     for name, f in forms.items():

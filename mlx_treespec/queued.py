@@ -38,7 +38,7 @@ import mlx.core as mx
 
 from . import verify
 from .cache import cache_kind
-from .verify import compiled_forward, grown, whole_buffer_forward
+from .verify import compiled_forward, grown, kernel_fits, whole_buffer_forward
 
 __all__ = ["can_queue", "queued_rounds"]
 
@@ -72,11 +72,12 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
 
     root, n = resume if resume is not None else (prompt[-1], 0)
     scans = frozenset(i for i, c in enumerate(caches) if cache_kind(c) == "arrays")  # recurrent layers
-    ahead, eager = drafter.ahead, whole_buffer_forward(model, capture, scans)
     # per layer: K/V buffers, or a recurrent layer's (conv state, recurrent state)
     keys = [c[0] if i in scans else c.keys for i, c in enumerate(caches)]
     values = [c[1] if i in scans else c.values for i, c in enumerate(caches)]
     first_kv = min(set(range(len(caches))) - scans)
+    kernel = kernel_fits(keys[first_kv])
+    ahead, eager = drafter.ahead, whole_buffer_forward(model, capture, scans, kernel)
     settled = {i: (keys[i], values[i]) for i in scans}  # recurrent states at the host's `start`
     start = caches[first_kv].offset  # host: rows the caches hold (all but `root`, the pending token)
     bound = start  # the most rows a queued round may have committed
@@ -86,7 +87,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         key = (width, T, dtype)
         if key not in consts:
             consts[key] = (mx.arange(width)[None], mx.arange(T, dtype=mx.int32), mx.array(0, dtype),
-                           mx.array(mx.finfo(dtype).min, dtype))
+                           mx.array(mx.finfo(dtype).min, dtype), mx.array([0, 0, T], mx.int32))
         return consts[key]
 
     def queue(dev_root, rows, count, dev_start):
@@ -98,16 +99,17 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         if bound + T > keys[first_kv].shape[2]:  # room for this round's rows, in width_step() steps
             keys = [k if i in scans else grown(k, bound + T) for i, k in enumerate(keys)]
             values = [v if i in scans else grown(v, bound + T) for i, v in enumerate(values)]
-        columns, steps, zero, low = mask_constants(keys[first_kv].shape[2], T, keys[first_kv].dtype)
+        columns, steps, zero, low, spans = mask_constants(keys[first_kv].shape[2], T, keys[first_kv].dtype)
         positions = dev_start + steps
         mask = mx.where(columns <= positions[:, None], zero, low)  # history and the chain before each row
-        args = (tokens, positions, mask, dev_start.reshape(1), keys, values)
+        # written at dev_start; every row sees the columns before it, none from dev_start + T on
+        args = (tokens, positions, mask, dev_start + spans, keys, values)
 
         def reference():
             out, h, k, v = eager(*args)
             return out, (h[0][:T] if h else None), k, v
 
-        res = None if scans else compiled_forward(model, capture, T, args, reference)        # verify
+        res = None if scans else compiled_forward(model, capture, T, args, reference, kernel)  # verify
         logits, rows, keys, values = reference() if res is None else res[0]
         choice = mx.argmax(logits, axis=-1).astype(mx.uint32)
         count = mx.sum(mx.cumprod((chain == choice[:-1]).astype(mx.int32))) + 1               # walk

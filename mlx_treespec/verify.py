@@ -17,6 +17,7 @@ tree's mask and key layout.
   outputs for every node of each forward (`TreeRound.hidden`); nothing is recorded otherwise.
 """
 import dataclasses
+import sys
 import time
 import weakref
 
@@ -24,6 +25,9 @@ import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.base import scaled_dot_product_attention as _BASE_SDPA
+
+from . import attention
 
 from .cache import (
     cache_kind,
@@ -41,7 +45,7 @@ from .tree import ancestors_of, depths_of
 
 __all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "capturing", "check_capture",
            "row_bucket", "pad_keys_default", "width_step", "compiled_forward", "whole_buffer_forward",
-           "reserve", "grown", "layer_span", "rows_are_steps"]
+           "reserve", "grown", "layer_span", "rows_are_steps", "kernel_fits"]
 
 
 class _Context:
@@ -56,6 +60,7 @@ class _Context:
         self.captured = None  # {layer index: output} while a capturing forward runs
         self.layer_ids = None  # {id(layer module): its index in the model that captures}
         self.last_layer = None  # the last decoder layer output of a capturing forward
+        self.attend = None  # (the forward's additive mask, (hist, end) on the device): attention.py
 
 
 _CTX = _Context()
@@ -120,6 +125,24 @@ def _mla_call(self, x, mask=None, cache=None):
 MLA_CLASSES = {"DeepseekV3Attention", "Glm4MoeLiteAttention"}
 
 
+def _tree_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
+    """mlx-lm's `scaled_dot_product_attention`, where a model module calls it: a tree forward's
+    own mask (the very array the stand-ins handed out) goes to the tree-attention kernel where
+    it takes the shapes; everything else, and every call outside such a forward, to mlx-lm's."""
+    attend = _CTX.attend
+    if attend is not None and mask is attend[0] and sinks is None and attention.fits(queries, keys, values, mask):
+        return attention.tree_attention(queries, keys, values, mask, attend[1], scale)
+    return _BASE_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def _route_attention(module):
+    """Point the module's `scaled_dot_product_attention` (mlx-lm's, imported by name into each
+    model file) at `_tree_sdpa`; once per model file."""
+    mod = sys.modules.get(type(module).__module__)
+    if mod is not None and getattr(mod, "scaled_dot_product_attention", None) is _BASE_SDPA:
+        mod.scaled_dot_product_attention = _tree_sdpa
+
+
 def _layer_call(self, *args, **kwargs):
     out = super(type(self), self).__call__(*args, **kwargs)
     captured = _CTX.captured
@@ -158,7 +181,8 @@ ROPE_KEYS = ("rope", "rotary_emb")
 
 
 def install(model):
-    """Re-class every rope module and GatedDeltaNet layer of `model` (once per module)."""
+    """Re-class every rope module and GatedDeltaNet layer of `model` (once per module), and
+    route its model files' attention calls through `_tree_sdpa`."""
     if getattr(model, "_treespec_installed", False):
         return
     from .gdn import forkable
@@ -174,6 +198,7 @@ def install(model):
             _make_tree_module(module, _gdn_call)
         if type(module).__name__ in MLA_CLASSES:
             _make_tree_module(module, _mla_call)
+        _route_attention(module)
     model._treespec_installed = True
     model._treespec_rows_are_steps = not any(type(m).__dict__.get("__call__") is _mla_call
                                              for _, m in model.named_modules())
@@ -400,8 +425,8 @@ class _TracedAppend:
         return self.mask
 
     def update_and_fetch(self, keys, values):
-        self.keys = mx.slice_update(self.keys, keys, self.start, axes=(2,))
-        self.values = mx.slice_update(self.values, values, self.start, axes=(2,))
+        self.keys = mx.slice_update(self.keys, keys, self.start[:1], axes=(2,))
+        self.values = mx.slice_update(self.values, values, self.start[:1], axes=(2,))
         return self.keys, self.values
 
 
@@ -409,20 +434,24 @@ CHECKS = 2  # compiled calls per shape checked bitwise against the eager forward
 _clock = time.perf_counter  # times the last check's two forwards (tests replace it)
 
 
-def whole_buffer_forward(model, capture, scans=frozenset()):
+def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False):
     """A tree forward over whole KV buffers: tokens [T], positions [T], the round's additive
-    mask [T, W], the write offset start [1] and each layer's buffers in; logits [T, V], the
-    captured rows and the new buffers out.
+    mask [T, W], `start` [3] (the write offset, then the mask's bounds: every row sees the
+    columns before the second, none those from the third on) and each layer's buffers in;
+    logits [T, V], the captured rows and the new buffers out.
 
     `scans`: the indices of recurrent layers (a hybrid's GatedDeltaNet; eager only), whose
     "buffers" are their committed conv and recurrent states; the tokens are then a chain, and
-    such a layer gives out its scan's payload (and None) for `gdn.gdn_chain_prefix`."""
+    such a layer gives out its scan's payload (and None) for `gdn.gdn_chain_prefix`.
+    `kernel`: attention runs the tree-attention kernel (`kernel_fits`)."""
 
     def forward(tokens, positions, mask, start, keys, values):
         bufs = [_ArraysLayer([k, v], None) if i in scans else _TracedAppend(k, v, start, mask)
                 for i, (k, v) in enumerate(zip(keys, values))]
         try:
             _CTX.positions = positions
+            if kernel:
+                _CTX.attend = (mask, start[1:])
             if scans:
                 from .gdn import chain_plan
 
@@ -431,7 +460,7 @@ def whole_buffer_forward(model, capture, scans=frozenset()):
                 out = model(tokens[None], cache=bufs)[0]
                 hidden = [cap.hidden()] if capture else []
         finally:
-            _CTX.positions = None
+            _CTX.positions = _CTX.attend = None
             if scans:
                 _CTX.parents, _CTX.first = None, 0
         return (out, hidden, [b.payload if i in scans else b.keys for i, b in enumerate(bufs)],
@@ -440,7 +469,14 @@ def whole_buffer_forward(model, capture, scans=frozenset()):
     return forward
 
 
-def _compiled(model, capture):
+def kernel_fits(buffer):
+    """Whether a whole-buffer forward over K/V buffers like `buffer` runs its attention through
+    the tree-attention kernel (attention.py: CUDA, float16 / bfloat16, head dim 64 or 128; the
+    first call per variant builds and checks it, so call it outside a trace)."""
+    return isinstance(buffer, mx.array) and attention.usable(buffer.dtype, buffer.shape[-1])
+
+
+def _compiled(model, capture, kernel=False):
     """The model's whole-buffer tree forward (`whole_buffer_forward`) as one `mx.compile`d function,
     traced once per shape, and its record (shapes checked, whether it is off and why). A round
     then spends no Python per op and elementwise ops fuse. Kept on the model.
@@ -456,17 +492,18 @@ def _compiled(model, capture):
             store["off"] = "a sharded model (mlx.distributed): its collectives run eagerly"
     if store["off"] is not None:
         return None, store
-    fn = store["fns"].get(capture)
+    fn = store["fns"].get((capture, kernel))
     if fn is None:
         # the model's arrays are inputs, read at every call: a trace never runs stale weights
         # (an update, an in-place edit, an adapter)
-        fn = store["fns"][capture] = mx.compile(whole_buffer_forward(model, capture), inputs=model.state)
+        fn = store["fns"][(capture, kernel)] = mx.compile(whole_buffer_forward(model, capture, kernel=kernel),
+                                                          inputs=model.state)
     return fn, store
 
 
-def compiled_forward(model, capture, n, args, reference):
+def compiled_forward(model, capture, n, args, reference, kernel=False):
     """`whole_buffer_forward` through `_compiled` on args (tokens, positions, mask, start, keys,
-    values). A shape's first `CHECKS` calls also run `reference()` (the eager forward: logits,
+    values), its attention through the tree-attention kernel where `kernel`. A shape's first `CHECKS` calls also run `reference()` (the eager forward: logits,
     the first n captured rows, ...) and must equal it bitwise, else the model runs eagerly from
     then on. The model's cache offset read outside RoPE, a windowed mask or an array evaluated
     inside the forward stops the trace the same way (any other error propagates).
@@ -479,11 +516,11 @@ def compiled_forward(model, capture, n, args, reference):
 
     Returns (result, trusted): the compiled (logits, rows, keys, values) with trusted True, or
     the reference's result with False; None where the eager path runs."""
-    fn, store = _compiled(model, capture)
+    fn, store = _compiled(model, capture, kernel)
     if fn is None:
         return None
     tokens, _, mask, _, keys, _ = args
-    shape = (tokens.shape[0], tokens.dtype, mask.shape[1], mask.dtype, keys[0].dtype, capture)
+    shape = (tokens.shape[0], tokens.dtype, mask.shape[1], mask.dtype, keys[0].dtype, capture, kernel)
     if store["eager"].get(shape):
         return None
     # a trace that raises leaves its placeholders in the model's arrays (they are the
@@ -831,13 +868,25 @@ class TreeRound:
 
     def _run_eager(self, tokens, positions, n):
         _CTX.positions = positions
+        if self._kernel():
+            _CTX.attend = (self._append_mask(None), self._bounds()[1:])
         try:
             with capturing(self.model, self.capture) as cap:
                 out = self.model(tokens[None], cache=self.stand_ins)[0]
                 self.hidden = cap.hidden(n)
         finally:
-            _CTX.positions = None
+            _CTX.positions = _CTX.attend = None
         return out
+
+    def _kernel(self):
+        """Attention through the tree-attention kernel: whole buffers and an additive mask (a GPU)."""
+        return self.width is not None and self._additive_dtype() is not None and kernel_fits(
+            next(c.keys for c, k in zip(self.caches, self.kinds) if k == "append"))
+
+    def _bounds(self):
+        """(write offset, hist, end) of this forward (`whole_buffer_forward`'s `start`)."""
+        offset = next(c.offset for c, k in zip(self.caches, self.kinds) if k == "append")
+        return cached_array(np.array([offset, self.base, self.base + self.size + self._pad], np.int32))
 
     def _compilable(self):
         """Whole-buffer forwards (GPU) over plain KV caches (not quantized) run compiled."""
@@ -849,10 +898,10 @@ class TreeRound:
         returns None where the eager path runs."""
         mask = self._append_mask(None)
         offset = self.caches[0].offset
-        start = cached_array(np.array([offset], np.int32))
+        start = self._bounds()
         res = compiled_forward(self.model, self.capture, n, (
             tokens, positions, mask, start, [c.keys for c in self.caches], [c.values for c in self.caches]),
-            lambda: (self._run_eager(tokens, positions, n), self.hidden))
+            lambda: (self._run_eager(tokens, positions, n), self.hidden), kernel=self._kernel())
         if res is None:
             return None
         (out, hidden, *bufs), trusted = res

@@ -413,6 +413,323 @@ def emulate_tree_kernel(q, k, v, g, beta, state, parents, store_final=True):
     return y, (final.reshape(B, Hv, Dv, Dk) if store_final else None)
 
 
+# ---------------------------------------------------------------------------------------------
+# The tree-attention kernel (mlx_treespec/attention.py): its CUDA source, and its body on the CPU
+# ---------------------------------------------------------------------------------------------
+
+
+def cuda_kernel_source(name, inputs, outputs, template, header, source) -> Tuple[str, str]:
+    """The CUDA source MLX 0.32.4's ``cuda_kernel`` generates (mlx/backend/cuda/custom_kernel.cpp,
+    ``build_kernel``): inputs and outputs are [(name, dtype)]; an input's ``<name>_shape`` is a
+    parameter where the source names it. Returns ``(kernel name, source)``."""
+    types = _cuda_types()
+
+    def h(a):
+        if isinstance(a, bool):
+            return "_t" if a else "_f"
+        if isinstance(a, int):
+            return f"_{a}"
+        return "_" + str(a).split(".")[-1]
+
+    kname = "custom_kernel_" + name + "".join(h(a) for _, a in template)
+    src = _CUDA_DEFAULT_HEADER + header
+    src += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+    src += f"__global__ void {kname}(\n"
+    for n_, dt in inputs:
+        src += f"    const {types[dt]}* {n_},\n"
+        if f"{n_}_shape" in source:
+            src += f"    const __grid_constant__ Shape {n_}_shape,\n"
+    src += ",\n".join(f"    {types[dt]}* {n_}" for n_, dt in outputs) + ") {\n"
+    for n_, a in template:
+        if isinstance(a, bool):
+            src += f"  constexpr bool {n_} = {'true' if a else 'false'};\n"
+        elif isinstance(a, int):
+            src += f"  constexpr int {n_} = {a};\n"
+        else:
+            src += f"  using {n_} = {types[a]};\n"
+    src += "\n" + source + "\n}\n\n} // namespace mlx::core::cu\n"
+    return kname, src
+
+
+def attention_cuda_sources() -> List[Tuple[str, str]]:
+    """Every variant of the tree-attention kernel and its merge, as MLX would build them."""
+    import mlx.core as mx
+    from mlx_treespec import attention as at
+
+    out = []
+    for dt in at.DTYPES:
+        for D in at.HEAD_DIMS:
+            for direct in (True, False):
+                out.append(cuda_kernel_source(
+                    "treespec_tree_attention",
+                    [("q", dt), ("k", dt), ("v", dt), ("mask", dt), ("bounds", mx.int32), ("params", mx.float32)],
+                    [("out", dt), ("opart", mx.float32), ("lpart", mx.float32)],
+                    [("InT", dt), ("D", D), ("Bf16", dt == mx.bfloat16), ("Direct", direct)],
+                    at.HEADER, at.PRELUDE + at._source("tree_attention.inc")))
+            out.append(cuda_kernel_source(
+                "treespec_tree_attention_merge", [("opart", mx.float32), ("lpart", mx.float32)], [("out", dt)],
+                [("InT", dt), ("D", D), ("Splits", 4)], "", at.MERGE_PRELUDE + at._source("tree_attention_merge.inc")))
+    return out
+
+
+# The body on the CPU: a block's 128 threads are cooperative user-level contexts (ucontext) that
+# meet at each barrier, shuffle and mma; a warp's mma is done by the scheduler from its 32 lanes'
+# fragments, laid out as the PTX ISA gives them for m16n8k16 (bf16/f16 in, f32 accumulators).
+ATTN_EMU = r"""
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <cmath>
+#include <vector>
+#include <ucontext.h>
+
+struct uint4 { uint32_t x, y, z, w; };
+static inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
+#define TS_SHARED alignas(16) static
+#define TS_INF INFINITY
+
+static float bits_to_float(unsigned short h, bool bf) {
+  if (bf) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+  _Float16 x; memcpy(&x, &h, 2); return (float)x;
+}
+static unsigned short float_to_bits(float f, bool bf) {
+  if (bf) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (unsigned short)(u >> 16);
+  }
+  _Float16 x = (_Float16)f; unsigned short h; memcpy(&h, &x, 2); return h;
+}
+template <bool Bf16> static float ts_to_float(unsigned short h) { return bits_to_float(h, Bf16); }
+template <bool Bf16> static uint32_t ts_pack2(float a, float b) {
+  return (uint32_t)float_to_bits(a, Bf16) | ((uint32_t)float_to_bits(b, Bf16) << 16);
+}
+static uint32_t ts_ld32(const unsigned short* p) { uint32_t u; memcpy(&u, p, 4); return u; }
+template <bool BF> struct Emu16 {
+  unsigned short bits;
+  explicit Emu16(float f) : bits(float_to_bits(f, BF)) {}
+};
+
+enum { RUN, SYNC, SHFL, MMA, DONE };
+struct Thread {
+  ucontext_t ctx; std::vector<char> stack; int op; float val; int lanemask;
+  float* d; const uint32_t* a; uint32_t b0, b1; bool bf;
+};
+static Thread th[128];
+static ucontext_t sched;
+static int cur;
+static void wait_at(int op) { th[cur].op = op; swapcontext(&th[cur].ctx, &sched); }
+#define TS_SYNC() wait_at(SYNC)
+static float ts_shfl(float x, int m) { th[cur].val = x; th[cur].lanemask = m; wait_at(SHFL); return th[cur].val; }
+#define TS_SHFL_XOR(x, m) ts_shfl((x), (m))
+template <bool Bf16> static void ts_mma(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  Thread& t = th[cur]; t.d = d; t.a = a; t.b0 = b0; t.b1 = b1; t.bf = Bf16; wait_at(MMA);
+}
+static float lo(uint32_t r, bool bf) { return bits_to_float((unsigned short)(r & 0xffffu), bf); }
+static float hi(uint32_t r, bool bf) { return bits_to_float((unsigned short)(r >> 16), bf); }
+static void warp_mma(int w) {
+  float A[16][16], B[16][8], C[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const Thread& t = th[w * 32 + l]; const int g = l >> 2, c = l & 3; const bool bf = t.bf;
+    A[g][2 * c] = lo(t.a[0], bf); A[g][2 * c + 1] = hi(t.a[0], bf);
+    A[g + 8][2 * c] = lo(t.a[1], bf); A[g + 8][2 * c + 1] = hi(t.a[1], bf);
+    A[g][2 * c + 8] = lo(t.a[2], bf); A[g][2 * c + 9] = hi(t.a[2], bf);
+    A[g + 8][2 * c + 8] = lo(t.a[3], bf); A[g + 8][2 * c + 9] = hi(t.a[3], bf);
+    B[2 * c][g] = lo(t.b0, bf); B[2 * c + 1][g] = hi(t.b0, bf);
+    B[2 * c + 8][g] = lo(t.b1, bf); B[2 * c + 9][g] = hi(t.b1, bf);
+    C[g][2 * c] = t.d[0]; C[g][2 * c + 1] = t.d[1]; C[g + 8][2 * c] = t.d[2]; C[g + 8][2 * c + 1] = t.d[3];
+  }
+  for (int i = 0; i < 16; ++i)
+    for (int j = 0; j < 8; ++j) {
+      float acc = C[i][j];
+      for (int x = 0; x < 16; ++x) acc += A[i][x] * B[x][j];
+      C[i][j] = acc;
+    }
+  for (int l = 0; l < 32; ++l) {
+    Thread& t = th[w * 32 + l]; const int g = l >> 2, c = l & 3;
+    t.d[0] = C[g][2 * c]; t.d[1] = C[g][2 * c + 1]; t.d[2] = C[g + 8][2 * c]; t.d[3] = C[g + 8][2 * c + 1];
+  }
+}
+
+template <int D, bool Bf16, bool Direct>
+static void body(const unsigned short* q, const unsigned short* k, const unsigned short* v,
+                 const unsigned short* mask, const int32_t* bounds, const float* params,
+                 unsigned short* out, float* opart, float* lpart, const int* q_shape,
+                 const int* k_shape, int ts_tid, int ts_split, int ts_splits, int ts_tile, int ts_bh) {
+#include ATTN_BODY
+}
+
+template <int D, bool Bf16, int Splits>
+static void merge(const float* opart, const float* lpart, Emu16<Bf16>* out, const int* lpart_shape,
+                  int ts_row, int ts_col) {
+  using InT = Emu16<Bf16>;
+#include MERGE_BODY
+}
+
+static const unsigned short *gq, *gk, *gv, *gm;
+static const int32_t* gb;
+static const float* gp;
+static unsigned short* gout;
+static float *gop, *glp;
+static int g_qs[4], g_ks[4], g_split, g_splits, g_tile, g_bh;
+static void (*g_body)(const unsigned short*, const unsigned short*, const unsigned short*,
+                      const unsigned short*, const int32_t*, const float*, unsigned short*,
+                      float*, float*, const int*, const int*, int, int, int, int, int);
+
+static void entry() {
+  g_body(gq, gk, gv, gm, gb, gp, gout, gop, glp, g_qs, g_ks, cur, g_split, g_splits, g_tile, g_bh);
+  th[cur].op = DONE;
+  swapcontext(&th[cur].ctx, &sched);
+}
+
+static int run_block() {
+  for (int i = 0; i < 128; ++i) {
+    getcontext(&th[i].ctx);
+    th[i].ctx.uc_stack.ss_sp = th[i].stack.data();
+    th[i].ctx.uc_stack.ss_size = th[i].stack.size();
+    th[i].ctx.uc_link = nullptr;
+    th[i].op = RUN;
+    makecontext(&th[i].ctx, entry, 0);
+  }
+  for (;;) {
+    for (int i = 0; i < 128; ++i)
+      if (th[i].op == RUN) { cur = i; swapcontext(&sched, &th[i].ctx); }
+    bool moved = false;
+    for (int w = 0; w < 4; ++w) {
+      const int op = th[w * 32].op;
+      for (int l = 1; l < 32; ++l)
+        if (th[w * 32 + l].op != op) { fprintf(stderr, "warp %d diverged\n", w); return 5; }
+      if (op == SHFL) {
+        float x[32];
+        for (int l = 0; l < 32; ++l) x[l] = th[w * 32 + l].val;
+        for (int l = 0; l < 32; ++l) th[w * 32 + l].val = x[l ^ th[w * 32 + l].lanemask];
+      } else if (op == MMA) {
+        warp_mma(w);
+      } else {
+        continue;
+      }
+      for (int l = 0; l < 32; ++l) th[w * 32 + l].op = RUN;
+      moved = true;
+    }
+    if (moved) continue;
+    int at_sync = 0, done = 0;
+    for (int i = 0; i < 128; ++i) { at_sync += th[i].op == SYNC; done += th[i].op == DONE; }
+    if (done == 128) return 0;
+    if (at_sync != 128) { fprintf(stderr, "threads diverged at a barrier\n"); return 6; }
+    for (int i = 0; i < 128; ++i) th[i].op = RUN;
+  }
+}
+
+static std::vector<char> slurp(const char* dir, const char* name) {
+  char p[4096]; snprintf(p, sizeof p, "%s/%s", dir, name);
+  FILE* f = fopen(p, "rb");
+  if (!f) { perror(p); exit(3); }
+  fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);
+  std::vector<char> b(n); if (n && fread(b.data(), 1, n, f) != (size_t)n) exit(3);
+  fclose(f); return b;
+}
+
+template <int D, bool Bf16, bool Direct> static void pick() { g_body = body<D, Bf16, Direct>; }
+
+int main(int argc, char** argv) {
+  // args: dir B Hq R Hkv W D bf16 splits
+  const char* dir = argv[1];
+  const int B = atoi(argv[2]), Hq = atoi(argv[3]), R = atoi(argv[4]), Hkv = atoi(argv[5]);
+  const int W = atoi(argv[6]), D = atoi(argv[7]), bf = atoi(argv[8]), S = atoi(argv[9]);
+  auto q = slurp(dir, "q"), k = slurp(dir, "k"), v = slurp(dir, "v"), m = slurp(dir, "mask");
+  auto b = slurp(dir, "bounds"), p = slurp(dir, "params");
+  gq = (const unsigned short*)q.data(); gk = (const unsigned short*)k.data();
+  gv = (const unsigned short*)v.data(); gm = (const unsigned short*)m.data();
+  gb = (const int32_t*)b.data(); gp = (const float*)p.data();
+  const int rows = B * Hq * R;
+  std::vector<unsigned short> out((size_t)rows * D, 0x7fc0);
+  std::vector<float> op((size_t)S * rows * D, NAN), lp((size_t)S * rows, NAN);
+  gout = out.data(); gop = op.data(); glp = lp.data();
+  g_qs[0] = B; g_qs[1] = Hq; g_qs[2] = R; g_qs[3] = D;
+  g_ks[0] = B; g_ks[1] = Hkv; g_ks[2] = W; g_ks[3] = D;
+  const bool direct = S == 1;
+#define PICK(DD, BF) if (D == DD && bf == BF) { if (direct) pick<DD, BF, true>(); else pick<DD, BF, false>(); }
+  PICK(64, 0) PICK(64, 1) PICK(128, 0) PICK(128, 1)
+  if (!g_body) { fprintf(stderr, "unsupported D\n"); return 4; }
+  for (int i = 0; i < 128; ++i) th[i].stack.resize(1 << 16);
+  const int tiles = ((Hq / Hkv) * R + 63) / 64;
+  g_splits = S;
+  for (g_bh = 0; g_bh < B * Hkv; ++g_bh)
+    for (g_tile = 0; g_tile < tiles; ++g_tile)
+      for (g_split = 0; g_split < S; ++g_split) {
+        const int rc = run_block();
+        if (rc) return rc;
+      }
+  if (!direct) {
+    const int ls[2] = {S, rows};
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < D; ++c) {
+#define MERGE(DD, BF, SS) if (D == DD && bf == BF && S == SS) \
+        merge<DD, BF, SS>(op.data(), lp.data(), reinterpret_cast<Emu16<BF>*>(out.data()), ls, r, c);
+        MERGE(64, 0, 2) MERGE(64, 1, 2) MERGE(128, 0, 2) MERGE(128, 1, 2)
+        MERGE(64, 0, 4) MERGE(64, 1, 4) MERGE(128, 0, 4) MERGE(128, 1, 4)
+      }
+  }
+  char path[4096]; snprintf(path, sizeof path, "%s/out.bin", dir);
+  FILE* f = fopen(path, "wb"); fwrite(out.data(), 2, out.size(), f); fclose(f);
+  return 0;
+}
+"""
+
+_attn_emu = {}
+
+
+def build_attention_emulator() -> str:
+    """Compile the emulator around the tree-attention kernel's bodies; returns the binary (cached)."""
+    if "exe" in _attn_emu:
+        return _attn_emu["exe"]
+    from mlx_treespec import attention as at
+
+    d = tempfile.mkdtemp(prefix="attn_emu_")
+    atexit.register(shutil.rmtree, d, True)
+    for name in ("tree_attention.inc", "tree_attention_merge.inc"):
+        with open(os.path.join(d, name), "w") as f:
+            f.write(at._source(name))
+    src, exe = os.path.join(d, "emu.cpp"), os.path.join(d, "emu")
+    with open(src, "w") as f:
+        f.write(ATTN_EMU)
+    r = subprocess.run(
+        ["g++", "-std=c++17", "-O1", f'-DATTN_BODY="{d}/tree_attention.inc"',
+         f'-DMERGE_BODY="{d}/tree_attention_merge.inc"', src, "-o", exe],
+        capture_output=True, text=True,
+    )
+    if r.returncode != 0:
+        raise RuntimeError("attention emulator build failed:\n" + r.stderr)
+    _attn_emu["exe"] = exe
+    return exe
+
+
+def emulate_tree_attention(q, k, v, mask, bounds, scale, splits):
+    """Run the kernel (and, with several splits, its merge) on the CPU; q, k, v, mask are mx
+    float16 / bfloat16 arrays as attention.tree_attention takes them. Returns the output as an mx
+    array of q's dtype (splits: 1, 2 or 4)."""
+    import numpy as np
+    import mlx.core as mx
+
+    bits = lambda a: np.array(mx.contiguous(a).view(mx.uint16))  # noqa: E731
+    B, Hq, R, D = q.shape
+    _, Hkv, W, _ = k.shape
+    exe = build_attention_emulator()
+    with tempfile.TemporaryDirectory() as d:
+        for n, a in dict(q=q, k=k, v=v, mask=mask).items():
+            bits(a).tofile(os.path.join(d, n))
+        np.asarray(bounds, np.int32).tofile(os.path.join(d, "bounds"))
+        np.array([scale], np.float32).tofile(os.path.join(d, "params"))
+        r = subprocess.run([exe, d] + [str(x) for x in (B, Hq, R, Hkv, W, D, int(q.dtype == mx.bfloat16), splits)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"attention emulator failed ({r.returncode}): {r.stderr}")
+        out = np.fromfile(os.path.join(d, "out.bin"), dtype=np.uint16).reshape(B, Hq, R, D)
+    return mx.array(out).view(q.dtype)
+
+
 def main(argv: List[str]) -> int:
     sys.path.insert(0, os.getcwd())
     found, failed = 0, 0

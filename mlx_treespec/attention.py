@@ -1,0 +1,200 @@
+"""Tree attention on CUDA GPUs: the history unmasked, the mask on the round's own columns only.
+
+A tree verify's node sees every committed key and its own ancestors among the round's rows. MLX's
+fused attention takes that as an additive mask over every key column, and on the H200 cuDNN's
+masked path costs 1.5x its causal one at 32k keys (bench/RESULTS.md, long context). This kernel
+(metal_kernels/tree_attention.inc, tensor-core `mma.sync`) reads the mask only in the columns
+[hist, end) a round wrote, never past `end`, and splits the key columns over blocks (each block
+leaves its rows' sums and log-sum-exps; a second kernel weighs them together), so a few query
+rows still fill the GPU at any context length.
+
+The contract with the caller (verify.py): `mask` is the round's additive mask [R, W], 0 in
+columns [0, hist) and the most negative value of its dtype from `end` on; `bounds` holds
+(hist, end) on the device. Only the columns in between are read from it.
+
+CUDA only. On Metal the masked fused attention runs as before (nothing here was run on Apple
+silicon); on CPU the verify keeps its boolean mask, whose arithmetic is plain decoding's.
+"""
+import functools
+import warnings
+from pathlib import Path
+
+import numpy as np
+import mlx.core as mx
+
+__all__ = ["tree_attention", "usable", "splits_for"]
+
+ROWS = 64  # query rows per block (4 warps of 16: the mma fragments' rows)
+HEAD_DIMS = (64, 128)
+DTYPES = (mx.float16, mx.bfloat16)
+MAX_SPLITS = 32  # the merge reads every split's rows: more splits cost more than they spread
+SPLIT_KEYS = 256  # key columns a split covers at least
+
+
+def splits_for(width):
+    """Blocks the key columns of a buffer `width` wide are split over (the one rule)."""
+    return max(1, min(MAX_SPLITS, width // SPLIT_KEYS))
+
+
+def _source(name):
+    here = Path(__file__).resolve().parent
+    for cand in (here / "metal_kernels" / name, here.parent / "metal_kernels" / name):
+        if cand.is_file():
+            return cand.read_text()
+    raise FileNotFoundError(f"metal_kernels/{name} not found next to mlx_treespec")
+
+
+PRELUDE = """\
+  const int ts_tid = static_cast<int>(threadIdx.x);
+  const int ts_split = static_cast<int>(blockIdx.x), ts_splits = static_cast<int>(gridDim.x);
+  const int ts_tile = static_cast<int>(blockIdx.y), ts_bh = static_cast<int>(blockIdx.z);
+"""
+MERGE_PRELUDE = """\
+  const int ts_col = static_cast<int>(threadIdx.x);
+  const int ts_row = static_cast<int>(blockIdx.y);
+"""
+HEADER = r"""
+#ifndef MLX_TREESPEC_ATTENTION_HEADER
+#define MLX_TREESPEC_ATTENTION_HEADER
+#define TS_SHARED __shared__ __align__(16)
+#define TS_INF __int_as_float(0x7f800000)
+#define TS_SYNC() __syncthreads()
+#define TS_SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
+__device__ __forceinline__ uint32_t ts_ld32(const unsigned short* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+template <bool Bf16>
+__device__ __forceinline__ float ts_to_float(unsigned short h) {
+  if constexpr (Bf16) return __bfloat162float(__ushort_as_bfloat16(h));
+  else return __half2float(__ushort_as_half(h));
+}
+template <bool Bf16>
+__device__ __forceinline__ uint32_t ts_pack2(float a, float b) {  // a in the low half
+  if constexpr (Bf16) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  } else {
+    __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+}
+// d += a (16x16, row) * b (16x8, col), fp32 accumulators; PTX ISA fragment layouts
+template <bool Bf16>
+__device__ __forceinline__ void ts_mma(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  if constexpr (Bf16)
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+#endif
+"""
+INPUTS = ["q", "k", "v", "mask", "bounds", "params"]
+OUTPUTS = ["out", "opart", "lpart"]
+MERGE_INPUTS = ["opart", "lpart"]
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    attend = mx.fast.cuda_kernel(name="treespec_tree_attention", input_names=INPUTS, output_names=OUTPUTS,
+                                 source=PRELUDE + _source("tree_attention.inc"), header=HEADER)
+    merge = mx.fast.cuda_kernel(name="treespec_tree_attention_merge", input_names=MERGE_INPUTS,
+                                output_names=["out"], source=MERGE_PRELUDE + _source("tree_attention_merge.inc"))
+    return attend, merge
+
+
+_params = {}
+
+
+def _scale_array(scale):
+    a = _params.get(scale)
+    if a is None:
+        a = _params[scale] = mx.array([scale], mx.float32)
+    return a
+
+
+def fits(q, k, v, mask):
+    """Whether the kernel takes these shapes (else the caller runs MLX's fused attention)."""
+    B, Hq, R, D = q.shape
+    return (q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and mask.dtype == q.dtype
+            and D in HEAD_DIMS and k.ndim == 4 and k.shape[3] == D and v.shape == k.shape
+            and k.shape[0] == B and Hq % k.shape[1] == 0 and mask.shape == (R, k.shape[2]))
+
+
+def tree_attention(q, k, v, mask, bounds, scale):
+    """softmax(q k^T * scale + mask) v for q [B, Hq, R, D] over whole buffers k, v [B, Hkv, W, D],
+    reading `mask` [R, W] only in columns [bounds[0], bounds[1]) (module docstring)."""
+    B, Hq, R, D = q.shape
+    Hkv, W = k.shape[1], k.shape[2]
+    splits = splits_for(W)
+    tiles = -(-(Hq // Hkv) * R // ROWS)
+    attend, merge = _kernels()
+    direct = splits == 1
+    rows = B * Hq * R
+    out, opart, lpart = attend(
+        inputs=[q, k, v, mask, bounds, _scale_array(float(scale))],
+        template=[("InT", q.dtype), ("D", D), ("Bf16", q.dtype == mx.bfloat16), ("Direct", direct)],
+        grid=(splits * 128, tiles, B * Hkv), threadgroup=(128, 1, 1),
+        output_shapes=[q.shape if direct else (1,), (1,) if direct else (splits, rows, D),
+                       (1,) if direct else (splits, rows)],
+        output_dtypes=[q.dtype, mx.float32, mx.float32])
+    if direct:
+        return out
+    return merge(inputs=[opart, lpart], template=[("InT", q.dtype), ("D", D), ("Splits", splits)],
+                 grid=(D, rows, 1), threadgroup=(D, 1, 1), output_shapes=[q.shape],
+                 output_dtypes=[q.dtype])[0]
+
+
+_checked = {}
+
+
+def usable(dtype, head_dim):
+    """Whether the kernel runs on this device for (dtype, head_dim): on a CUDA GPU, built and
+    checked once per variant against MLX's fused attention (a problem small enough to take a
+    moment, with several splits and a masked tail); never on CPU or Metal. A variant that fails
+    to build or to agree warns once and is not used again."""
+    key = (dtype, head_dim)
+    ok = _checked.get(key)
+    if ok is None:
+        ok = _checked[key] = _backend_is_cuda() and dtype in DTYPES and head_dim in HEAD_DIMS and _agrees(dtype, head_dim)
+    return ok
+
+
+def _backend_is_cuda():
+    cuda = getattr(mx, "cuda", None)
+    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+
+
+def _agrees(dtype, D, B=1, Hkv=2, G=3, R=13, hist=700, W=1024):
+    rng = np.random.default_rng(0)
+    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)
+               for s in ((B, Hkv * G, R, D), (B, Hkv, W, D), (B, Hkv, W, D)))
+    parents = np.concatenate([[-1], rng.integers(-1, np.arange(1, R))])
+    seen = np.eye(R, dtype=bool)
+    for i in range(R):  # a random tree's ancestor rows
+        if parents[i] >= 0:
+            seen[i] |= seen[parents[i]]
+    visible = np.zeros((R, W), bool)
+    visible[:, :hist] = True
+    visible[:, hist:hist + R] = seen
+    mask = mx.where(mx.array(visible), mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+    bounds = mx.array([hist, hist + R], mx.int32)
+    scale = D ** -0.5
+    try:
+        got = tree_attention(q, k, v, mask, bounds, scale).astype(mx.float32)
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask).astype(mx.float32)
+        err = mx.abs(got - want).max().item()
+    except Exception as e:  # NVRTC, a driver without mma.sync, ...
+        warnings.warn(f"mlx_treespec: the tree-attention kernel ({dtype}, head dim {D}) did not "
+                      f"build ({type(e).__name__}: {e}); tree verifies use MLX's masked attention")
+        return False
+    if not err < 0.03:  # bf16 rounding of the probabilities: ~1e-2 at most on this problem
+        warnings.warn(f"mlx_treespec: the tree-attention kernel ({dtype}, head dim {D}) differs "
+                      f"from MLX's attention by {err:.3g}; tree verifies use MLX's masked attention")
+        return False
+    return True

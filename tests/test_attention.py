@@ -1,0 +1,97 @@
+"""mlx_treespec.attention: the tree-attention kernel against MLX's masked attention.
+
+The same cases run the kernel itself where a CUDA GPU is the default device (the H200 runs this
+file: bench/RESULTS.md) and its body in tests/msl_check.py's CPU emulator elsewhere (128
+cooperative threads a block, each warp's mma done from its lanes' fragments). Everything past
+`end` and the mask before `hist` are NaN: the kernel must never read them.
+"""
+import os
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_treespec import attention, verify
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import msl_check  # noqa: E402
+
+ON_GPU = attention._backend_is_cuda()
+
+
+def tree_rows(R, rng):
+    parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, R)]
+    seen = np.eye(R, dtype=bool)
+    for i in range(R):
+        if parents[i] >= 0:
+            seen[i] |= seen[parents[i]]
+    return seen
+
+
+def problem(dtype, D, Hkv, G, R, W, hist, seed=0):
+    """q, k, v, the additive mask, bounds, and the float32 reference over the visible keys."""
+    rng = np.random.default_rng(seed)
+    end = hist + R
+    q = rng.standard_normal((1, Hkv * G, R, D)).astype(np.float32)
+    k = rng.standard_normal((1, Hkv, W, D)).astype(np.float32)
+    v = rng.standard_normal((1, Hkv, W, D)).astype(np.float32)
+    visible = np.zeros((R, W), bool)
+    visible[:, :hist] = True
+    visible[:, hist:end] = tree_rows(R, rng)
+    want = mx.fast.scaled_dot_product_attention(
+        *(mx.array(a).astype(dtype).astype(mx.float32) for a in (q, k[:, :, :end], v[:, :, :end])),
+        scale=D ** -0.5, mask=mx.array(visible[:, :end]))
+    low = float(mx.finfo(dtype).min)
+    mask = np.where(visible, 0.0, low).astype(np.float32)
+    mask[:, :hist] = np.nan  # the kernel reads the mask in [hist, end) only
+    mask[:, end:] = np.nan
+    k[:, :, end:] = np.nan  # ... and no key or value row from `end` on
+    v[:, :, end:] = np.nan
+    arrays = [mx.array(a).astype(dtype) for a in (q, k, v, mask)]
+    return arrays, [hist, end], want
+
+
+def attend(q, k, v, mask, bounds, scale):
+    if ON_GPU:
+        assert attention.usable(q.dtype, q.shape[-1])
+        return attention.tree_attention(q, k, v, mask, mx.array(bounds, mx.int32), scale)
+    if not msl_check.have_gxx():
+        pytest.fail("g++ is required for the kernel emulation")
+    return msl_check.emulate_tree_attention(q, k, v, mask, bounds, scale, attention.splits_for(k.shape[2]))
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("D,Hkv,G,R,W,hist", [
+    (64, 2, 3, 13, 256, 200),    # one split; the demo target's heads (6 over 2)
+    (128, 1, 4, 32, 1024, 700),  # four splits, the last ones partly past `end`
+    (64, 1, 1, 1, 512, 0),       # one row, no history: the row sees itself only
+    (128, 2, 4, 17, 512, 300),   # 68 rows a group: a second block of rows, mostly empty
+    (64, 1, 2, 8, 1024, 500),    # splits that start past `end`: they add nothing
+], ids=["one-split", "four-splits", "no-history", "row-tiles", "empty-split"])
+def test_kernel_is_masked_attention(dtype, D, Hkv, G, R, W, hist):
+    (q, k, v, mask), bounds, want = problem(dtype, D, Hkv, G, R, W, hist)
+    got = attend(q, k, v, mask, bounds, D ** -0.5).astype(mx.float32)
+    assert got.shape == want.shape and not mx.isnan(got).any().item()
+    tol = 2e-2 if dtype == mx.bfloat16 else 4e-3  # the probabilities go to the tensor cores in 16 bits
+    assert mx.abs(got - want).max().item() < tol
+
+
+def test_kernel_source_compiles_for_the_h200():
+    sources = [s for _, s in msl_check.attention_cuda_sources()]
+    assert len(sources) == 12  # (f16, bf16) x (64, 128) x (direct, split, merge)
+    if not msl_check.have_nvcc():
+        pytest.skip("nvcc not found: the CUDA source was generated, not compiled")
+    ok, err = msl_check.check_cuda(sources)
+    assert ok, err
+    assert not msl_check.check_cuda(sources[0].replace("ts_mma<Bf16>(s[n]", "ts_mma<Bf16>(s"))[0]
+
+
+def test_splits_grow_with_the_buffer_and_stop_at_the_cap():
+    assert [attention.splits_for(w) for w in (64, 256, 1024, 8192, 1 << 20)] == [1, 1, 4, 32, 32]
+
+
+def test_it_is_never_used_off_cuda():
+    if ON_GPU:
+        pytest.skip("the device has CUDA")
+    assert not attention.usable(mx.float16, 64) and not verify.kernel_fits(mx.zeros((1, 2, 256, 64), mx.float16))
