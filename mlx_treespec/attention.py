@@ -29,6 +29,7 @@ HEAD_DIMS = (64, 128)
 DTYPES = (mx.float16, mx.bfloat16)
 MAX_SPLITS = 32  # the merge reads every split's rows: more splits cost more than they spread
 SPLIT_KEYS = 256  # key columns a split covers at least
+KEY_TILE = 64  # key columns a block stages at a time
 
 
 def splits_for(width):
@@ -45,6 +46,7 @@ def _source(name):
 
 
 PRELUDE = """\
+  extern __shared__ __align__(16) unsigned short ts_smem[];
   const int ts_tid = static_cast<int>(threadIdx.x);
   const int ts_split = static_cast<int>(blockIdx.x), ts_splits = static_cast<int>(gridDim.x);
   const int ts_tile = static_cast<int>(blockIdx.y), ts_bh = static_cast<int>(blockIdx.z);
@@ -56,8 +58,14 @@ MERGE_PRELUDE = """\
 HEADER = r"""
 #ifndef MLX_TREESPEC_ATTENTION_HEADER
 #define MLX_TREESPEC_ATTENTION_HEADER
-#define TS_SHARED __shared__ __align__(16)
 #define TS_INF __int_as_float(0x7f800000)
+// 16 bytes global -> shared, asynchronously (zeros where !in: no byte is read)
+__device__ __forceinline__ void ts_cp16(unsigned short* dst, const unsigned short* src, bool in) {
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src), "r"(in ? 16 : 0));
+}
+#define TS_CP_COMMIT() asm volatile("cp.async.commit_group;\n" ::)
+#define TS_CP_WAIT(n) asm volatile("cp.async.wait_group %0;\n" ::"n"(n))
 #define TS_SYNC() __syncthreads()
 #define TS_SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
 __device__ __forceinline__ uint32_t ts_ld32(const unsigned short* p) {
@@ -99,13 +107,23 @@ OUTPUTS = ["out", "opart", "lpart"]
 MERGE_INPUTS = ["opart", "lpart"]
 
 
+def shared_bytes(D, key_tile):
+    """Shared memory of a block: two stages of K and V tiles, rows padded to D + 8."""
+    return 2 * 2 * key_tile * (D + 8) * 2
+
+
 @functools.lru_cache(maxsize=None)
-def _kernels():
-    attend = mx.fast.cuda_kernel(name="treespec_tree_attention", input_names=INPUTS, output_names=OUTPUTS,
-                                 source=PRELUDE + _source("tree_attention.inc"), header=HEADER)
-    merge = mx.fast.cuda_kernel(name="treespec_tree_attention_merge", input_names=MERGE_INPUTS,
-                                output_names=["out"], source=MERGE_PRELUDE + _source("tree_attention_merge.inc"))
-    return attend, merge
+def _kernel(D, key_tile):
+    return mx.fast.cuda_kernel(name="treespec_tree_attention", input_names=INPUTS, output_names=OUTPUTS,
+                               source=PRELUDE + _source("tree_attention.inc"), header=HEADER,
+                               shared_memory=shared_bytes(D, key_tile))
+
+
+@functools.lru_cache(maxsize=None)
+def _merge():
+    return mx.fast.cuda_kernel(name="treespec_tree_attention_merge", input_names=MERGE_INPUTS,
+                               output_names=["out"], source=MERGE_PRELUDE + _source("tree_attention_merge.inc"),
+                               header=HEADER)
 
 
 _params = {}
@@ -133,19 +151,19 @@ def tree_attention(q, k, v, mask, bounds, scale):
     Hkv, W = k.shape[1], k.shape[2]
     splits = splits_for(W)
     tiles = -(-(Hq // Hkv) * R // ROWS)
-    attend, merge = _kernels()
     direct = splits == 1
     rows = B * Hq * R
-    out, opart, lpart = attend(
+    out, opart, lpart = _kernel(D, KEY_TILE)(
         inputs=[q, k, v, mask, bounds, _scale_array(float(scale))],
-        template=[("InT", q.dtype), ("D", D), ("Bf16", q.dtype == mx.bfloat16), ("Direct", direct)],
+        template=[("InT", q.dtype), ("D", D), ("KT", KEY_TILE), ("Bf16", q.dtype == mx.bfloat16),
+                  ("Direct", direct)],
         grid=(splits * 128, tiles, B * Hkv), threadgroup=(128, 1, 1),
         output_shapes=[q.shape if direct else (1,), (1,) if direct else (splits, rows, D),
                        (1,) if direct else (splits, rows)],
         output_dtypes=[q.dtype, mx.float32, mx.float32])
     if direct:
         return out
-    return merge(inputs=[opart, lpart], template=[("InT", q.dtype), ("D", D), ("Splits", splits)],
+    return _merge()(inputs=[opart, lpart], template=[("InT", q.dtype), ("D", D), ("Splits", splits)],
                  grid=(D, rows, 1), threadgroup=(D, 1, 1), output_shapes=[q.shape],
                  output_dtypes=[q.dtype])[0]
 

@@ -464,11 +464,11 @@ def attention_cuda_sources() -> List[Tuple[str, str]]:
                     "treespec_tree_attention",
                     [("q", dt), ("k", dt), ("v", dt), ("mask", dt), ("bounds", mx.int32), ("params", mx.float32)],
                     [("out", dt), ("opart", mx.float32), ("lpart", mx.float32)],
-                    [("InT", dt), ("D", D), ("Bf16", dt == mx.bfloat16), ("Direct", direct)],
+                    [("InT", dt), ("D", D), ("KT", at.KEY_TILE), ("Bf16", dt == mx.bfloat16), ("Direct", direct)],
                     at.HEADER, at.PRELUDE + at._source("tree_attention.inc")))
             out.append(cuda_kernel_source(
                 "treespec_tree_attention_merge", [("opart", mx.float32), ("lpart", mx.float32)], [("out", dt)],
-                [("InT", dt), ("D", D), ("Splits", 4)], "", at.MERGE_PRELUDE + at._source("tree_attention_merge.inc")))
+                [("InT", dt), ("D", D), ("Splits", 4)], at.HEADER, at.MERGE_PRELUDE + at._source("tree_attention_merge.inc")))
     return out
 
 
@@ -486,7 +486,12 @@ ATTN_EMU = r"""
 
 struct uint4 { uint32_t x, y, z, w; };
 static inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
-#define TS_SHARED alignas(16) static
+alignas(16) static unsigned short ts_smem[2 * 2 * 64 * 136];
+static void ts_cp16(unsigned short* dst, const unsigned short* src, bool in) {
+  if (in) memcpy(dst, src, 16); else memset(dst, 0, 16);
+}
+#define TS_CP_COMMIT() ((void)0)
+#define TS_CP_WAIT(n) ((void)0)
 #define TS_INF INFINITY
 
 static float bits_to_float(unsigned short h, bool bf) {
@@ -553,7 +558,7 @@ static void warp_mma(int w) {
   }
 }
 
-template <int D, bool Bf16, bool Direct>
+template <int D, int KT, bool Bf16, bool Direct>
 static void body(const unsigned short* q, const unsigned short* k, const unsigned short* v,
                  const unsigned short* mask, const int32_t* bounds, const float* params,
                  unsigned short* out, float* opart, float* lpart, const int* q_shape,
@@ -631,13 +636,16 @@ static std::vector<char> slurp(const char* dir, const char* name) {
   fclose(f); return b;
 }
 
-template <int D, bool Bf16, bool Direct> static void pick() { g_body = body<D, Bf16, Direct>; }
+template <int D, bool Bf16, bool Direct> static void pick(int kt) {
+  g_body = kt == 32 ? body<D, 32, Bf16, Direct> : body<D, 64, Bf16, Direct>;
+}
 
 int main(int argc, char** argv) {
-  // args: dir B Hq R Hkv W D bf16 splits
+  // args: dir B Hq R Hkv W D bf16 splits key_tile
   const char* dir = argv[1];
   const int B = atoi(argv[2]), Hq = atoi(argv[3]), R = atoi(argv[4]), Hkv = atoi(argv[5]);
   const int W = atoi(argv[6]), D = atoi(argv[7]), bf = atoi(argv[8]), S = atoi(argv[9]);
+  const int KT = atoi(argv[10]);
   auto q = slurp(dir, "q"), k = slurp(dir, "k"), v = slurp(dir, "v"), m = slurp(dir, "mask");
   auto b = slurp(dir, "bounds"), p = slurp(dir, "params");
   gq = (const unsigned short*)q.data(); gk = (const unsigned short*)k.data();
@@ -650,7 +658,7 @@ int main(int argc, char** argv) {
   g_qs[0] = B; g_qs[1] = Hq; g_qs[2] = R; g_qs[3] = D;
   g_ks[0] = B; g_ks[1] = Hkv; g_ks[2] = W; g_ks[3] = D;
   const bool direct = S == 1;
-#define PICK(DD, BF) if (D == DD && bf == BF) { if (direct) pick<DD, BF, true>(); else pick<DD, BF, false>(); }
+#define PICK(DD, BF) if (D == DD && bf == BF) { if (direct) pick<DD, BF, true>(KT); else pick<DD, BF, false>(KT); }
   PICK(64, 0) PICK(64, 1) PICK(128, 0) PICK(128, 1)
   if (!g_body) { fprintf(stderr, "unsupported D\n"); return 4; }
   for (int i = 0; i < 128; ++i) th[i].stack.resize(1 << 16);
@@ -706,7 +714,7 @@ def build_attention_emulator() -> str:
     return exe
 
 
-def emulate_tree_attention(q, k, v, mask, bounds, scale, splits):
+def emulate_tree_attention(q, k, v, mask, bounds, scale, splits, key_tile=64):
     """Run the kernel (and, with several splits, its merge) on the CPU; q, k, v, mask are mx
     float16 / bfloat16 arrays as attention.tree_attention takes them. Returns the output as an mx
     array of q's dtype (splits: 1, 2 or 4)."""
@@ -722,7 +730,7 @@ def emulate_tree_attention(q, k, v, mask, bounds, scale, splits):
             bits(a).tofile(os.path.join(d, n))
         np.asarray(bounds, np.int32).tofile(os.path.join(d, "bounds"))
         np.array([scale], np.float32).tofile(os.path.join(d, "params"))
-        r = subprocess.run([exe, d] + [str(x) for x in (B, Hq, R, Hkv, W, D, int(q.dtype == mx.bfloat16), splits)],
+        r = subprocess.run([exe, d] + [str(x) for x in (B, Hq, R, Hkv, W, D, int(q.dtype == mx.bfloat16), splits, key_tile)],
                            capture_output=True, text=True)
         if r.returncode != 0:
             raise RuntimeError(f"attention emulator failed ({r.returncode}): {r.stderr}")

@@ -58,7 +58,8 @@ def attend(q, k, v, mask, bounds, scale):
         return attention.tree_attention(q, k, v, mask, mx.array(bounds, mx.int32), scale)
     if not msl_check.have_gxx():
         pytest.fail("g++ is required for the kernel emulation")
-    return msl_check.emulate_tree_attention(q, k, v, mask, bounds, scale, attention.splits_for(k.shape[2]))
+    return msl_check.emulate_tree_attention(q, k, v, mask, bounds, scale, attention.splits_for(k.shape[2]),
+                                            attention.KEY_TILE)
 
 
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
