@@ -27,9 +27,14 @@ __all__ = ["tree_attention", "usable", "splits_for"]
 ROWS = 64  # query rows per block (4 warps of 16: the mma fragments' rows)
 HEAD_DIMS = (64, 128)
 DTYPES = (mx.float16, mx.bfloat16)
-MAX_SPLITS = 32  # the merge reads every split's rows: more splits cost more than they spread
-SPLIT_KEYS = 256  # key columns a split covers at least
-KEY_TILE = 64  # key columns a block stages at a time
+# Tile and split sizes, and the width from which the kernel runs, from one sweep on an H100
+# (bench/RESULTS.md, "Tree attention"): 32-column tiles and splits of at least 512 columns, at
+# most 32 of them, were the fastest at 1k, 8k and 32k keys; below 16k keys cuDNN's masked
+# attention was as fast or faster
+MAX_SPLITS = 32
+SPLIT_KEYS = 512
+KEY_TILE = 32
+MIN_WIDTH = 16384
 
 
 def splits_for(width):
@@ -137,10 +142,13 @@ def _scale_array(scale):
 
 
 def fits(q, k, v, mask):
-    """Whether the kernel takes these shapes (else the caller runs MLX's fused attention)."""
+    """Whether the kernel takes these shapes, and pays there (else the caller runs MLX's fused
+    attention): key buffers of at least MIN_WIDTH columns."""
+    if not isinstance(k, mx.array) or k.ndim != 4 or k.shape[2] < MIN_WIDTH:
+        return False
     B, Hq, R, D = q.shape
     return (q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and mask.dtype == q.dtype
-            and D in HEAD_DIMS and k.ndim == 4 and k.shape[3] == D and v.shape == k.shape
+            and D in HEAD_DIMS and k.shape[3] == D and v.shape == k.shape
             and k.shape[0] == B and Hq % k.shape[1] == 0 and mask.shape == (R, k.shape[2]))
 
 

@@ -65,7 +65,7 @@ def attend(q, k, v, mask, bounds, scale):
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16], ids=["f16", "bf16"])
 @pytest.mark.parametrize("D,Hkv,G,R,W,hist", [
     (64, 2, 3, 13, 256, 200),    # one split; the demo target's heads (6 over 2)
-    (128, 1, 4, 32, 1024, 700),  # four splits, the last ones partly past `end`
+    (128, 1, 4, 32, 2048, 1500),  # four splits, the last one partly past `end`
     (64, 1, 1, 1, 512, 0),       # one row, no history: the row sees itself only
     (128, 2, 4, 17, 512, 300),   # 68 rows a group: a second block of rows, mostly empty
     (64, 1, 2, 8, 1024, 500),    # splits that start past `end`: they add nothing
@@ -89,7 +89,7 @@ def test_kernel_source_compiles_for_the_h200():
 
 
 def test_splits_grow_with_the_buffer_and_stop_at_the_cap():
-    assert [attention.splits_for(w) for w in (64, 256, 1024, 8192, 1 << 20)] == [1, 1, 4, 32, 32]
+    assert [attention.splits_for(w) for w in (64, 512, 1024, 8192, 1 << 20)] == [1, 1, 2, 16, 32]
 
 
 def test_it_is_never_used_off_cuda():
