@@ -69,6 +69,16 @@ __device__ __forceinline__ void ts_cp16(unsigned short* dst, const unsigned shor
   const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(at), "l"(src), "r"(in ? 16 : 0));
 }
+// four 8x8 16-bit matrices from shared memory, one row address per lane (PTX ldmatrix)
+__device__ __forceinline__ void ts_ldmatrix_x4(uint32_t* r, const unsigned short* row, bool trans) {
+  const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if (trans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
+}
 #define TS_CP_COMMIT() asm volatile("cp.async.commit_group;\n" ::)
 #define TS_CP_WAIT(n) asm volatile("cp.async.wait_group %0;\n" ::"n"(n))
 #define TS_SYNC() __syncthreads()

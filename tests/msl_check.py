@@ -517,10 +517,11 @@ template <bool BF> struct Emu16 {
   explicit Emu16(float f) : bits(float_to_bits(f, BF)) {}
 };
 
-enum { RUN, SYNC, SHFL, MMA, DONE };
+enum { RUN, SYNC, SHFL, MMA, LDM, DONE };
 struct Thread {
   ucontext_t ctx; std::vector<char> stack; int op; float val; int lanemask;
   float* d; const uint32_t* a; uint32_t b0, b1; bool bf;
+  const unsigned short* row; uint32_t* regs; bool trans;
 };
 static Thread th[128];
 static ucontext_t sched;
@@ -531,6 +532,25 @@ static float ts_shfl(float x, int m) { th[cur].val = x; th[cur].lanemask = m; wa
 #define TS_SHFL_XOR(x, m) ts_shfl((x), (m))
 template <bool Bf16> static void ts_mma(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
   Thread& t = th[cur]; t.d = d; t.a = a; t.b0 = b0; t.b1 = b1; t.bf = Bf16; wait_at(MMA);
+}
+static void ts_ldmatrix_x4(uint32_t* r, const unsigned short* row, bool trans) {
+  Thread& t = th[cur]; t.row = row; t.regs = r; t.trans = trans; wait_at(LDM);
+}
+static void warp_ldmatrix(int w) {  // PTX ldmatrix.m8n8.x4(.trans).b16
+  for (int l = 0; l < 32; ++l) {
+    Thread& t = th[w * 32 + l];
+    for (int m = 0; m < 4; ++m) {
+      unsigned short e0, e1;
+      if (!t.trans) {
+        const unsigned short* row = th[w * 32 + m * 8 + l / 4].row;
+        e0 = row[2 * (l % 4)]; e1 = row[2 * (l % 4) + 1];
+      } else {
+        e0 = th[w * 32 + m * 8 + 2 * (l % 4)].row[l / 4];
+        e1 = th[w * 32 + m * 8 + 2 * (l % 4) + 1].row[l / 4];
+      }
+      t.regs[m] = (uint32_t)e0 | ((uint32_t)e1 << 16);
+    }
+  }
 }
 static float lo(uint32_t r, bool bf) { return bits_to_float((unsigned short)(r & 0xffffu), bf); }
 static float hi(uint32_t r, bool bf) { return bits_to_float((unsigned short)(r >> 16), bf); }
@@ -612,6 +632,8 @@ static int run_block() {
         for (int l = 0; l < 32; ++l) th[w * 32 + l].val = x[l ^ th[w * 32 + l].lanemask];
       } else if (op == MMA) {
         warp_mma(w);
+      } else if (op == LDM) {
+        warp_ldmatrix(w);
       } else {
         continue;
       }
