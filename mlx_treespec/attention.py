@@ -27,14 +27,15 @@ __all__ = ["tree_attention", "usable", "splits_for"]
 ROWS = 64  # query rows per block (4 warps of 16: the mma fragments' rows)
 HEAD_DIMS = (64, 128)
 DTYPES = (mx.float16, mx.bfloat16)
-# Tile and split sizes, and the width from which the kernel runs, from one sweep on an H100
-# (bench/RESULTS.md, "Tree attention"): 32-column tiles and splits of at least 512 columns, at
-# most 32 of them, were the fastest at 1k, 8k and 32k keys; below 16k keys cuDNN's masked
-# attention was as fast or faster
+# Tile and split sizes, and the width from which the kernel runs, from sweeps on the H100 and
+# H200 (bench/RESULTS.md, "Tree attention at long context"): tiles of 32 or 64 columns and
+# splits of 512 or more columns, at most 32 of them, were within a few percent of the best at
+# 1k, 8k and 32k keys; with 2k-column buffers (a 1k context) cuDNN's masked attention was the
+# faster, from 9k columns on the kernel
 MAX_SPLITS = 32
 SPLIT_KEYS = 512
 KEY_TILE = 32
-MIN_WIDTH = 16384
+MIN_WIDTH = 8192
 
 
 def splits_for(width):
