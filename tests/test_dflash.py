@@ -510,3 +510,60 @@ def test_queued_rounds_end_with_prompt_plus_delivered(targets, folders, gpu_path
     want = {"max_tokens 13": ref[:13], "stop token": ref[: ref.index(ref[9]) + 1]}.get(end, ref[: len(got)])
     assert got == want and d._queued is not None
     check_cache_holds(target, cache, prompt, got, {})
+
+
+@pytest.fixture
+def contract_kernel(monkeypatch):
+    """The tree-attention kernel's route on CPU (attention.py; the kernel itself runs on CUDA
+    only): every shape qualifies, and `tree_attention` is MLX's attention over what the kernel
+    may read: every column before bounds[0], the mask in [bounds[0], bounds[1]), no column from
+    bounds[1] on. Where that differs from the round's mask (wrong bounds) its output is NaN, so
+    the tokens change. Returns its calls."""
+    from mlx_treespec import attention
+
+    calls = []
+
+    def by_contract(q, k, v, mask, bounds, scale):
+        cols = mx.arange(k.shape[2])
+        low = mx.array(mx.finfo(mask.dtype).min, mask.dtype)
+        seen = mx.where(cols < bounds[0], mx.array(0, mask.dtype), mx.where(cols < bounds[1], mask, low))
+        calls.append(q.shape[2])
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=seen)
+        return out + mx.where(mx.any(seen != mask), mx.array(np.nan, out.dtype), mx.array(0, out.dtype))
+
+    monkeypatch.setattr(attention, "tree_attention", by_contract)
+    monkeypatch.setattr(attention, "usable", lambda dtype, head_dim: True)
+    monkeypatch.setattr(attention, "MIN_WIDTH", 0)
+    monkeypatch.setattr(attention, "DTYPES", (mx.float32,))
+    monkeypatch.setattr(attention, "HEAD_DIMS", range(8, 257, 8))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_tree_verifies_through_the_kernel_route_are_plain_decoding(targets, folders, gpu_path, contract_kernel,
+                                                                    family):
+    # DDTree rounds through the round loop: the compiled verify (qwen3) and the eager one with
+    # the GatedDeltaNet scans (qwen3_5) hand every attention layer the round's bounds
+    target = targets(family)
+    target.__dict__.pop("_treespec_compiled_verify", None)
+    prompt = prompt_tokens(6)
+    out, stats = speculative(target, OracleDFlash(bind_dflash(folders(family), target), target, seed=3, budget=31),
+                             prompt)
+    assert out == plain(target, prompt) and max(stats.accepted) > 1
+    assert contract_kernel and max(contract_kernel) > 1
+    if family == "qwen3":
+        store = _compiled_store(target)
+        assert store["trusted_runs"] > 0 and any(key[1] for key in store["fns"])  # traced with the kernel
+    target.__dict__.pop("_treespec_compiled_verify", None)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_queued_rounds_through_the_kernel_route_are_plain_decoding(targets, folders, gpu_path, contract_kernel,
+                                                                    family):
+    # queued chains: the bounds are (the device's start, start + the chain's rows)
+    target = targets(family)
+    prompt = prompt_tokens(5)
+    d = QueuedOracle(bind_dflash(folders(family), target), target, topk=1, depth=7)
+    out, stats = speculative(target, d, prompt)
+    assert out == plain(target, prompt) and d._queued is not None
+    assert contract_kernel and sum(stats.accepted) > 0
