@@ -372,8 +372,8 @@ def test_compiled_verify_that_differs_from_eager_is_never_used(targets, folders,
     target.__dict__.pop("_treespec_compiled_verify", None)
     real = verify._compiled
 
-    def off_by_a_little(model, capture):
-        fn, store = real(model, capture)
+    def off_by_a_little(model, capture, kernel=False):
+        fn, store = real(model, capture, kernel)
         if fn is None:
             return fn, store
 
