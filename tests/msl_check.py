@@ -174,26 +174,11 @@ _CUDA_DEFAULT_HEADER = (
 )
 
 
-def cuda_twin_source(q_dtype, Dk: int, Dv: int, Hk: int, Hv: int, gvec: bool,
-                     store_final: bool, g_dtype=None, beta_dtype=None,
-                     v_dtype=None) -> Tuple[str, str]:
-    """Rebuild the CUDA source MLX 0.32.4's ``cuda_kernel`` generates for this kernel.
-
-    Mirrors ``build_kernel`` in mlx/backend/cuda/custom_kernel.cpp (default header, header,
-    ``__global__`` signature, template constants, source), so it can be compiled on a host
-    without a CUDA build of MLX. Returns ``(kernel_name, source)``.
-    """
-    import mlx.core as mx
-    from mlx_treespec.gdn import KERNEL_INPUTS, KERNEL_NAME, KERNEL_OUTPUTS, kernel_header, kernel_source
-
+def cuda_kernel_source(name, inputs, outputs, template, header, source) -> Tuple[str, str]:
+    """The CUDA source MLX 0.32.4's ``cuda_kernel`` generates (mlx/backend/cuda/custom_kernel.cpp,
+    ``build_kernel``): inputs and outputs are [(name, dtype)]; an input's ``<name>_shape`` is a
+    parameter where the source names it. Returns ``(kernel name, source)``."""
     types = _cuda_types()
-    g_dtype = mx.float32 if g_dtype is None else g_dtype
-    beta_dtype = q_dtype if beta_dtype is None else beta_dtype
-    v_dtype = q_dtype if v_dtype is None else v_dtype
-    in_dtypes = [q_dtype, q_dtype, v_dtype, g_dtype, beta_dtype, mx.float32, mx.int32]
-    out_dtypes = [q_dtype, mx.float32, mx.float32]
-    tmpl = [("InT", q_dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv),
-            ("GVec", bool(gvec)), ("StoreFinal", bool(store_final))]
 
     def h(a):
         if isinstance(a, bool):
@@ -202,23 +187,48 @@ def cuda_twin_source(q_dtype, Dk: int, Dv: int, Hk: int, Hv: int, gvec: bool,
             return f"_{a}"
         return "_" + str(a).split(".")[-1]
 
-    name = "custom_kernel_" + KERNEL_NAME + "".join(h(a) for _, a in tmpl)
-    src = _CUDA_DEFAULT_HEADER + kernel_header("cuda")
+    kname = "custom_kernel_" + name + "".join(h(a) for _, a in template)
+    src = _CUDA_DEFAULT_HEADER + header
     src += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-    src += f"__global__ void {name}(\n"
-    for n_, dt in zip(KERNEL_INPUTS, in_dtypes):
+    src += f"__global__ void {kname}(\n"
+    for n_, dt in inputs:
         src += f"    const {types[dt]}* {n_},\n"
-    outs = [f"    {types[dt]}* {n_}" for n_, dt in zip(KERNEL_OUTPUTS, out_dtypes)]
-    src += ",\n".join(outs) + ") {\n"
-    for n_, a in tmpl:
+        if f"{n_}_shape" in source:
+            src += f"    const __grid_constant__ Shape {n_}_shape,\n"
+    src += ",\n".join(f"    {types[dt]}* {n_}" for n_, dt in outputs) + ") {\n"
+    for n_, a in template:
         if isinstance(a, bool):
             src += f"  constexpr bool {n_} = {'true' if a else 'false'};\n"
         elif isinstance(a, int):
             src += f"  constexpr int {n_} = {a};\n"
         else:
             src += f"  using {n_} = {types[a]};\n"
-    src += "\n" + kernel_source("cuda") + "\n}\n\n} // namespace mlx::core::cu\n"
-    return name, src
+    src += "\n" + source + "\n}\n\n} // namespace mlx::core::cu\n"
+    return kname, src
+
+
+def cuda_twin_source(q_dtype, Dk: int, Dv: int, Hk: int, Hv: int, gvec: bool,
+                     store_final: bool, g_dtype=None, beta_dtype=None,
+                     v_dtype=None) -> Tuple[str, str]:
+    """Rebuild the CUDA source MLX 0.32.4's ``cuda_kernel`` generates for this kernel.
+
+    Through ``cuda_kernel_source`` (a mirror of MLX's ``build_kernel``: default header, header,
+    ``__global__`` signature, template constants, source), so it can be compiled on a host
+    without a CUDA build of MLX. Returns ``(kernel_name, source)``.
+    """
+    import mlx.core as mx
+    from mlx_treespec.gdn import KERNEL_INPUTS, KERNEL_NAME, KERNEL_OUTPUTS, kernel_header, kernel_source
+
+    g_dtype = mx.float32 if g_dtype is None else g_dtype
+    beta_dtype = q_dtype if beta_dtype is None else beta_dtype
+    v_dtype = q_dtype if v_dtype is None else v_dtype
+    in_dtypes = [q_dtype, q_dtype, v_dtype, g_dtype, beta_dtype, mx.float32, mx.int32]
+    out_dtypes = [q_dtype, mx.float32, mx.float32]
+    tmpl = [("InT", q_dtype), ("Dk", Dk), ("Dv", Dv), ("Hk", Hk), ("Hv", Hv),
+            ("GVec", bool(gvec)), ("StoreFinal", bool(store_final))]
+
+    return cuda_kernel_source(KERNEL_NAME, list(zip(KERNEL_INPUTS, in_dtypes)), list(zip(KERNEL_OUTPUTS, out_dtypes)),
+                              tmpl, kernel_header("cuda"), kernel_source("cuda"))
 
 
 def gdn_cuda_sources() -> List[Tuple[str, str]]:
@@ -238,6 +248,19 @@ def gdn_cuda_sources() -> List[Tuple[str, str]]:
 # TS_WARP_SUM, which then applies the xor butterfly of the CUDA twin to all lanes at once.
 # It runs the body's real indexing, depth-first schedule, scratch reloads and final-state
 # write, so a logic error shows up here before the GPU; it says nothing about GPU compilers.
+
+# Both emulators start each lane or thread as a user-level context on its own stack.
+EMU_COMMON = r"""
+#include <ucontext.h>
+#include <vector>
+static void start_context(ucontext_t& ctx, std::vector<char>& stack, void (*entry)()) {
+  getcontext(&ctx);
+  ctx.uc_stack.ss_sp = stack.data();
+  ctx.uc_stack.ss_size = stack.size();
+  ctx.uc_link = nullptr;
+  makecontext(&ctx, entry, 0);
+}
+"""
 
 EMU_HARNESS = r"""
 #include <cstdint>
@@ -321,12 +344,8 @@ int main(int argc, char** argv) {
   for (int head = 0; head < B * g_Hv; ++head) {
     for (int row = 0; row < g_Dv; ++row) {
       for (int l = 0; l < 32; ++l) {
-        getcontext(&lanes[l].ctx);
-        lanes[l].ctx.uc_stack.ss_sp = lanes[l].stack.data();
-        lanes[l].ctx.uc_stack.ss_size = lanes[l].stack.size();
-        lanes[l].ctx.uc_link = nullptr;
+        start_context(lanes[l].ctx, lanes[l].stack, lane_entry);
         lanes[l].done = false;
-        makecontext(&lanes[l].ctx, lane_entry, 0);
       }
       for (;;) {
         int n_done = 0;
@@ -375,7 +394,7 @@ def build_emulator(body_path: str = None) -> str:
     src = os.path.join(d, "emu.cpp")
     exe = os.path.join(d, "emu")
     with open(src, "w") as f:
-        f.write(EMU_HARNESS)
+        f.write(EMU_COMMON + EMU_HARNESS)
     r = subprocess.run(
         ["g++", "-std=c++17", "-O1", f'-DKERNEL_BODY="{body_path}"', src, "-o", exe],
         capture_output=True, text=True,
@@ -416,39 +435,6 @@ def emulate_tree_kernel(q, k, v, g, beta, state, parents, store_final=True):
 # ---------------------------------------------------------------------------------------------
 # The tree-attention kernel (mlx_treespec/attention.py): its CUDA source, and its body on the CPU
 # ---------------------------------------------------------------------------------------------
-
-
-def cuda_kernel_source(name, inputs, outputs, template, header, source) -> Tuple[str, str]:
-    """The CUDA source MLX 0.32.4's ``cuda_kernel`` generates (mlx/backend/cuda/custom_kernel.cpp,
-    ``build_kernel``): inputs and outputs are [(name, dtype)]; an input's ``<name>_shape`` is a
-    parameter where the source names it. Returns ``(kernel name, source)``."""
-    types = _cuda_types()
-
-    def h(a):
-        if isinstance(a, bool):
-            return "_t" if a else "_f"
-        if isinstance(a, int):
-            return f"_{a}"
-        return "_" + str(a).split(".")[-1]
-
-    kname = "custom_kernel_" + name + "".join(h(a) for _, a in template)
-    src = _CUDA_DEFAULT_HEADER + header
-    src += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-    src += f"__global__ void {kname}(\n"
-    for n_, dt in inputs:
-        src += f"    const {types[dt]}* {n_},\n"
-        if f"{n_}_shape" in source:
-            src += f"    const __grid_constant__ Shape {n_}_shape,\n"
-    src += ",\n".join(f"    {types[dt]}* {n_}" for n_, dt in outputs) + ") {\n"
-    for n_, a in template:
-        if isinstance(a, bool):
-            src += f"  constexpr bool {n_} = {'true' if a else 'false'};\n"
-        elif isinstance(a, int):
-            src += f"  constexpr int {n_} = {a};\n"
-        else:
-            src += f"  using {n_} = {types[a]};\n"
-    src += "\n" + source + "\n}\n\n} // namespace mlx::core::cu\n"
-    return kname, src
 
 
 def attention_cuda_sources() -> List[Tuple[str, str]]:
@@ -611,12 +597,8 @@ static void entry() {
 
 static int run_block() {
   for (int i = 0; i < 128; ++i) {
-    getcontext(&th[i].ctx);
-    th[i].ctx.uc_stack.ss_sp = th[i].stack.data();
-    th[i].ctx.uc_stack.ss_size = th[i].stack.size();
-    th[i].ctx.uc_link = nullptr;
+    start_context(th[i].ctx, th[i].stack, entry);
     th[i].op = RUN;
-    makecontext(&th[i].ctx, entry, 0);
   }
   for (;;) {
     for (int i = 0; i < 128; ++i)
@@ -724,7 +706,7 @@ def build_attention_emulator() -> str:
             f.write(at._source(name))
     src, exe = os.path.join(d, "emu.cpp"), os.path.join(d, "emu")
     with open(src, "w") as f:
-        f.write(ATTN_EMU)
+        f.write(EMU_COMMON + ATTN_EMU)
     r = subprocess.run(
         ["g++", "-std=c++17", "-O1", f'-DATTN_BODY="{d}/tree_attention.inc"',
          f'-DMERGE_BODY="{d}/tree_attention_merge.inc"', src, "-o", exe],
