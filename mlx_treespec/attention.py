@@ -2,7 +2,7 @@
 
 A tree verify's node sees every committed key and its own ancestors among the round's rows. MLX's
 fused attention takes that as an additive mask over every key column, and on the H200 cuDNN's
-masked path costs 1.5x its causal one at 32k keys (bench/RESULTS.md, long context). This kernel
+masked path costs well over its causal one at long context (bench/RESULTS.md, long context). This kernel
 (metal_kernels/tree_attention.inc, tensor-core `mma.sync`) reads the mask only in the columns
 [hist, end) a round wrote, never past `end`, and splits the key columns over blocks (each block
 leaves its rows' sums and log-sum-exps; a second kernel weighs them together), so a few query
@@ -154,13 +154,15 @@ def _scale_array(scale):
 
 def fits(q, k, v, mask):
     """Whether the kernel takes these shapes, and pays there (else the caller runs MLX's fused
-    attention): key buffers of at least MIN_WIDTH columns."""
+    attention): key buffers of at least MIN_WIDTH columns, of a variant `usable` has checked
+    (only looked up here: this runs while a verify is traced, where nothing may be evaluated)."""
     if not isinstance(k, mx.array) or k.ndim != 4 or k.shape[2] < MIN_WIDTH:
         return False
     B, Hq, R, D = q.shape
-    return (q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and mask.dtype == q.dtype
+    return (_checked.get((q.dtype, D)) is True and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and mask.dtype == q.dtype
             and D in HEAD_DIMS and k.shape[3] == D and v.shape == k.shape
-            and k.shape[0] == B and Hq % k.shape[1] == 0 and mask.shape == (R, k.shape[2]))
+            and k.shape[0] == B and Hq % k.shape[1] == 0 and mask.shape == (R, k.shape[2])
+            and B * Hq * R <= 65535)  # the merge's grid: one block row per output row
 
 
 def tree_attention(q, k, v, mask, bounds, scale):
@@ -182,7 +184,7 @@ def tree_attention(q, k, v, mask, bounds, scale):
         output_dtypes=[q.dtype, mx.float32, mx.float32])
     if direct:
         return out
-    return _merge()(inputs=[opart, lpart], template=[("InT", q.dtype), ("D", D), ("Splits", splits)],
+    return _merge()(inputs=[opart, lpart], template=[("InT", q.dtype), ("D", D)],
                  grid=(D, rows, 1), threadgroup=(D, 1, 1), output_shapes=[q.shape],
                  output_dtypes=[q.dtype])[0]
 
@@ -207,7 +209,9 @@ def _backend_is_cuda():
     return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
 
 
-def _agrees(dtype, D, B=1, Hkv=2, G=3, R=13, hist=700, W=1024):
+def _agrees(dtype, D, B=1, Hkv=2, G=3, R=13, hist=40, W=1024):
+    """The kernel against MLX's attention in float32 over the same 16-bit inputs, on a short
+    history (so the round's own columns carry most of each row's weight) and two splits."""
     rng = np.random.default_rng(0)
     q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)
                for s in ((B, Hkv * G, R, D), (B, Hkv, W, D), (B, Hkv, W, D)))
@@ -224,13 +228,17 @@ def _agrees(dtype, D, B=1, Hkv=2, G=3, R=13, hist=700, W=1024):
     scale = D ** -0.5
     try:
         got = tree_attention(q, k, v, mask, bounds, scale).astype(mx.float32)
-        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask).astype(mx.float32)
+        f32 = [a.astype(mx.float32)[:, :, :hist + R] for a in (k, v)]
+        want = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), *f32, scale=scale,
+                                                    mask=mx.array(visible[:, :hist + R]))
         err = mx.abs(got - want).max().item()
     except Exception as e:  # NVRTC, a driver without mma.sync, ...
         warnings.warn(f"mlx_treespec: the tree-attention kernel ({dtype}, head dim {D}) did not "
                       f"build ({type(e).__name__}: {e}); tree verifies use MLX's masked attention")
         return False
-    if not err < 0.03:  # bf16 rounding of the probabilities: ~1e-2 at most on this problem
+    # the output's own 16-bit rounding and the probabilities' (they reach the tensor cores in 16
+    # bits): at most ~5e-3 in bf16 and ~4e-4 in f16 on this problem (tests/msl_check.py's emulator)
+    if not err < (1e-2 if dtype == mx.bfloat16 else 2e-3):
         warnings.warn(f"mlx_treespec: the tree-attention kernel ({dtype}, head dim {D}) differs "
                       f"from MLX's attention by {err:.3g}; tree verifies use MLX's masked attention")
         return False

@@ -867,10 +867,10 @@ class TreeRound:
         return out[:n] if pad else out
 
     def _run_eager(self, tokens, positions, n):
-        _CTX.positions = positions
-        if self._kernel():
-            _CTX.attend = (self._append_mask(None), self._bounds()[1:])
-        try:
+        try:  # inside: a failure setting up must not leave a later forward these positions
+            _CTX.positions = positions
+            if self._kernel():
+                _CTX.attend = (self._append_mask(None), self._bounds()[1:])
             with capturing(self.model, self.capture) as cap:
                 out = self.model(tokens[None], cache=self.stand_ins)[0]
                 self.hidden = cap.hidden(n)

@@ -454,7 +454,7 @@ def attention_cuda_sources() -> List[Tuple[str, str]]:
                     at.HEADER, at.PRELUDE + at._source("tree_attention.inc")))
             out.append(cuda_kernel_source(
                 "treespec_tree_attention_merge", [("opart", mx.float32), ("lpart", mx.float32)], [("out", dt)],
-                [("InT", dt), ("D", D), ("Splits", 4)], at.HEADER, at.MERGE_PRELUDE + at._source("tree_attention_merge.inc")))
+                [("InT", dt), ("D", D)], at.HEADER, at.MERGE_PRELUDE + at._source("tree_attention_merge.inc")))
     return out
 
 
@@ -572,7 +572,7 @@ static void body(const unsigned short* q, const unsigned short* k, const unsigne
 #include ATTN_BODY
 }
 
-template <int D, bool Bf16, int Splits>
+template <int D, bool Bf16>
 static void merge(const float* opart, const float* lpart, Emu16<Bf16>* out, const int* lpart_shape,
                   int ts_row, int ts_col) {
   using InT = Emu16<Bf16>;
@@ -678,10 +678,9 @@ int main(int argc, char** argv) {
     const int ls[2] = {S, rows};
     for (int r = 0; r < rows; ++r)
       for (int c = 0; c < D; ++c) {
-#define MERGE(DD, BF, SS) if (D == DD && bf == BF && S == SS) \
-        merge<DD, BF, SS>(op.data(), lp.data(), reinterpret_cast<Emu16<BF>*>(out.data()), ls, r, c);
-        MERGE(64, 0, 2) MERGE(64, 1, 2) MERGE(128, 0, 2) MERGE(128, 1, 2)
-        MERGE(64, 0, 4) MERGE(64, 1, 4) MERGE(128, 0, 4) MERGE(128, 1, 4)
+#define MERGE(DD, BF) if (D == DD && bf == BF) \
+        merge<DD, BF>(op.data(), lp.data(), reinterpret_cast<Emu16<BF>*>(out.data()), ls, r, c);
+        MERGE(64, 0) MERGE(64, 1) MERGE(128, 0) MERGE(128, 1)
       }
   }
   char path[4096]; snprintf(path, sizeof path, "%s/out.bin", dir);
@@ -721,7 +720,7 @@ def build_attention_emulator() -> str:
 def emulate_tree_attention(q, k, v, mask, bounds, scale, splits, key_tile=64):
     """Run the kernel (and, with several splits, its merge) on the CPU; q, k, v, mask are mx
     float16 / bfloat16 arrays as attention.tree_attention takes them. Returns the output as an mx
-    array of q's dtype (splits: 1, 2 or 4)."""
+    array of q's dtype."""
     import numpy as np
     import mlx.core as mx
 

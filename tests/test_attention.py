@@ -69,12 +69,14 @@ def attend(q, k, v, mask, bounds, scale):
     (64, 1, 1, 1, 512, 0),       # one row, no history: the row sees itself only
     (128, 2, 4, 17, 512, 300),   # 68 rows a group: a second block of rows, mostly empty
     (64, 1, 2, 8, 1024, 500),    # splits that start past `end`: they add nothing
-], ids=["one-split", "four-splits", "no-history", "row-tiles", "empty-split"])
+    (64, 1, 2, 8, 16384, 6000),  # the most splits (32), 20 of them past `end`
+], ids=["one-split", "four-splits", "no-history", "row-tiles", "empty-split", "most-splits"])
 def test_kernel_is_masked_attention(dtype, D, Hkv, G, R, W, hist):
     (q, k, v, mask), bounds, want = problem(dtype, D, Hkv, G, R, W, hist)
     got = attend(q, k, v, mask, bounds, D ** -0.5).astype(mx.float32)
     assert got.shape == want.shape and not mx.isnan(got).any().item()
-    tol = 2e-2 if dtype == mx.bfloat16 else 4e-3  # the probabilities go to the tensor cores in 16 bits
+    # the probabilities reach the tensor cores in 16 bits: ~1.2e-3 at most in bf16 here, ~2e-4 in f16
+    tol = 4e-3 if dtype == mx.bfloat16 else 1e-3
     assert mx.abs(got - want).max().item() < tol
 
 

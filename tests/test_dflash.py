@@ -532,7 +532,12 @@ def contract_kernel(monkeypatch):
         return out + mx.where(mx.any(seen != mask), mx.array(np.nan, out.dtype), mx.array(0, out.dtype))
 
     monkeypatch.setattr(attention, "tree_attention", by_contract)
+    class Checked(dict):  # every variant has passed `usable`'s check
+        def get(self, key, default=None):
+            return True
+
     monkeypatch.setattr(attention, "usable", lambda dtype, head_dim: True)
+    monkeypatch.setattr(attention, "_checked", Checked())
     monkeypatch.setattr(attention, "MIN_WIDTH", 0)
     monkeypatch.setattr(attention, "DTYPES", (mx.float32,))
     monkeypatch.setattr(attention, "HEAD_DIMS", range(8, 257, 8))
@@ -555,6 +560,29 @@ def test_tree_verifies_through_the_kernel_route_are_plain_decoding(targets, fold
         store = _compiled_store(target)
         assert store["trusted_runs"] > 0 and any(key[1] for key in store["fns"])  # traced with the kernel
     target.__dict__.pop("_treespec_compiled_verify", None)
+
+
+def test_a_kernel_route_that_fails_to_set_up_leaves_no_round_state(targets, folders, gpu_path, contract_kernel,
+                                                                    monkeypatch):
+    # the eager verify (qwen3_5) raising while it hands out the kernel's bounds: the round
+    # raises, and no later forward sees its positions or mask
+    import mlx_treespec.verify as verify
+
+    class Fault(Exception):
+        pass
+
+    def fail(self):
+        raise Fault
+
+    target = targets("qwen3_5")
+    monkeypatch.setattr(verify.TreeRound, "_bounds", fail)
+    with pytest.raises(Fault):
+        speculative(target, OracleDFlash(bind_dflash(folders("qwen3_5"), target), target, seed=3, budget=31),
+                    prompt_tokens(6))
+    assert verify._CTX.positions is None and verify._CTX.attend is None
+    monkeypatch.undo()
+    prompt = prompt_tokens(4)
+    assert target(mx.array(prompt)[None]).argmax(-1)[0, -1].item() == plain(target, prompt, n=1)[0]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
