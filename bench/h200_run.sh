@@ -6,6 +6,8 @@
 #   proj     8B-shape projections (DFlash bf16 and 4-bit, EAGLE-3, MTP) from the measured acceptance
 #            (PROJ="dflash eagle3 mtp" picks which)
 #   long     tree verify vs causal forward at 1k/8k/32k context: qwen3-8B shape (bf16, 4-bit), demo target
+#   long_loop generation at ~11k tokens of context (the 'long' prompt set) on LONG_TARGETS (demo-hybrid;
+#            "demo demo-hybrid" for both): plain vs the default vs DFlash chains vs DDTree
 #   gdn      GatedDeltaNet tree kernel (CUDA twin) vs the ops reference
 #   queued   demo target: DFlash chains queued ahead vs the same chains through the round loop (/sync)
 #   pieces   a DDTree round's pieces on the demo target, eager vs compiled verify, plain loops
@@ -47,6 +49,11 @@ for section in "$@"; do
     long) timeout ${LONG_TIMEOUT:-150} python3 bench/run.py long --config bench/configs/qwen3_8b.json \
             --contexts 1024,8192,32768 --q-bits 0,4 --repeats 5 --out "$OUT/long_8b"
           timeout 60 python3 bench/run.py long --config demo --contexts 1024,8192,32768 --repeats 5 --out "$OUT/long_demo" ;;
+    long_loop) for t in ${LONG_TARGETS:-demo-hybrid}; do
+            timeout ${LONG_LOOP_TIMEOUT:-220} python3 bench/run.py loop --section long_context_$t --target $t \
+              --arms plain,auto:dflash,dflash:15,ddtree:31 --prompts long --n 4 --max-tokens $TOKENS \
+              --seconds ${LONG_LOOP_SECONDS:-150} --out "$OUT/long_context_$t"
+          done ;;
     adaptive) for t in demo demo-hybrid; do
             timeout ${ADAPTIVE_TIMEOUT:-250} python3 bench/run.py loop --section adaptive_$t --target $t \
               --arms plain,auto:dflash,dflash:15,ddtree:31,lookup:16:8 \

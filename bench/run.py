@@ -480,12 +480,17 @@ def time_head(head, history=256, rows=1, repeats=5, warmup=2, seed=0):
 
 def _filled_caches(model, context, room=512, seed=0):
     """The target's caches holding `context` random K/V rows (costs do not depend on the values;
-    a 32k-token prefill of an 8B model would cost more than the measurement)."""
+    a 32k-token prefill of an 8B model would cost more than the measurement), their buffers as
+    wide as a verify mid-generation finds them (a multiple of `verify.width_step()`: else every
+    repeat's verify would pay the copy that widens them, which a generation pays once per 1024
+    tokens, and `abort` would narrow them again). mlx-lm's causal forward reads only its rows."""
     from mlx_lm.models.cache import KVCache, make_prompt_cache
+    from mlx_treespec.verify import width_step
 
     caches = make_prompt_cache(model)
     mx.random.seed(seed)
-    cap = -(-(context + room) // 256) * 256
+    step = width_step()
+    cap = -(-(context + room) // step) * step
     for c in caches:
         if type(c) is not KVCache:
             raise SystemExit(f"long: attention-only targets ({type(c).__name__} found)")

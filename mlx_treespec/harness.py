@@ -29,21 +29,31 @@ _BENCH = Path(__file__).resolve().parents[1] / "bench"
 # Named prompt sets (bench/*.json): the demo pair's held-out training split, and source text the
 # demo models never saw in training (this project's own code, written after they were trained)
 PROMPT_SETS = {"heldout": "heldout_prompts.json.gz", "unseen": "unseen_prompts.json.gz"}
-# A repetitive editing workload, derived from the unseen set: each excerpt, then the excerpt
-# begun again (its first third), as a rewrite of code the context holds
-DERIVED_SETS = {"editing": "unseen"}
 
 
-def _editing(texts):
-    return [t + "\n\n" + t[: len(t) // 3] for t in texts]
+def _editing():
+    """A repetitive editing workload: each unseen excerpt, then the excerpt begun again (its
+    first third), as a rewrite of code the context holds."""
+    return [t + "\n\n" + t[: len(t) // 3] for t in load_prompts("unseen")]
+
+
+def _long():
+    """Four long documents (~11k demo tokens each, past the demo pair's 2,048-token training
+    length): the unseen and held-out sets concatenated in four orders."""
+    u, h = load_prompts("unseen"), load_prompts("heldout")
+    return ["\n\n".join(d) for d in (u + h + u, h + u + h, u[::-1] + h + u[::-1], h[::-1] + u + h[::-1])]
+
+
+# Sets derived from the named ones
+DERIVED_SETS = {"editing": _editing, "long": _long}
 
 
 def load_prompts(path):
     """Prompt texts from a named set ('heldout', 'unseen'), a JSON file (.json or .json.gz: a list of strings, of
     {"prompt": ...}, or {"prompts": [...]}), or a text file with one prompt per line;
-    'editing' is the unseen set as a repetitive editing workload (DERIVED_SETS)."""
+    'editing' and 'long' are derived from them (DERIVED_SETS)."""
     if str(path) in DERIVED_SETS:
-        return _editing(load_prompts(DERIVED_SETS[str(path)]))
+        return DERIVED_SETS[str(path)]()
     if str(path) in PROMPT_SETS:
         path = _BENCH / PROMPT_SETS[str(path)]
     path = Path(path)

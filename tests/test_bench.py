@@ -96,3 +96,13 @@ def test_proj_section_tiny(tmp_path):
         for r in rows:  # x plain = emitted per verify x plain ms / round ms (stored at 5 digits)
             want_x = r["tau"] * data["variants"][0]["plain_ms"] / r["round_ms"]
             assert abs(r["x_plain"] - want_x) <= 1e-4 * want_x
+
+
+def test_derived_prompt_sets():
+    from mlx_treespec.harness import load_prompts
+
+    unseen, heldout = load_prompts("unseen"), load_prompts("heldout")
+    editing, long = load_prompts("editing"), load_prompts("long")
+    assert len(editing) == len(unseen) and editing[0].startswith(unseen[0] + "\n\n")
+    total = sum(len(t) + 2 for t in unseen + heldout + unseen) - 2
+    assert len(long) == 4 and len(long[0]) == total and long[0].startswith(unseen[0]) and heldout[0] in long[0]
