@@ -109,7 +109,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             out, h, k, v = eager(*args)
             return out, (h[0][:T] if h else None), k, v
 
-        res = None if scans else compiled_forward(model, capture, T, args, reference, kernel)  # verify
+        res = compiled_forward(model, capture, T, args, reference, kernel, scans)  # verify
         logits, rows, keys, values = reference() if res is None else res[0]
         choice = mx.argmax(logits, axis=-1).astype(mx.uint32)
         count = mx.sum(mx.cumprod((chain == choice[:-1]).astype(mx.int32))) + 1               # walk

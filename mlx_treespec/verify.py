@@ -440,9 +440,11 @@ def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False):
     columns before the second, none those from the third on) and each layer's buffers in;
     logits [T, V], the captured rows and the new buffers out.
 
-    `scans`: the indices of recurrent layers (a hybrid's GatedDeltaNet; eager only), whose
-    "buffers" are their committed conv and recurrent states; the tokens are then a chain, and
-    such a layer gives out its scan's payload (and None) for `gdn.gdn_chain_prefix`.
+    `scans`: the indices of recurrent layers (a hybrid's GatedDeltaNet), whose "buffers" are
+    their committed conv and recurrent states; the tokens are then a chain, and such a layer
+    gives out its scan's payload (and None) for `gdn.gdn_chain_prefix` (a compiled forward
+    gives out the payload's host entries, its parents and kernel flag, as they were traced:
+    they depend on the row count only).
     `kernel`: attention runs the tree-attention kernel (`kernel_fits`)."""
 
     def forward(tokens, positions, mask, start, keys, values):
@@ -476,7 +478,7 @@ def kernel_fits(buffer):
     return isinstance(buffer, mx.array) and attention.usable(buffer.dtype, buffer.shape[-1])
 
 
-def _compiled(model, capture, kernel=False):
+def _compiled(model, capture, kernel=False, scans=frozenset()):
     """The model's whole-buffer tree forward (`whole_buffer_forward`) as one `mx.compile`d function,
     traced once per shape, and its record (shapes checked, whether it is off and why). A round
     then spends no Python per op and elementwise ops fuse. Kept on the model.
@@ -492,20 +494,21 @@ def _compiled(model, capture, kernel=False):
             store["off"] = "a sharded model (mlx.distributed): its collectives run eagerly"
     if store["off"] is not None:
         return None, store
-    fn = store["fns"].get((capture, kernel))
+    fn = store["fns"].get((capture, kernel, scans))
     if fn is None:
         # the model's arrays are inputs, read at every call: a trace never runs stale weights
         # (an update, an in-place edit, an adapter)
-        fn = store["fns"][(capture, kernel)] = mx.compile(whole_buffer_forward(model, capture, kernel=kernel),
-                                                          inputs=model.state)
+        fn = store["fns"][(capture, kernel, scans)] = mx.compile(
+            whole_buffer_forward(model, capture, scans, kernel), inputs=model.state)
     return fn, store
 
 
-def compiled_forward(model, capture, n, args, reference, kernel=False):
+def compiled_forward(model, capture, n, args, reference, kernel=False, scans=frozenset()):
     """`whole_buffer_forward` through `_compiled` on args (tokens, positions, mask, start, keys,
-    values), its attention through the tree-attention kernel where `kernel`. A shape's first `CHECKS` calls also run `reference()` (the eager forward: logits,
-    the first n captured rows, ...) and must equal it bitwise, else the model runs eagerly from
-    then on. The model's cache offset read outside RoPE, a windowed mask or an array evaluated
+    values), its attention through the tree-attention kernel where `kernel`, `scans` its
+    recurrent layers. A shape's first `CHECKS` calls also run `reference()` (the eager forward:
+    logits, the first n captured rows, the buffers) and must equal it bitwise (logits, rows and
+    the recurrent layers' payloads), else the model runs eagerly from then on. The model's cache offset read outside RoPE, a windowed mask or an array evaluated
     inside the forward stops the trace the same way (any other error propagates).
 
     The last check times both forwards, host work included, from inputs already computed (the
@@ -516,11 +519,11 @@ def compiled_forward(model, capture, n, args, reference, kernel=False):
 
     Returns (result, trusted): the compiled (logits, rows, keys, values) with trusted True, or
     the reference's result with False; None where the eager path runs."""
-    fn, store = _compiled(model, capture, kernel)
+    fn, store = _compiled(model, capture, kernel, scans)
     if fn is None:
         return None
     tokens, _, mask, _, keys, _ = args
-    shape = (tokens.shape[0], tokens.dtype, mask.shape[1], mask.dtype, keys[0].dtype, capture, kernel)
+    shape = (tokens.shape[0], tokens.dtype, mask.shape[1], mask.dtype, keys[0].dtype, capture, kernel, scans)
     if store["eager"].get(shape):
         return None
     # a trace that raises leaves its placeholders in the model's arrays (they are the
@@ -550,6 +553,12 @@ def compiled_forward(model, capture, n, args, reference, kernel=False):
             mx.eval(ref[0])
             store["eager"][shape] = _clock() - t1 < t1 - t0
         same = mx.array_equal(out, ref[0]).item() and (hidden is None or mx.array_equal(hidden, ref[1]).item())
+        for i in scans:  # the payloads the commit scans again: every array, bitwise
+            if not same:
+                break
+            same = all(mx.array_equal(keys[i][name], a).item() if isinstance(a, mx.array)
+                       else keys[i][name] is a or np.array_equal(keys[i][name], a)
+                       for name, a in ref[2][i].items())
         if not same:
             store["off"] = "the compiled forward differs from the eager one"
         store["checked"][shape] = checked + 1

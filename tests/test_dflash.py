@@ -372,8 +372,8 @@ def test_compiled_verify_that_differs_from_eager_is_never_used(targets, folders,
     target.__dict__.pop("_treespec_compiled_verify", None)
     real = verify._compiled
 
-    def off_by_a_little(model, capture, kernel=False):
-        fn, store = real(model, capture, kernel)
+    def off_by_a_little(model, capture, kernel=False, scans=frozenset()):
+        fn, store = real(model, capture, kernel, scans)
         if fn is None:
             return fn, store
 
@@ -476,12 +476,47 @@ def test_queued_chain_rounds_are_plain_decoding(targets, folders, gpu_path, fami
     # between rounds): the tokens are plain decoding's, with real acceptance; a 1000-token
     # prompt grows the buffers (width 1024) inside the generation
     target = targets(family)
+    target.__dict__.pop("_treespec_compiled_verify", None)
     prompt = prompt_tokens(5, n=n)
     d = QueuedOracle(bind_dflash(folders(family), target), target, topk=1, depth=7)
     out, stats = speculative(target, d, prompt)
     assert out == plain(target, prompt)
     assert d._queued is not None, "the rounds did not run queued"
     assert sum(stats.accepted) > 0 and any(a < 7 for a in stats.accepted)
+    if family in ("qwen3", "qwen3_5", "qwen3_next"):  # the hybrids' recurrent layers too
+        store = _compiled_store(target)
+        assert store["off"] is None and store["trusted_runs"] > 0, "the queued verify did not run compiled"
+    target.__dict__.pop("_treespec_compiled_verify", None)
+
+
+def test_a_compiled_hybrid_verify_whose_scan_payload_differs_runs_eagerly(targets, folders, gpu_path, monkeypatch):
+    # the commit scans the verify's payloads again: a compiled forward is trusted only where
+    # those equal the eager forward's too, not the logits alone (here only the eager
+    # forward's beta differs: the logits agree)
+    import mlx_treespec.queued as queued
+
+    real, made = queued.whole_buffer_forward, []
+
+    def first_perturbed(*a, **kw):
+        fwd = real(*a, **kw)
+        made.append(fwd)
+        if len(made) > 1:
+            return fwd
+
+        def eager(*args):
+            out, hidden, keys, values = fwd(*args)
+            keys = [dict(k, beta=k["beta"] * 0.5) if isinstance(k, dict) else k for k in keys]
+            return out, hidden, keys, values
+        return eager
+
+    monkeypatch.setattr(queued, "whole_buffer_forward", first_perturbed)
+    target = targets("qwen3_5")
+    target.__dict__.pop("_treespec_compiled_verify", None)
+    d = QueuedOracle(bind_dflash(folders("qwen3_5"), target), target, topk=1, depth=7)
+    speculative(target, d, prompt_tokens(5), n=12)
+    store = _compiled_store(target)
+    assert store["off"] == "the compiled forward differs from the eager one" and store["trusted_runs"] == 0
+    target.__dict__.pop("_treespec_compiled_verify", None)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
