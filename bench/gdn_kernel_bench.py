@@ -206,7 +206,7 @@ def main(argv=None) -> int:
             f"{r['err_chain_state']:.2e}",
         ]) + " |")
 
-    print(f"\nQueued: per-call ms with 16 calls queued before one sync (as a forward's layers queue)\n")
+    print("\nQueued: per-call ms with 16 calls queued before one sync (as a forward's layers queue)\n")
     print("| N | kernel chain | kernel fan4 | kernel random | ops chain | ops fan4 | ops random | "
           "fan4/chain | random/chain | ops/kernel (chain, fan4, random) |")
     print("|---|---|---|---|---|---|---|---|---|---|")

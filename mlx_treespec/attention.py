@@ -159,8 +159,8 @@ def fits(q, k, v, mask):
     if not isinstance(k, mx.array) or k.ndim != 4 or k.shape[2] < MIN_WIDTH:
         return False
     B, Hq, R, D = q.shape
-    return (_checked.get((q.dtype, D)) is True and q.dtype in DTYPES and k.dtype == q.dtype and v.dtype == q.dtype and mask.dtype == q.dtype
-            and D in HEAD_DIMS and k.shape[3] == D and v.shape == k.shape
+    return (_checked.get((q.dtype, D)) is True and q.dtype in DTYPES and k.dtype == q.dtype
+            and v.dtype == q.dtype and mask.dtype == q.dtype and D in HEAD_DIMS and k.shape[3] == D and v.shape == k.shape
             and k.shape[0] == B and Hq % k.shape[1] == 0 and mask.shape == (R, k.shape[2])
             and B * Hq * R <= 65535)  # the merge's grid: one block row per output row
 
@@ -238,7 +238,7 @@ def _agrees(dtype, D, B=1, Hkv=2, G=3, R=13, hist=40, W=1024):
         return False
     # the output's own 16-bit rounding and the probabilities' (they reach the tensor cores in 16
     # bits): at most ~5e-3 in bf16 and ~4e-4 in f16 on this problem (tests/msl_check.py's emulator)
-    if not err < (1e-2 if dtype == mx.bfloat16 else 2e-3):
+    if not err < (5e-3 if dtype == mx.bfloat16 else 1e-3):
         warnings.warn(f"mlx_treespec: the tree-attention kernel ({dtype}, head dim {D}) differs "
                       f"from MLX's attention by {err:.3g}; tree verifies use MLX's masked attention")
         return False

@@ -76,7 +76,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     keys = [c[0] if i in scans else c.keys for i, c in enumerate(caches)]
     values = [c[1] if i in scans else c.values for i, c in enumerate(caches)]
     first_kv = min(set(range(len(caches))) - scans)
-    kernel = kernel_fits(keys[first_kv])
+    kernel = kernel_fits([k for i, k in enumerate(keys) if i not in scans])
     ahead, eager = drafter.ahead, whole_buffer_forward(model, capture, scans, kernel)
     settled = {i: (keys[i], values[i]) for i in scans}  # recurrent states at the host's `start`
     start = caches[first_kv].offset  # host: rows the caches hold (all but `root`, the pending token)

@@ -471,11 +471,13 @@ def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False):
     return forward
 
 
-def kernel_fits(buffer):
-    """Whether a whole-buffer forward over K/V buffers like `buffer` runs its attention through
-    the tree-attention kernel (attention.py: CUDA, float16 / bfloat16, head dim 64 or 128; the
-    first call per variant builds and checks it, so call it outside a trace)."""
-    return isinstance(buffer, mx.array) and attention.usable(buffer.dtype, buffer.shape[-1])
+def kernel_fits(buffers):
+    """Whether a whole-buffer forward over these K buffers (one per attention layer) runs its
+    attention through the tree-attention kernel (attention.py: CUDA, float16 / bfloat16, head
+    dim 64 or 128). Every layer's variant is built and checked here, outside any trace, so
+    which layers take the kernel (`attention.fits`) never depends on what ran before."""
+    variants = {(b.dtype, b.shape[-1]) for b in buffers if isinstance(b, mx.array)}
+    return any([attention.usable(dtype, D) for dtype, D in sorted(variants, key=str)])
 
 
 def _compiled(model, capture, kernel=False, scans=frozenset()):
@@ -846,16 +848,19 @@ class TreeRound:
             # stand-ins see the round through a weak proxy: no cycle keeps a round's masks alive
             rnd = weakref.proxy(self)
             self.stand_ins = [_STAND_INS[k](c, rnd) for c, k in zip(self.caches, self.kinds)]
+        parents = None  # the round's parents for recurrent layers (host topology known)
         if positions is None:
             positions = self.base + cached_array(self.depths[self._new].astype(np.int32))
-            _CTX.parents, _CTX.first = self.parents[self._new], first
+            parents = self.parents[self._new]
         pad = self._pad
         if pad:  # filler rows: they see the history and themselves; no real row sees them
             tokens = mx.concatenate([tokens, mx.zeros((pad,), tokens.dtype)])
             positions = mx.concatenate([positions, mx.full((pad,), self.base, mx.int32)])
-            if _CTX.parents is not None:  # recurrent layers: children of the committed state
-                _CTX.parents = np.concatenate([_CTX.parents, np.full(pad, -1, np.int64)])
-        try:
+            if parents is not None:  # recurrent layers: children of the committed state
+                parents = np.concatenate([parents, np.full(pad, -1, np.int64)])
+        try:  # inside: whatever raises, `finally` leaves no later forward these parents
+            if parents is not None:
+                _CTX.parents, _CTX.first = parents, first
             if _CTX.parents is not None and first == 0 and "arrays" in self.kinds:
                 from .gdn import tree_plan
 
@@ -890,7 +895,7 @@ class TreeRound:
     def _kernel(self):
         """Attention through the tree-attention kernel: whole buffers and an additive mask (a GPU)."""
         return self.width is not None and self._additive_dtype() is not None and kernel_fits(
-            next(c.keys for c, k in zip(self.caches, self.kinds) if k == "append"))
+            [c.keys for c, k in zip(self.caches, self.kinds) if k == "append"])
 
     def _bounds(self):
         """(write offset, hist, end) of this forward (`whole_buffer_forward`'s `start`)."""

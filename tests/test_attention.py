@@ -70,7 +70,8 @@ def attend(q, k, v, mask, bounds, scale):
     (128, 2, 4, 17, 512, 300),   # 68 rows a group: a second block of rows, mostly empty
     (64, 1, 2, 8, 1024, 500),    # splits that start past `end`: they add nothing
     (64, 1, 2, 8, 16384, 6000),  # the most splits (32), 20 of them past `end`
-], ids=["one-split", "four-splits", "no-history", "row-tiles", "empty-split", "most-splits"])
+    (64, 1, 2, 32, 2048, 500),   # the round's columns across a split boundary (512)
+], ids=["one-split", "four-splits", "no-history", "row-tiles", "empty-split", "most-splits", "across-splits"])
 def test_kernel_is_masked_attention(dtype, D, Hkv, G, R, W, hist):
     (q, k, v, mask), bounds, want = problem(dtype, D, Hkv, G, R, W, hist)
     got = attend(q, k, v, mask, bounds, D ** -0.5).astype(mx.float32)
@@ -97,4 +98,21 @@ def test_splits_grow_with_the_buffer_and_stop_at_the_cap():
 def test_it_is_never_used_off_cuda():
     if ON_GPU:
         pytest.skip("the device has CUDA")
-    assert not attention.usable(mx.float16, 64) and not verify.kernel_fits(mx.zeros((1, 2, 256, 64), mx.float16))
+    assert not attention.usable(mx.float16, 64) and not verify.kernel_fits([mx.zeros((1, 2, 256, 64), mx.float16)])
+
+
+def test_fits_takes_checked_variants_and_shapes_the_merge_can_grid(monkeypatch):
+    # `fits` runs inside traces, where nothing may be checked: it only reads what `usable`
+    # checked, and refuses row counts past the merge's grid (65535 block rows)
+    monkeypatch.setattr(attention, "MIN_WIDTH", 0)
+    monkeypatch.setattr(attention, "_checked", {(mx.float16, 64): True, (mx.float16, 128): False})
+
+    def shapes(D, R, Hq=4, W=256):
+        q = mx.zeros((1, Hq, R, D), mx.float16)
+        k = mx.zeros((1, 2, W, D), mx.float16)
+        return q, k, k, mx.zeros((R, W), mx.float16)
+
+    assert attention.fits(*shapes(64, 8))
+    assert not attention.fits(*shapes(128, 8))  # checked and refused
+    assert not attention.fits(*shapes(64, 8)[:3], mx.zeros((8, 256), mx.bfloat16))  # another dtype
+    assert attention.fits(*shapes(64, 16383, W=8)) and not attention.fits(*shapes(64, 16384, W=8))  # 4 heads
