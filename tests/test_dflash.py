@@ -489,30 +489,32 @@ def test_queued_chain_rounds_are_plain_decoding(targets, folders, gpu_path, fami
     target.__dict__.pop("_treespec_compiled_verify", None)
 
 
-def test_a_compiled_hybrid_verify_whose_scan_payload_differs_runs_eagerly(targets, folders, gpu_path, monkeypatch):
-    # the commit scans the verify's payloads again: a compiled forward is trusted only where
-    # those equal the eager forward's too, not the logits alone (here only the eager
-    # forward's beta differs: the logits agree)
+@pytest.mark.parametrize("family,what", [("qwen3_5", "payload"), ("qwen3", "buffers")])
+def test_a_compiled_verify_whose_state_for_later_rounds_differs_runs_eagerly(targets, folders, gpu_path, monkeypatch,
+                                                                             family, what):
+    # later rounds read the K/V buffers a verify wrote and the commit scans the recurrent layers'
+    # payloads again: a compiled forward is trusted only where those equal the eager forward's
+    # too, not the logits alone (here only the eager forward's beta, or its buffers, differ)
     import mlx_treespec.queued as queued
 
-    real, made = queued.whole_buffer_forward, []
+    real = queued.whole_buffer_forward
 
-    def first_perturbed(*a, **kw):
+    def perturbed(*a, **kw):
         fwd = real(*a, **kw)
-        made.append(fwd)
-        if len(made) > 1:
-            return fwd
 
         def eager(*args):
             out, hidden, keys, values = fwd(*args)
-            keys = [dict(k, beta=k["beta"] * 0.5) if isinstance(k, dict) else k for k in keys]
+            if what == "payload":
+                keys = [dict(k, beta=k["beta"] * 0.5) if isinstance(k, dict) else k for k in keys]
+            else:
+                keys = [k if isinstance(k, dict) else k * 2 for k in keys]
             return out, hidden, keys, values
         return eager
 
-    monkeypatch.setattr(queued, "whole_buffer_forward", first_perturbed)
-    target = targets("qwen3_5")
+    monkeypatch.setattr(queued, "whole_buffer_forward", perturbed)  # the eager twin queued.py builds
+    target = targets(family)
     target.__dict__.pop("_treespec_compiled_verify", None)
-    d = QueuedOracle(bind_dflash(folders("qwen3_5"), target), target, topk=1, depth=7)
+    d = QueuedOracle(bind_dflash(folders(family), target), target, topk=1, depth=7)
     speculative(target, d, prompt_tokens(5), n=12)
     store = _compiled_store(target)
     assert store["off"] == "the compiled forward differs from the eager one" and store["trusted_runs"] == 0
