@@ -2,11 +2,11 @@
 
 A tree verify's node sees every committed key and its own ancestors among the round's rows. MLX's
 fused attention takes that as an additive mask over every key column, and on the H200 cuDNN's
-masked path costs well over its causal one at long context (bench/RESULTS.md, long context). This kernel
-(metal_kernels/tree_attention.inc, tensor-core `mma.sync`) reads the mask only in the columns
-[hist, end) a round wrote, never past `end`, and splits the key columns over blocks (each block
-leaves its rows' sums and log-sum-exps; a second kernel weighs them together), so a few query
-rows still fill the GPU at any context length.
+masked path costs well over its causal one at long context (bench/RESULTS.md, long context).
+This kernel (metal_kernels/tree_attention.inc, tensor-core `mma.sync`) reads the mask only in
+the columns [hist, end) a round wrote, never past `end`, and splits the key columns over blocks
+(each block leaves its rows' sums and log-sum-exps; a second kernel weighs them together), so a
+few query rows still fill the GPU at any context length.
 
 The contract with the caller (verify.py): `mask` is the round's additive mask [R, W], 0 in
 columns [0, hist) and the most negative value of its dtype from `end` on; `bounds` holds
@@ -160,9 +160,9 @@ def fits(q, k, v, mask):
         return False
     B, Hq, R, D = q.shape
     return (_checked.get((q.dtype, D)) is True and q.dtype in DTYPES and k.dtype == q.dtype
-            and v.dtype == q.dtype and mask.dtype == q.dtype and D in HEAD_DIMS and k.shape[3] == D and v.shape == k.shape
-            and k.shape[0] == B and Hq % k.shape[1] == 0 and mask.shape == (R, k.shape[2])
-            and B * Hq * R <= 65535)  # the merge's grid: one block row per output row
+            and v.dtype == q.dtype and mask.dtype == q.dtype and D in HEAD_DIMS and k.shape[3] == D
+            and v.shape == k.shape and k.shape[0] == B and Hq % k.shape[1] == 0
+            and mask.shape == (R, k.shape[2]) and B * Hq * R <= 65535)  # the merge's grid: one block row per output row
 
 
 def tree_attention(q, k, v, mask, bounds, scale):

@@ -509,9 +509,11 @@ def compiled_forward(model, capture, n, args, reference, kernel=False, scans=fro
     """`whole_buffer_forward` through `_compiled` on args (tokens, positions, mask, start, keys,
     values), its attention through the tree-attention kernel where `kernel`, `scans` its
     recurrent layers. A shape's first `CHECKS` calls also run `reference()` (the eager forward:
-    logits, the first n captured rows, the buffers) and must equal it bitwise (logits, rows and
-    the recurrent layers' payloads), else the model runs eagerly from then on. The model's cache offset read outside RoPE, a windowed mask or an array evaluated
-    inside the forward stops the trace the same way (any other error propagates).
+    logits, the first n captured rows, the buffers) and must equal it bit for bit
+    (`_bitwise_equal`: every output, the buffers and recurrent payloads later rounds read
+    included), else the model runs eagerly from then on. The model's cache offset read outside
+    RoPE, a windowed mask or an array evaluated inside the forward stops the trace the same way
+    (any other error propagates).
 
     The last check times both forwards, host work included, from inputs already computed (the
     first check paid for the trace and the kernel plans; one sample per shape), and a shape
@@ -704,6 +706,7 @@ class TreeRound:
         self.pads_rows = all(k in ("append", "arrays") for k in self.kinds)
         self.stand_ins = None
         self._pad = 0  # filler rows of the current forward (GPU: row counts are powers of two)
+        self._kernel_fits = None  # whether the caches' attention may take the kernel (`_kernel`)
         self._masks = {}
         self._layouts = {}
 
@@ -915,8 +918,11 @@ class TreeRound:
 
     def _kernel(self):
         """Attention through the tree-attention kernel: whole buffers and an additive mask (a GPU)."""
-        return self.width is not None and self._additive_dtype() is not None and kernel_fits(
-            [c.keys for c, k in zip(self.caches, self.kinds) if k == "append"])
+        if self.width is None or self._additive_dtype() is None:
+            return False
+        if self._kernel_fits is None:  # the caches' variants: once a round, not once a forward
+            self._kernel_fits = kernel_fits([c.keys for c, k in zip(self.caches, self.kinds) if k == "append"])
+        return self._kernel_fits
 
     def _bounds(self):
         """(write offset, hist, end) of this forward (`whole_buffer_forward`'s `start`)."""
