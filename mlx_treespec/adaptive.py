@@ -13,6 +13,7 @@ docs/design.md's "Adaptive drafting". Exactness does not depend on any of it: ev
 an exact draft, and a plain stretch is plain decoding.
 """
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -130,6 +131,31 @@ class Learned:
 
 
 LEARNED = {}  # memory key -> Learned, for this process
+
+
+class ModelKey:
+    """A `memory` key naming an arm and live models. Equal only while the very models it was
+    made for are alive: a model freed and a new one that takes its id must not share a record."""
+
+    __slots__ = ("arm", "refs", "_hash")
+
+    def __init__(self, arm, *models):
+        self.arm = arm
+        self.refs = tuple(None if m is None else weakref.ref(m) for m in models)
+        self._hash = hash((arm,) + tuple(id(m) for m in models))
+
+    def _models(self):
+        return tuple(None if r is None else r() for r in self.refs)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        if not isinstance(other, ModelKey) or other.arm != self.arm or len(other.refs) != len(self.refs):
+            return False
+        mine, theirs = self._models(), other._models()
+        return all(r is None or (m is not None and m is t) for r, m, t in zip(self.refs, mine, theirs)) and \
+            all((r is None) == (u is None) for r, u in zip(self.refs, other.refs))
 
 
 def _kind(drafter):

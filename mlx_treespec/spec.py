@@ -300,7 +300,7 @@ class DraftSpec:
         if self.adaptive:
             from dataclasses import replace
 
-            from .adaptive import AdaptiveDrafter
+            from .adaptive import AdaptiveDrafter, ModelKey
             from .costmodel import costs_at, startup_costs
             from .drafters.lookup import LookupDrafter
             from .launch import in_launch
@@ -312,7 +312,7 @@ class DraftSpec:
             costs = (lambda: startup_costs(target)) if target is not None else None
             at = (lambda rows: costs_at(target, rows)) if target is not None else None
             # what one call learned, the next call over the same target and drafter starts from
-            memory = (self.arm, id(target), id(draft_model)) if target is not None else None
+            memory = ModelKey(self.arm, target, draft_model) if target is not None else None
             # the host drafts half its depth, all of it where the text repeats (adaptive.py)
             if self.drafter in ("lookup", "suffix"):
                 host = replace(self, adaptive=False, depth=min(2 * self.depth, MAX_NODES - 1)).build(draft_model)

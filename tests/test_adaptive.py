@@ -757,3 +757,23 @@ def test_queued_rounds_hand_back_below_the_margin_only():
         book(d, "plain", 16, 64.0)  # 0.25 tokens per ms
     answers = [d.queue_more([1] * 7, 10.0) for _ in range(adaptive.QUEUED_WARM + adaptive.QUEUED_MIN + 4)]
     assert answers.index(False) == adaptive.QUEUED_WARM + adaptive.QUEUED_MIN - 1, answers
+
+
+def test_a_freed_models_record_is_not_a_new_models():
+    # memory keys name live models: a new model that takes a freed one's id (CPython reuses
+    # them) starts a record of its own
+    import gc
+
+    from mlx_treespec.adaptive import ModelKey
+
+    target, draft = tiny.build(tiny.CONFIGS["qwen3"]), None
+    key = ModelKey("auto", target, draft)
+    assert key == ModelKey("auto", target, draft) and key != ModelKey("other", target, draft)
+    records = {key: "learned"}
+    other = tiny.build(tiny.CONFIGS["qwen3"])
+    collide = ModelKey("auto", other, draft)
+    collide._hash = key._hash  # as if `other` had taken the id of `target`
+    assert records.get(collide) is None
+    del target
+    gc.collect()
+    assert key != ModelKey("auto", other, draft) and key != key.__class__("auto", other, None)
