@@ -9,7 +9,8 @@
 #   long_loop generation at ~11k tokens of context (the 'long' prompt set) on LONG_TARGETS (demo-hybrid;
 #            "demo demo-hybrid" for both): plain vs the default vs DFlash chains vs DDTree
 #   gdn      GatedDeltaNet tree kernel (CUDA twin) vs the ops reference
-#   queued   demo target: DFlash chains queued ahead vs the same chains through the round loop (/sync)
+#   queued   demo target: DFlash chains and DDTree trees queued ahead vs the same drafts through the
+#            round loop (/sync); QUEUED_ARMS, QUEUED_PROMPTS replace the arms and prompt sets
 #   pieces   a DDTree round's pieces on the demo target, eager vs compiled verify, plain loops
 #   adaptive the default (adaptive DFlash + lookup) vs plain and the fixed arms, demo target and
 #            hybrid, on unseen text and the repetitive editing workload
@@ -59,9 +60,10 @@ for section in "$@"; do
               --arms plain,auto:dflash,dflash:15,ddtree:31,lookup:16:8 \
               --prompts ${ADAPTIVE_PROMPTS:-unseen,editing} --n $N --max-tokens $TOKENS --seconds ${ADAPTIVE_SECONDS:-170} --out "$OUT/adaptive_$t"
           done ;;
-    queued) timeout ${QUEUED_TIMEOUT:-260} python3 bench/run.py loop --section queued --target demo \
-              ${DFLASH:+--dflash $DFLASH} --arms plain,dflash:15,dflash:15/sync,dflash:7,dflash:7/sync,ddtree:31 \
-              --prompts unseen,heldout --n $N --max-tokens $TOKENS --seconds ${QUEUED_SECONDS:-200} --out "$OUT/queued" ;;
+    queued) timeout ${QUEUED_TIMEOUT:-460} python3 bench/run.py loop --section queued --target demo \
+              ${DFLASH:+--dflash $DFLASH} --arms ${QUEUED_ARMS:-plain,dflash:15,dflash:15/sync,ddtree:31,ddtree:31/sync,ddtree:15,ddtree:63} \
+              --prompts ${QUEUED_PROMPTS:-unseen,heldout} --n $N --reps ${REPS:-1} --max-tokens $TOKENS \
+              --seconds ${QUEUED_SECONDS:-380} --out "$OUT/queued" ;;
     pieces) timeout 120 python3 bench/run.py pieces --target demo --history 300 --repeats 30 --out "$OUT/pieces" ;;
     gdn) timeout 150 python3 bench/gdn_kernel_bench.py --out "$OUT/gdn.json" 2>&1 | tee "$OUT/gdn.md" ;;
     hybrid_drafter) timeout ${HD_TIMEOUT:-420} python3 bench/train_heads.py --out /root/hd_out --stage /root/hd_stage \

@@ -1,13 +1,20 @@
-"""Rounds queued ahead: chain rounds with no host sync between them.
+"""Rounds queued ahead: chain and tree rounds with no host sync between them.
 
 The round loop (loop.py) syncs once a round: the host walks what the target verified and only
 then builds the next round, so the device idles while Python works and Python idles while the
-device does. A chain drafted from device values alone (a drafter's `ahead`: DFlash's chain)
-needs nothing of the host: the walk is a prefix match (`cumprod(chain == the target's
-choices)`), the commit moves a device offset (a chain's accepted rows are a prefix of the
-verify's), and the next draft reads the verify's captured rows with the accepted count as a
-device scalar. So round r + 1 is queued before the host reads round r's tokens, as mlx-lm's
-generate_step queues the next token before it reads this one.
+device does. A draft made from device values alone (a drafter's `ahead`: DFlash's chain, or
+DDTree's tree built on the device) needs nothing of the host: for a chain the walk is a prefix
+match (`cumprod(chain == the target's choices)`), the commit moves a device offset (a chain's
+accepted rows are a prefix of the verify's), and the next draft reads the verify's captured rows
+with the accepted count as a device scalar. So round r + 1 is queued before the host reads
+round r's tokens, as mlx-lm's generate_step queues the next token before it reads this one.
+
+A tree (`ahead` returns a Draft whose layout lives on the device) is walked on the device too:
+a node is accepted where it and its ancestors agree with the target (one product with the
+ancestor rows), the deepest accepted node ends the path, and the commit gathers the path's K/V
+rows to the round's first rows in path order (`_compact`), where one-token decoding would have
+written them; the host reads the target's choices along the path. Trees queue over attention
+layers only (a recurrent layer's tree scan takes its schedule from host parents).
 
 Exact as the loop's rounds: the verify is the same whole-buffer forward
 (`verify.compiled_forward`, checked bitwise against its eager twin); rows past the committed
@@ -21,8 +28,8 @@ inert (`gdn.gdn_chain_prefix`), so it too needs no host value. The host keeps, p
 layer, the states that match the rows it has read (`settled`), and writes those at the end.
 
 Where it runs (`can_queue`): greedy decoding, plain KV caches (not quantized, not rotating) and
-GatedDeltaNet states, whole-buffer attention (GPUs: `verify.pad_keys_default`), a drafter with
-`ahead`. Elsewhere the round loop runs. A drafter may also offer `queue_more(emitted, ms)`,
+GatedDeltaNet states (chains only), whole-buffer attention (GPUs: `verify.pad_keys_default`), a
+drafter with `ahead`. Elsewhere the round loop runs. A drafter may also offer `queue_more(emitted, ms)`,
 asked after every round with the tokens it emitted and its wall ms: False hands the generation
 back to the round loop at that round's end (an adaptive drafter whose queued chains lose to
 plain decoding or to its host drafter), and `handed_back(start,
@@ -38,6 +45,7 @@ import mlx.core as mx
 
 from . import verify
 from .cache import cache_kind
+from .draft import Draft
 from .verify import compiled_forward, grown, kernel_fits, whole_buffer_forward
 
 __all__ = ["can_queue", "queued_rounds"]
@@ -45,9 +53,11 @@ __all__ = ["can_queue", "queued_rounds"]
 
 def can_queue(drafter, caches, greedy, kv_bits):
     """Whether a generation's rounds may be queued ahead (see the module docstring)."""
+    trees = getattr(drafter, "queues_trees", False)
     return (getattr(drafter, "ahead", None) is not None and greedy and kv_bits is None
             and verify.pad_keys_default() and any(type(c).__name__ == "KVCache" for c in caches)
-            and all(_queueable(c) for c in caches))
+            and all(_queueable(c) for c in caches)
+            and not (trees and any(cache_kind(c) == "arrays" for c in caches)))
 
 
 def _queueable(cache):
@@ -75,7 +85,8 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     # per layer: K/V buffers, or a recurrent layer's (conv state, recurrent state)
     keys = [c[0] if i in scans else c.keys for i, c in enumerate(caches)]
     values = [c[1] if i in scans else c.values for i, c in enumerate(caches)]
-    first_kv = min(set(range(len(caches))) - scans)
+    kv = sorted(set(range(len(caches))) - scans)  # attention layers
+    first_kv = kv[0]
     kernel = kernel_fits([k for i, k in enumerate(keys) if i not in scans])
     ahead, eager = drafter.ahead, whole_buffer_forward(model, capture, scans, kernel)
     settled = {i: (keys[i], values[i]) for i in scans}  # recurrent states at the host's `start`
@@ -93,15 +104,21 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     def queue(dev_root, rows, count, dev_start):
         """One round on the device: draft, verify, walk, commit."""
         nonlocal keys, values, bound
-        chain = ahead(dev_root, rows, count)                                                  # draft
-        tokens = mx.concatenate([dev_root, chain])
+        drafted = ahead(dev_root, rows, count)                                                # draft
+        tree = isinstance(drafted, Draft)
+        tokens = drafted.tokens if tree else mx.concatenate([dev_root, drafted])
         T = tokens.shape[0]
         if bound + T > keys[first_kv].shape[2]:  # room for this round's rows, in width_step() steps
             keys = [k if i in scans else grown(k, bound + T) for i, k in enumerate(keys)]
             values = [v if i in scans else grown(v, bound + T) for i, v in enumerate(values)]
         columns, steps, zero, low, spans = mask_constants(keys[first_kv].shape[2], T, keys[first_kv].dtype)
-        positions = dev_start + steps
-        mask = mx.where(columns <= positions[:, None], zero, low)  # history and the chain before each row
+        if tree:  # the history, and each node's ancestors and itself among the round's columns
+            parents, depths, visible = drafted.layout.device
+            positions = dev_start + depths
+            mask = _tree_mask(columns - dev_start, visible, zero, low)
+        else:  # the history and the chain before each row
+            positions = dev_start + steps
+            mask = mx.where(columns <= positions[:, None], zero, low)
         # written at dev_start; every row sees the columns before it, none from dev_start + T on
         args = (tokens, positions, mask, dev_start + spans, keys, values)
 
@@ -112,7 +129,17 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         res = compiled_forward(model, capture, T, args, reference, kernel, scans)  # verify
         logits, rows, keys, values = reference() if res is None else res[0]
         choice = mx.argmax(logits, axis=-1).astype(mx.uint32)
-        count = mx.sum(mx.cumprod((chain == choice[:-1]).astype(mx.int32))) + 1               # walk
+        if tree:                                                                              # walk
+            count, path = _walk(choice, tokens, parents, depths, visible)
+            # commit: the accepted path's K/V rows move to dev_start.. in path order (rows past
+            # the count are dead); what the host and the next draft read follows the path
+            moved = _compact(dev_start.reshape(1), path, [keys[i] for i in kv] + [values[i] for i in kv])
+            for j, i in enumerate(kv):
+                keys[i], values[i] = moved[j], moved[len(kv) + j]
+            choice, logits = choice[path], logits[path]
+            rows = None if rows is None else rows[path]
+        else:
+            count = mx.sum(mx.cumprod((drafted == choice[:-1]).astype(mx.int32))) + 1
         bound += T
         # commit: the root and the accepted chain are the rows before dev_start + count, and the
         # recurrent states those rows leave
@@ -120,8 +147,9 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         states = gdn_chain_prefix(payloads, count)
         for i, (conv, state) in states.items():
             keys[i], values[i] = conv, state
+        shape = (T, drafted.depth, drafted.budget) if tree else (T, T - 1, T - 1)
         return (choice[count - 1].reshape(1), rows, count, dev_start + count), \
-            (logits, choice, count, payloads, states)
+            (logits, choice, count, payloads, states, shape)
 
     more = getattr(drafter, "queue_more", None)
     delivered, accepted, handed, everything, failed = 0, 0, False, [], False
@@ -135,7 +163,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         mx.async_eval(out[1], out[2])
         tic = time.perf_counter()
         while True:
-            logits, choice, count, payloads, states = out
+            logits, choice, count, payloads, states, shape = out
             nxt, out = queue(*nxt)  # round r + 1, queued before round r is read
             mx.async_eval(out[1], out[2])
             ts = time.perf_counter()
@@ -148,9 +176,9 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
                 if t in stop_tokens:
                     emitted = emitted[: i + 1]
                     break
-            stats.record(accepted=accepted, emitted=len(emitted), nodes=int(choice.shape[0]),
-                         depth=int(choice.shape[0]) - 1, held=0, budget=int(choice.shape[0]) - 1,
-                         requested_depth=int(choice.shape[0]) - 1, draft_ms=0.0,
+            nodes, depth, budget = shape
+            stats.record(accepted=accepted, emitted=len(emitted), nodes=nodes, depth=depth, held=0,
+                         budget=budget, requested_depth=depth, draft_ms=0.0,
                          verify_ms=1e3 * (toc - tic), round_ms=1e3 * (toc - tic),
                          sync_ms=1e3 * (toc - ts), walk_ms=0.0, draft_forwards=1, drafter="queued")
             ms, tic = 1e3 * (toc - tic), toc
@@ -191,3 +219,39 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         drafter.handed_back(start, everything)
         return root, n
     return None
+
+
+@mx.compile
+def _tree_mask(rel, visible, zero, low):
+    """The additive mask of a tree round written at the columns where `rel` (column - start,
+    [1, W]) is 0..T-1: every column before them, and among them each row's ancestors and itself
+    (`visible` [T, T])."""
+    T = visible.shape[0]
+    seen = mx.take(visible, mx.clip(rel[0], 0, T - 1), axis=1)  # [T, W]
+    return mx.where((rel < 0) | ((rel < T) & seen), zero, low)
+
+
+@mx.compile
+def _walk(choice, tokens, parents, depths, visible):
+    """The walk of a tree on the device: a node is accepted where it and each of its ancestors
+    is the target's choice after its parent; the deepest accepted node ends the path (siblings
+    hold distinct tokens, so it is unique). Returns (count: the path's nodes, root included;
+    every node ordered path first, in depth order)."""
+    T = tokens.shape[0]
+    agrees = (tokens == choice[mx.maximum(parents, 0)]) | (parents < 0)
+    accepted = (visible.astype(mx.float32) @ (1 - agrees.astype(mx.float32))) == 0
+    leaf = mx.argmax(mx.where(accepted, depths, -1))
+    path = mx.argsort(mx.where(visible[leaf], depths, T + mx.arange(T, dtype=depths.dtype)))
+    return depths[leaf] + 1, path
+
+
+@mx.compile
+def _compact(start, path, buffers):
+    """Each K or V buffer [B, H, W, D] with its rows start.. (one per tree node) in `path`'s
+    order: the accepted path's rows become the chain of rows a decoding would have written."""
+    T = path.shape[0]
+    out = []
+    for b in buffers:
+        block = mx.slice(b, start, (2,), (b.shape[0], b.shape[1], T, b.shape[3]))
+        out.append(mx.slice_update(b, mx.take(block, path, axis=2), start, axes=(2,)))
+    return out

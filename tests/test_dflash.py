@@ -44,7 +44,10 @@ def save_random(folder, cfg, seed=3, scale=3.0):
 class OracleDFlash(tiny.FollowsText, DFlashDrafter):
     """A DFlash drafter whose block logits are replaced by the target's own greedy continuation
     at some positions (noise elsewhere), so rounds accept drafts: the whole path (capture, one
-    forward, context writes) still runs, and exactness is tested with real acceptance."""
+    forward, context writes) still runs, and exactness is tested with real acceptance. Its
+    rounds go through the round loop (QueuedOracle, QueuedTreeOracle: rounds queued ahead)."""
+
+    ahead = None
 
     def _block_logits(self, root):
         logits = super()._block_logits(root)
@@ -447,6 +450,8 @@ class QueuedOracle(OracleDFlash):
     at some positions, the drafter's device chain elsewhere (its forward and context writes
     run every round). It reads the device values it is handed (a test may sync)."""
 
+    ahead = DFlashDrafter.ahead
+
     def chain_ahead(self, root, rows, count):
         real = np.array(DFlashDrafter.chain_ahead(self, root, rows, count)).tolist()
         if rows is not None:  # the last round's accepted drafts, then its target token (root)
@@ -459,6 +464,31 @@ class QueuedOracle(OracleDFlash):
             self.last.append(t if self.rng.random() < 0.8 else r)
             out = self.target(mx.array([[t]]), cache=cache)[0, -1]
         return mx.array(self.last, mx.uint32)
+
+
+class QueuedTreeOracle(tiny.FollowsText, DFlashDrafter):
+    """DDTree rounds queued ahead (the tree built on the device) over a block that puts the
+    target's own greedy continuation first at some positions and second at others, so the
+    target accepts paths off the tree's spine too (a commit that moves K/V rows). It reads the
+    device values it is handed (a test may sync)."""
+
+    truth = ()
+
+    def _ahead_logits(self, root, rows, count):
+        logits = super()._ahead_logits(root, rows, count)
+        if rows is not None:  # the last round emitted the first `count` of its truth
+            self.text += self.truth[: count.item()]
+        cache = make_prompt_cache(self.target)
+        out = self.target(mx.array(self.text)[None], cache=cache)[0, -1]
+        self.truth = []
+        for _ in range(self.block):
+            self.truth.append(int(mx.argmax(out)))
+            out = self.target(mx.array([[self.truth[-1]]]), cache=cache)[0, -1]
+        host = np.array(logits.astype(mx.float32))
+        for k, t in enumerate(self.truth[: self.block - 1], start=1):
+            u, top = self.rng.random(), host[k].max()
+            host[k, t] = top + 50.0 if u < 0.55 else (top - 0.01 if u < 0.85 else host[k, t])
+        return mx.array(host).astype(logits.dtype)
 
 
 @pytest.fixture
@@ -622,13 +652,106 @@ def test_a_kernel_route_that_fails_to_set_up_leaves_no_round_state(targets, fold
     assert target(mx.array(prompt)[None]).argmax(-1)[0, -1].item() == plain(target, prompt, n=1)[0]
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("family,shape", [("qwen3", "chain"), ("qwen3_5", "chain"), ("qwen3", "tree")])
 def test_queued_rounds_through_the_kernel_route_are_plain_decoding(targets, folders, gpu_path, contract_kernel,
-                                                                    family):
-    # queued chains: the bounds are (the device's start, start + the chain's rows)
+                                                                    family, shape):
+    # queued chains and trees: the bounds are (the device's start, start + the round's rows)
     target = targets(family)
     prompt = prompt_tokens(5)
-    d = QueuedOracle(bind_dflash(folders(family), target), target, topk=1, depth=7)
+    bound = bind_dflash(folders(family), target)
+    d = QueuedOracle(bound, target, topk=1, depth=7) if shape == "chain" else \
+        QueuedTreeOracle(bound, target, seed=2, budget=12)
     out, stats = speculative(target, d, prompt)
     assert out == plain(target, prompt) and d._queued is not None
     assert contract_kernel and sum(stats.accepted) > 0
+
+
+@pytest.mark.parametrize("budget,topk,depth", [(5, 0, 0), (12, 0, 0), (31, 0, 0), (31, 3, 0), (40, 2, 4)])
+def test_ddtree_on_device_is_the_best_first_tree(budget, topk, depth):
+    # the tree queued rounds build on the device is the budget rule's tree: the same root paths
+    # as the host's best_first_tree over the same marginals (random: no ties), parents before
+    # children, and ancestor rows and depths that are the parents'; (2, 4): fewer prefixes
+    # (2 + 4 + 8 + 16 = 30) than the budget, all of them
+    from mlx_treespec.drafters.dflash import ddtree_on_device
+    from mlx_treespec.tree import ancestors_of, depths_of
+
+    rng = np.random.default_rng(budget + topk)
+    D = depth or 15
+    for _ in range(3):
+        logits = rng.standard_normal((D, 97)).astype(np.float32) * rng.uniform(0.5, 4.0, (D, 1)).astype(np.float32)
+        lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        tokens, parents, depths, anc = ddtree_on_device(mx.array([7], mx.uint32), mx.array(lp), budget, topk or budget)
+        tokens, parents, depths, anc = (np.array(a) for a in (tokens, parents, depths, anc))
+        want = best_first_tree(7, lp, budget, topk=topk or None)
+        assert len(tokens) == want.size and paths(parents, tokens) == paths(want.parents, want.tokens)
+        assert (parents[1:] < np.arange(1, len(parents))).all() and parents[0] == -1
+        assert np.array_equal(depths, depths_of(parents)) and np.array_equal(anc, ancestors_of(parents))
+
+
+@pytest.mark.parametrize("family,n", [("qwen3", 12), ("qwen3", 1000), ("llama", 12), ("qwen3_moe", 12)])
+def test_queued_tree_rounds_are_plain_decoding(targets, folders, gpu_path, monkeypatch, family, n):
+    # DDTree rounds queued ahead: the tree built, walked and committed on the device (the
+    # accepted path's K/V rows gathered into place), no host sync between rounds; the tokens
+    # are plain decoding's, with paths accepted off the spine; a 1000-token prompt grows the
+    # buffers inside the generation
+    import mlx_treespec.queued as queued
+
+    walks, real = [], queued._walk
+    monkeypatch.setattr(queued, "_walk", lambda *a: walks.append(real(*a)) or walks[-1])
+    target = targets(family)
+    target.__dict__.pop("_treespec_compiled_verify", None)
+    prompt = prompt_tokens(5, n=n)
+    d = QueuedTreeOracle(bind_dflash(folders(family), target), target, seed=4, budget=12)
+    out, stats = speculative(target, d, prompt)
+    assert out == plain(target, prompt)
+    assert set(stats.drafter) == {"queued"} and set(stats.nodes) == {13} and max(stats.accepted) > 1
+    moved = [np.array(p)[: c.item()].tolist() != list(range(c.item())) for c, p in walks]
+    assert any(moved), "no round accepted a path off the tree's spine"
+    if family == "qwen3":
+        store = _compiled_store(target)
+        assert store["off"] is None and store["trusted_runs"] > 0, "the queued verify did not run compiled"
+    target.__dict__.pop("_treespec_compiled_verify", None)
+
+
+@pytest.mark.parametrize("end", ["cut after 1", "cut after 5", "max_tokens 13", "stop token"])
+def test_queued_tree_rounds_end_with_prompt_plus_delivered(targets, folders, gpu_path, end):
+    # a queued tree round's commit moves rows inside the round's own columns only: wherever the
+    # generation ends, a prompt cache holds the prompt and every delivered token
+    from test_reliability import check_cache_holds
+
+    target = targets("qwen3")
+    prompt = prompt_tokens(7)
+    ref = plain(target, prompt)
+    kw = dict(max_tokens=13) if end == "max_tokens 13" else dict(max_tokens=N)
+    if end == "stop token":
+        kw["stop_tokens"] = [ref[9]]
+    cache = make_prompt_cache(target)
+    d = QueuedTreeOracle(bind_dflash(folders("qwen3"), target), target, seed=1, budget=12)
+    steps = tree_generate_step(prompt, target, d, prompt_cache=cache, **kw)
+    got = []
+    for t, _, _ in steps:
+        got.append(t)
+        if end.startswith("cut") and len(got) == int(end.split()[-1]):
+            break
+    steps.close()
+    want = {"max_tokens 13": ref[:13], "stop token": ref[: ref.index(ref[9]) + 1]}.get(end, ref[: len(got)])
+    assert got == want and d._queued is not None
+    check_cache_holds(target, cache, prompt, got, {})
+
+
+def test_trees_queue_over_attention_layers_only(targets, folders, gpu_path):
+    # a hybrid's recurrent tree scan takes its schedule from host parents: its DDTree rounds go
+    # through the round loop (exact there), its chains queue
+    from mlx_treespec.queued import can_queue
+
+    for family, queues in (("qwen3", True), ("qwen3_5", False)):
+        target = targets(family)
+        bound = bind_dflash(folders(family), target)
+        caches = make_prompt_cache(target)
+        target(mx.array(prompt_tokens(3))[None], cache=caches)
+        assert can_queue(DFlashDrafter(bound, budget=12), caches, True, None) is queues
+        assert can_queue(DFlashDrafter(bound, topk=1, depth=7), caches, True, None)
+    target = targets("qwen3_5")
+    prompt = prompt_tokens(5)
+    out, stats = speculative(target, DFlashDrafter(bind_dflash(folders("qwen3_5"), target), budget=12), prompt)
+    assert out == plain(target, prompt) and "queued" not in stats.drafter
