@@ -137,10 +137,11 @@ class Drafter(Protocol):
     `prefill(prompt, hidden)` (one row per prompt token but the last) and to
     `commit(draft, path, emitted, hidden)` (one row per path node, the root first).
 
-    A chain drafter that drafts from device values alone may offer `ahead` (None otherwise):
-    `ahead(root, rows, count) -> chain` (mx uint32 [1], the last verify's captured rows or None,
-    mx int32 rows accepted -> mx uint32 [depth]); the loop then queues rounds ahead
-    (queued.py) where it can.
+    A drafter that drafts from device values alone may offer `ahead` (None otherwise):
+    `ahead(root, rows, count)` (mx uint32 [1]; the last verify's captured rows along its
+    accepted path, or None; mx int32 rows accepted) returns a chain (mx uint32 [depth]) or a
+    tree (a `Draft` whose layout lives on the device; then `queues_trees` is True); the loop
+    then queues rounds ahead (queued.py) where it can.
     """
 
     def prefill(self, prompt: Sequence[int]) -> None: ...
