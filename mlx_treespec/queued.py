@@ -10,8 +10,8 @@ with the accepted count as a device scalar. So round r + 1 is queued before the 
 round r's tokens, as mlx-lm's generate_step queues the next token before it reads this one.
 
 A tree (`ahead` returns a Draft whose layout lives on the device) is walked on the device too:
-a node is accepted where it and its ancestors agree with the target (one product with the
-ancestor rows), the deepest accepted node ends the path, and the commit gathers the path's K/V
+a node is accepted where it and its ancestors agree with the target, the deepest accepted node
+ends the path (device_tree.walk: one kernel thread on a GPU), and the commit gathers the path's K/V
 rows to the round's first rows in path order (`_compact`), where one-token decoding would have
 written them; the host reads the target's choices along the path. Trees queue over attention
 layers only (a recurrent layer's tree scan takes its schedule from host parents).
@@ -45,6 +45,7 @@ import mlx.core as mx
 
 from . import verify
 from .cache import cache_kind
+from .device_tree import walk
 from .draft import Draft
 from .verify import compiled_forward, grown, kernel_fits, whole_buffer_forward
 
@@ -130,13 +131,13 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         logits, rows, keys, values = reference() if res is None else res[0]
         choice = mx.argmax(logits, axis=-1).astype(mx.uint32)
         if tree:                                                                              # walk
-            count, path = _walk(choice, tokens, parents, depths, visible)
+            count, path, choice = walk(choice, tokens, parents, depths, visible)
             # commit: the accepted path's K/V rows move to dev_start.. in path order (rows past
             # the count are dead); what the host and the next draft read follows the path
             moved = _compact(dev_start.reshape(1), path, [keys[i] for i in kv] + [values[i] for i in kv])
             for j, i in enumerate(kv):
                 keys[i], values[i] = moved[j], moved[len(kv) + j]
-            choice, logits = choice[path], logits[path]
+            logits = logits[path]
             rows = None if rows is None else rows[path]
         else:
             count = mx.sum(mx.cumprod((drafted == choice[:-1]).astype(mx.int32))) + 1
@@ -229,20 +230,6 @@ def _tree_mask(rel, visible, zero, low):
     T = visible.shape[0]
     seen = mx.take(visible, mx.clip(rel[0], 0, T - 1), axis=1)  # [T, W]
     return mx.where((rel < 0) | ((rel < T) & seen), zero, low)
-
-
-@mx.compile
-def _walk(choice, tokens, parents, depths, visible):
-    """The walk of a tree on the device: a node is accepted where it and each of its ancestors
-    is the target's choice after its parent; the deepest accepted node ends the path (siblings
-    hold distinct tokens, so it is unique). Returns (count: the path's nodes, root included;
-    every node ordered path first, in depth order)."""
-    T = tokens.shape[0]
-    agrees = (tokens == choice[mx.maximum(parents, 0)]) | (parents < 0)
-    accepted = (visible.astype(mx.float32) @ (1 - agrees.astype(mx.float32))) == 0
-    leaf = mx.argmax(mx.where(accepted, depths, -1))
-    path = mx.argsort(mx.where(visible[leaf], depths, T + mx.arange(T, dtype=depths.dtype)))
-    return depths[leaf] + 1, path
 
 
 @mx.compile

@@ -164,7 +164,8 @@ def _cuda_types():
     import mlx.core as mx
 
     return {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
-            mx.int32: "int32_t", mx.float64: "double", mx.int64: "int64_t"}
+            mx.int32: "int32_t", mx.float64: "double", mx.int64: "int64_t", mx.uint32: "uint32_t",
+            mx.bool_: "bool"}
 
 
 # MLX 0.32.4 mlx/backend/cuda/custom_kernel.cpp: default_header.
@@ -780,3 +781,93 @@ def main(argv: List[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+# ---------------------------------------------------------------------------------------------
+# One-thread kernels (mlx_treespec/device_tree.py): their bodies on the CPU, their sources
+# ---------------------------------------------------------------------------------------------
+
+_C_TYPES = {"float32": "float", "uint32": "uint32_t", "int32": "int32_t", "bool": "bool"}
+_single_binary = {}
+
+
+def emulate_single_thread(body_name, template, inputs, outputs):
+    """Run a one-thread kernel body of metal_kernels/ as plain C++ on the CPU: `template` the
+    int constants {name: value}, `inputs` [(name, numpy array)], `outputs` [(name, numpy dtype,
+    shape)]; returns the outputs as numpy arrays."""
+    import numpy as np
+    from mlx_treespec import device_tree
+
+    key = (body_name, tuple(sorted(template.items())), tuple((n, a.dtype.name) for n, a in inputs),
+           tuple((n, np.dtype(t).name) for n, t, _ in outputs))
+    exe = _single_binary.get(key)
+    if exe is None:
+        d = tempfile.mkdtemp(prefix="tree_emu_")
+        atexit.register(shutil.rmtree, d, True)
+        with open(os.path.join(d, "body.inc"), "w") as f:
+            f.write(device_tree._body(body_name))
+        params = [f"const {_C_TYPES[a.dtype.name]}* {n}" for n, a in inputs] + \
+            [f"{_C_TYPES[np.dtype(t).name]}* {n}" for n, t, _ in outputs]
+        consts = "".join(f"  constexpr int {n} = {v};\n" for n, v in template.items())
+        reads = "".join(f'  auto in_{n} = slurp(dir, "{n}");\n' for n, _ in inputs)
+        allocs = "".join(f"  std::vector<char> buf_{n}({int(np.prod(s)) * np.dtype(t).itemsize}); "
+                         f"auto* out_{n} = ({_C_TYPES[np.dtype(t).name]}*)buf_{n}.data();\n"
+                         for n, t, s in outputs)
+        args = ", ".join([f"(const {_C_TYPES[a.dtype.name]}*)in_{n}.data()" for n, a in inputs] +
+                         [f"out_{n}" for n, _, _ in outputs])
+        writes = "".join(f'  spill(dir, "{n}.out", buf_{n}.data(), buf_{n}.size());\n' for n, _, _ in outputs)
+        src = (
+            "#include <cstdint>\n#include <cstdio>\n#include <cstdlib>\n#include <cmath>\n#include <vector>\n"
+            "#define TS_NEG_INF (-INFINITY)\n"
+            f"static void body({', '.join(params)}) {{\n{consts}#include \"{d}/body.inc\"\n}}\n"
+            "static std::vector<char> slurp(const char* dir, const char* name) {\n"
+            "  char p[4096]; snprintf(p, sizeof p, \"%s/%s\", dir, name); FILE* f = fopen(p, \"rb\");\n"
+            "  if (!f) exit(3); fseek(f, 0, SEEK_END); long n = ftell(f); fseek(f, 0, SEEK_SET);\n"
+            "  std::vector<char> b(n + 1); if (n && fread(b.data(), 1, n, f) != (size_t)n) exit(3);\n"
+            "  fclose(f); return b; }\n"
+            "static void spill(const char* dir, const char* name, const void* p, size_t n) {\n"
+            "  char q[4096]; snprintf(q, sizeof q, \"%s/%s\", dir, name); FILE* f = fopen(q, \"wb\");\n"
+            "  fwrite(p, 1, n, f); fclose(f); }\n"
+            f"int main(int argc, char** argv) {{\n  const char* dir = argv[1];\n{reads}{allocs}"
+            f"  body({args});\n{writes}  return 0;\n}}\n")
+        with open(os.path.join(d, "emu.cpp"), "w") as f:
+            f.write(src)
+        exe = os.path.join(d, "emu")
+        r = subprocess.run(["g++", "-std=c++17", "-O1", os.path.join(d, "emu.cpp"), "-o", exe],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError("emulator build failed:\n" + r.stderr)
+        exe = _single_binary[key] = exe
+    with tempfile.TemporaryDirectory() as d:
+        for n, a in inputs:
+            np.ascontiguousarray(a).tofile(os.path.join(d, n))
+        r = subprocess.run([exe, d], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"emulator failed ({r.returncode}): {r.stderr}")
+        return [np.fromfile(os.path.join(d, n + ".out"), dtype=t).reshape(s) for n, t, s in outputs]
+
+
+def trace_device_tree_metal():
+    """The Metal build and walk kernels, traced once each (verbose: the source is printed)."""
+    import mlx.core as mx
+    from mlx_treespec import device_tree
+
+    device_tree.run_build("metal", mx.zeros((4, 3)), mx.zeros((4, 3), mx.uint32), mx.zeros((1,), mx.uint32), 6,
+                          verbose=True, stream=mx.gpu)
+    device_tree.run_walk("metal", mx.zeros((5,), mx.uint32), mx.zeros((5,), mx.uint32), mx.zeros((5,), mx.int32),
+                         verbose=True, stream=mx.gpu)
+
+
+def device_tree_cuda_sources() -> List[Tuple[str, str]]:
+    import mlx.core as mx
+    from mlx_treespec import device_tree
+
+    h = device_tree._HEADER["cuda"]
+    return [
+        cuda_kernel_source("ddtree_build", [("lp", mx.float32), ("ids", mx.uint32), ("root", mx.uint32)],
+                           [("tokens", mx.uint32), ("parents", mx.int32), ("depths", mx.int32), ("anc", mx.bool_)],
+                           [("D", 15), ("K", 31), ("N", 31)], h, device_tree._body("ddtree_build.inc")),
+        cuda_kernel_source("tree_walk", [("choice", mx.uint32), ("tokens", mx.uint32), ("parents", mx.int32)],
+                           [("count", mx.int32), ("path", mx.int32), ("emitted", mx.uint32)],
+                           [("T", 32)], h, device_tree._body("tree_walk.inc")),
+    ]

@@ -672,7 +672,7 @@ def test_ddtree_on_device_is_the_best_first_tree(budget, topk, depth):
     # as the host's best_first_tree over the same marginals (random: no ties), parents before
     # children, and ancestor rows and depths that are the parents'; (2, 4): fewer prefixes
     # (2 + 4 + 8 + 16 = 30) than the budget, all of them
-    from mlx_treespec.drafters.dflash import ddtree_on_device
+    from mlx_treespec.device_tree import ddtree_ops as ddtree_on_device
     from mlx_treespec.tree import ancestors_of, depths_of
 
     rng = np.random.default_rng(budget + topk)
@@ -696,8 +696,8 @@ def test_queued_tree_rounds_are_plain_decoding(targets, folders, gpu_path, monke
     # buffers inside the generation
     import mlx_treespec.queued as queued
 
-    walks, real = [], queued._walk
-    monkeypatch.setattr(queued, "_walk", lambda *a: walks.append(real(*a)) or walks[-1])
+    walks, real = [], queued.walk
+    monkeypatch.setattr(queued, "walk", lambda *a: walks.append(real(*a)) or walks[-1])
     target = targets(family)
     target.__dict__.pop("_treespec_compiled_verify", None)
     prompt = prompt_tokens(5, n=n)
@@ -705,7 +705,7 @@ def test_queued_tree_rounds_are_plain_decoding(targets, folders, gpu_path, monke
     out, stats = speculative(target, d, prompt)
     assert out == plain(target, prompt)
     assert set(stats.drafter) == {"queued"} and set(stats.nodes) == {13} and max(stats.accepted) > 1
-    moved = [np.array(p)[: c.item()].tolist() != list(range(c.item())) for c, p in walks]
+    moved = [np.array(p)[: c.item()].tolist() != list(range(c.item())) for c, p, _ in walks]
     assert any(moved), "no round accepted a path off the tree's spine"
     if family == "qwen3":
         store = _compiled_store(target)

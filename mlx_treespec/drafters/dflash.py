@@ -11,7 +11,7 @@ The round's tree:
 - a chain: each position's argmax (`topk = 1`), depth k <= B - 1 (no host sync before verify);
 - DDTree: the `budget` most probable prefixes under the per-position marginals, best first
   (builders.best_first_tree over each position's top `topk`; one host sync for the top-k). In
-  rounds queued ahead (queued.py) the same tree is built on the device (`ddtree_on_device`):
+  rounds queued ahead (queued.py) the same tree is built on the device (`device_tree.best_first`):
   no host sync between rounds.
 
 Either way the drafter costs one forward per round whatever the tree's size. The draft cache
@@ -24,7 +24,6 @@ whole K/V buffers grown in steps of `verify.width_step()` rows, new context rows
 hides the unused rows; the block's own K/V are written after the padded context rows and
 overwritten next round.
 """
-import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,12 +36,11 @@ from mlx_lm.models.rope_utils import initialize_rope
 from ..builders import best_first_tree
 from ..draft import Draft, Layout
 from ..tree import MAX_NODES, chain_parents, preorder, relabel
-from ..verify import cached_array, layer_span, width_step
+from ..verify import layer_span, width_step
 from . import GatedMLP, dequantize_linears, target_io
-from .model import keep_best
+from ..device_tree import best_first
 
-__all__ = ["DFlashModel", "DFlashDrafter", "load_dflash", "bind_dflash", "probe_parents", "default_layer_ids",
-           "ddtree_on_device"]
+__all__ = ["DFlashModel", "DFlashDrafter", "load_dflash", "bind_dflash", "probe_parents", "default_layer_ids"]
 
 
 def default_layer_ids(num_target_layers, num_draft_layers):
@@ -221,56 +219,6 @@ def probe_parents(topk, depth, budget, block_size=16):
     from ..probe import representative_tree_parents
 
     return representative_tree_parents(2, depth or block_size - 1, budget)
-
-
-def ddtree_on_device(root, logprobs, budget, topk):
-    """DDTree's tree (`builders.best_first_tree`'s node set) built from device values alone:
-    root mx uint32 [1], logprobs [D, V] float32 (position k's marginals, k = 1..D). Returns
-    (tokens, parents, depths, ancestor-or-self rows) of the root and `budget` nodes (fewer
-    where the top `topk` of D positions make fewer prefixes), numbered as `keep_best` does.
-
-    Why it is the same set: a prefix scores no more than its parent, so each of the `budget`
-    best prefixes of depth d extends one of the `budget` best of depth d - 1. A beam of
-    `budget` per depth (a selection over beam x top-k each) therefore holds every prefix of
-    the best `budget`, and `keep_best` ranks the beams' union (ties: the shallower and earlier
-    candidate first, where the host breaks them by rank tuple; a tie changes acceptance, never
-    exactness). One fixed-shape graph per (D, budget, topk): rounds queue with no sync."""
-    D, V = logprobs.shape
-    D = min(D, budget)
-    K = min(topk, budget, V)
-    lp = mx.where(mx.isnan(logprobs[:D]), -mx.inf, mx.minimum(logprobs[:D], 0))  # builders' clamp
-    ids = mx.argpartition(-lp, kth=K - 1, axis=-1)[:, :K]
-    top = mx.take_along_axis(lp, ids, axis=-1)  # [D, K]
-    # candidate ids: depth 1's K ranks, then each deeper depth's beam, in creation order
-    scores, picks, beam, first = [top[0]], [], top[0], [0, K]
-    for d in range(1, D):
-        cand = (beam[:, None] + top[d][None, :]).reshape(-1)  # each beam prefix extended by each rank
-        pick = mx.argpartition(-cand, kth=budget - 1)[:budget] if cand.shape[0] > budget else \
-            mx.arange(cand.shape[0], dtype=mx.int32)
-        beam = cand[pick]
-        scores.append(beam)
-        picks.append(pick.astype(mx.int32))
-        first.append(first[-1] + pick.shape[0])
-    # a pick p at depth d + 1 extends beam entry p // K of depth d with rank p % K (one gather)
-    depths = [np.full(first[d + 1] - first[d], d + 1, np.int32) for d in range(D)]
-    tokens, parents = ids[0], mx.full((K,), -1, mx.int32)
-    if picks:
-        pick = mx.concatenate(picks)
-        at = cached_array(np.concatenate(depths[1:]) - 1)  # each pick's depth - 1
-        bases = cached_array(np.array(first[:-2], np.int32))  # where depth d's candidates start
-        tokens = mx.concatenate([tokens, ids.reshape(-1)[at * K + pick % K]])
-        parents = mx.concatenate([parents, bases[at - 1] + pick // K])
-    n_cand = first[-1]
-    _, tree_parents, tree_depths, tree_tokens, anc = keep_best(
-        root, tokens, mx.concatenate(scores), parents, np.concatenate(depths), min(budget, n_cand))
-    return tree_tokens, tree_parents, tree_depths, anc
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_ddtree(budget, topk):
-    """`ddtree_on_device` compiled (traced once per shape, shared by every drafter: a library
-    call makes a drafter per generation, and a trace costs far more than a round)."""
-    return mx.compile(lambda root, logprobs: ddtree_on_device(root, logprobs, budget, topk))
 
 
 def default_budget(block_size):
@@ -493,12 +441,13 @@ class DFlashDrafter:
         return mx.argmax(logits[1 : self.depth + 1], axis=-1).astype(mx.uint32)
 
     def tree_ahead(self, root, rows, count):
-        """DDTree's tree drafted from device values alone (`ddtree_on_device`; `_ahead_logits`'s
-        arguments). Returns a Draft whose layout lives on the device."""
+        """DDTree's tree drafted from device values alone (`device_tree.best_first`;
+        `_ahead_logits`'s arguments). Returns a Draft whose layout lives on the device."""
         logits = self._ahead_logits(root, rows, count)[1 : self.depth + 1]
         lp = logits.astype(mx.float32)
-        tokens, parents, depths, anc = _compiled_ddtree(self.budget, self.topk)(
-            root.reshape(1).astype(mx.uint32), lp - mx.logsumexp(lp, axis=-1, keepdims=True))
+        tokens, parents, depths, anc = best_first(root.reshape(1).astype(mx.uint32),
+                                                  lp - mx.logsumexp(lp, axis=-1, keepdims=True), self.budget,
+                                                  self.topk)
         return Draft(tokens, Layout.on_device(parents, depths, anc), budget=self.budget,
                      depth=self.depth, forwards=1)
 
