@@ -338,18 +338,24 @@ def run_proj(args):
         out = dict(variant=label, plain_ms=plain, verify_ms=verify, draft=draft_cost["timed"], arms=[])
         md += [f"## {label}: plain {plain:.2f} ms/token; verify T=8/16/32/64 "
                + "/".join(f"{verify[T]:.2f}" for T in (8, 16, 32, 64)) + " ms; " + draft_cost["text"], "",
-               "| arm | emitted/verify (measured) | draft ms | round ms (projected) | x plain (projected) |",
+               f"| arm | emitted/verify (measured) | draft ms | round ms ({'timed' if args.rounds else 'projected'}) "
+               "| x plain (projected) |",
                "|---|---|---|---|---|"]
         for a, t in arms.items():
-            spec = DraftSpec.parse(a)
+            base, sync = (a[: -len("/sync")], True) if a.endswith("/sync") else (a, False)
+            if sync and not args.rounds:
+                continue  # (the same pieces as the queued arm)
+            spec = DraftSpec.parse(base)
             nodes = min(spec.budget or 31, 63) + 1
             T = next(T for T in (8, 16, 32, 64) if nodes <= T)
             d = draft_cost["per_arm"](spec)
-            round_ms = d + verify[T] + args.overhead_ms
+            round_ms = draft_cost["round_ms"](spec, sync) if "round_ms" in draft_cost else \
+                d + verify[T] + args.overhead_ms
             x = t * plain / round_ms
             out["arms"].append(dict(arm=a, tau=t, draft_ms=d, round_ms=round_ms, x_plain=x))
             md.append(f"| {a} | {t:.2f} | {d:.2f} | {round_ms:.2f} | {x:.2f} |")
-        md += [f"\nround = draft + verify (T = the next timed row count) + {args.overhead_ms:.2f} ms host "
+        md += ["\nround = whole rounds of the arm's generation, timed (--rounds)" if args.rounds else
+               f"\nround = draft + verify (T = the next timed row count) + {args.overhead_ms:.2f} ms host "
                "overhead per round", ""]
         report["variants"].append(out)
         del target
@@ -403,9 +409,24 @@ def _draft_cost(family, target, cfg, head_cfg, args, q):
         from mlx_treespec.drafters.dflash import DFlashModel, bind_dflash
 
         drafter = quantize(DFlashModel(dict(head_cfg, vocab_size=cfg["vocab_size"])))
-        ms = time_dflash(bind_dflash(drafter, target), target, history=args.history)
-        return dict(timed=dict(forward_ms=ms), text=f"DFlash draft forward {ms:.2f} ms",
-                    per_arm=lambda spec: ms)
+        bound = bind_dflash(drafter, target)
+        ms = time_dflash(bound, target, history=args.history)
+        if not args.rounds:
+            return dict(timed=dict(forward_ms=ms), text=f"DFlash draft forward {ms:.2f} ms",
+                        per_arm=lambda spec: ms)
+        # --rounds: whole rounds timed as a generation runs them (queued ahead where they queue:
+        # the host's work per round overlaps the device's), the draft forward included
+        timed = {}
+
+        def round_ms(spec, sync):
+            key = spec.arm + ("/sync" if sync else "")
+            if key not in timed:
+                drafter = spec.build(bound, target=target)
+                timed[key] = time_rounds(target, Unqueued(drafter) if sync else drafter, args.history)
+            return timed[key]
+
+        return dict(timed=dict(forward_ms=ms, round_ms=timed), per_arm=lambda spec: ms, round_ms=round_ms,
+                    text=f"DFlash draft forward {ms:.2f} ms; round ms: whole rounds timed (--rounds)")
     if family == "mtp":
         from mlx_treespec.drafters.mtp import MTPHead
 
@@ -449,6 +470,20 @@ def time_dflash(bound, target, history=256, new_rows=8, repeats=7, warmup=6, see
         if r >= warmup:
             times.append(1e3 * (t1 - t0))
     return statistics.median(times)
+
+
+def time_rounds(target, drafter, history, tokens=48, seed=0):
+    """Median ms of a generation's rounds after `history` random prompt tokens (rounds queued
+    ahead where they queue: then a round's ms is the period between the host's reads). Random
+    weights accept little, so rounds emit about one token each; a round's cost does not depend
+    on what it accepts but for the commit's few rows."""
+    vocab = int(target(mx.array([[0]]))[0, -1].shape[-1])
+    prompt = np.random.default_rng(seed).integers(0, vocab, history + 1).tolist()
+    for n in (8, tokens):  # the first run traces and checks
+        stats = RoundStats()
+        for _ in tree_generate_step(prompt, target, drafter, max_tokens=n, stats=stats):
+            pass
+    return statistics.median(stats.round_ms[2:])
 
 
 def time_head(head, history=256, rows=1, repeats=5, warmup=2, seed=0):
@@ -1025,6 +1060,9 @@ def main(argv=None):
     p.add_argument("--nodes", type=int, default=32, help="long: tree nodes (and causal tokens) per forward")
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--overhead-ms", type=float, default=0.5)
+    p.add_argument("--rounds", action="store_true",
+                   help="proj (dflash): time whole rounds of each arm (queued where they queue) instead of "
+                        "summing the verify and the draft forward")
     p.add_argument("--shard", default="tensor,pipeline", help="comm: how the target is split over the processes")
     p.add_argument("--out", default=None, help="write OUT.md and OUT.json instead of bench/results/")
     p.add_argument("--verbose", action="store_true")
