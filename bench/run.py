@@ -425,8 +425,12 @@ def _draft_cost(family, target, cfg, head_cfg, args, q):
                 timed[key] = time_rounds(target, Unqueued(drafter) if sync else drafter, args.history)
             return timed[key]
 
-        return dict(timed=dict(forward_ms=ms, round_ms=timed), per_arm=lambda spec: ms, round_ms=round_ms,
-                    text=f"DFlash draft forward {ms:.2f} ms; round ms: whole rounds timed (--rounds)")
+        pieces = time_tree_pieces(target, cfg["vocab_size"], bound.model.block_size - 1, args.history)
+        return dict(timed=dict(forward_ms=ms, round_ms=timed, tree_pieces_ms=pieces), per_arm=lambda spec: ms,
+                    round_ms=round_ms,
+                    text=f"DFlash draft forward {ms:.2f} ms; a queued tree round's own pieces, each synced: "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in pieces.items())
+                    + " ms; round ms: whole rounds timed (--rounds)")
     if family == "mtp":
         from mlx_treespec.drafters.mtp import MTPHead
 
@@ -484,6 +488,45 @@ def time_rounds(target, drafter, history, tokens=48, seed=0):
         for _ in tree_generate_step(prompt, target, drafter, max_tokens=n, stats=stats):
             pass
     return statistics.median(stats.round_ms[2:])
+
+
+def time_tree_pieces(target, vocab, depth, history, budget=31, repeats=15, seed=0):
+    """Median ms of each piece a queued DDTree round adds to a chain's, synced one at a time:
+    the block's top-k over the vocabulary, the tree build, the walk, and the commit's gather
+    over every attention layer's K and V buffers."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_treespec import device_tree, queued
+    from mlx_treespec.verify import grown
+
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.standard_normal((depth, vocab)).astype(np.float32))
+    lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
+    root = mx.array([1], mx.uint32)
+    K = min(budget, vocab)
+    caches = make_prompt_cache(target)
+    target(mx.array(rng.integers(0, vocab, history).tolist())[None], cache=caches)
+    bufs = [grown(b, history + 2 * budget) for c in caches if type(c).__name__ == "KVCache"
+            for b in (c.keys, c.values)]
+    mx.eval(bufs)
+    tree = device_tree.best_first(root, lp, budget, budget)
+    choice = mx.array(rng.integers(0, 4, budget + 1).astype(np.uint32))
+    start, path = mx.array([history], mx.int32), mx.arange(budget + 1, dtype=mx.int32)[::-1]
+
+    def timed(f):
+        for _ in range(3):
+            mx.eval(f())
+        ts = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            mx.eval(f())
+            ts.append(time.perf_counter() - t)
+        return 1e3 * statistics.median(ts)
+
+    return {"top-k": timed(lambda: mx.take_along_axis(lp, mx.argpartition(-lp, kth=K - 1, axis=-1)[:, :K], axis=-1)),
+            "build": timed(lambda: device_tree.best_first(root, lp, budget, budget)),
+            "walk": timed(lambda: device_tree.walk(choice, *tree[:2], *tree[2:])),
+            f"gather of {len(bufs)} K/V buffers": timed(lambda: queued._compact(start, path, bufs))}
 
 
 def time_head(head, history=256, rows=1, repeats=5, warmup=2, seed=0):
