@@ -666,28 +666,6 @@ def test_queued_rounds_through_the_kernel_route_are_plain_decoding(targets, fold
     assert contract_kernel and sum(stats.accepted) > 0
 
 
-@pytest.mark.parametrize("budget,topk,depth", [(5, 0, 0), (12, 0, 0), (31, 0, 0), (31, 3, 0), (40, 2, 4)])
-def test_ddtree_on_device_is_the_best_first_tree(budget, topk, depth):
-    # the tree queued rounds build on the device is the budget rule's tree: the same root paths
-    # as the host's best_first_tree over the same marginals (random: no ties), parents before
-    # children, and ancestor rows and depths that are the parents'; (2, 4): fewer prefixes
-    # (2 + 4 + 8 + 16 = 30) than the budget, all of them
-    from mlx_treespec.device_tree import ddtree_ops as ddtree_on_device
-    from mlx_treespec.tree import ancestors_of, depths_of
-
-    rng = np.random.default_rng(budget + topk)
-    D = depth or 15
-    for _ in range(3):
-        logits = rng.standard_normal((D, 97)).astype(np.float32) * rng.uniform(0.5, 4.0, (D, 1)).astype(np.float32)
-        lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        tokens, parents, depths, anc = ddtree_on_device(mx.array([7], mx.uint32), mx.array(lp), budget, topk or budget)
-        tokens, parents, depths, anc = (np.array(a) for a in (tokens, parents, depths, anc))
-        want = best_first_tree(7, lp, budget, topk=topk or None)
-        assert len(tokens) == want.size and paths(parents, tokens) == paths(want.parents, want.tokens)
-        assert (parents[1:] < np.arange(1, len(parents))).all() and parents[0] == -1
-        assert np.array_equal(depths, depths_of(parents)) and np.array_equal(anc, ancestors_of(parents))
-
-
 @pytest.mark.parametrize("family,n", [("qwen3", 12), ("qwen3", 1000), ("llama", 12), ("qwen3_moe", 12)])
 def test_queued_tree_rounds_are_plain_decoding(targets, folders, gpu_path, monkeypatch, family, n):
     # DDTree rounds queued ahead: the tree built, walked and committed on the device (the
