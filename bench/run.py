@@ -523,7 +523,16 @@ def time_tree_pieces(target, vocab, depth, history, budget=31, repeats=15, seed=
             ts.append(time.perf_counter() - t)
         return 1e3 * statistics.median(ts)
 
+    def two_stage():  # (an experiment: the K best of the K chunks with the best maxima)
+        S = -(-vocab // 512)
+        x = mx.concatenate([lp, mx.full((depth, 512 * S - vocab), -mx.inf)], axis=1).reshape(depth, 512, S)
+        chunks = mx.argpartition(-x.max(axis=-1), kth=K - 1, axis=-1)[:, :K]
+        cand = mx.take_along_axis(x, chunks[..., None], axis=1).reshape(depth, K * S)
+        pick = mx.argpartition(-cand, kth=K - 1, axis=-1)[:, :K]
+        return mx.take_along_axis(chunks, pick // S, axis=1) * S + pick % S, mx.take_along_axis(cand, pick, axis=1)
+
     return {"top-k": timed(lambda: mx.take_along_axis(lp, mx.argpartition(-lp, kth=K - 1, axis=-1)[:, :K], axis=-1)),
+            "top-k in two stages": timed(two_stage),
             "build": timed(lambda: device_tree.best_first(root, lp, budget, budget)),
             "walk": timed(lambda: device_tree.walk(choice, *tree[:2], *tree[2:])),
             f"gather of {len(bufs)} K/V buffers": timed(lambda: queued._compact(start, path, bufs))}
