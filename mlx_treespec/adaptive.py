@@ -392,6 +392,13 @@ class AdaptiveDrafter:
         they lose to plain decoding."""
         return getattr(self.primary, "chain_ahead", None) if self.primary is not None else None
 
+    def queued_read(self, emitted):
+        """(queued.py: the host read queued rounds that emitted `emitted` tokens since queueing
+        began; the primary's context bound follows.)"""
+        read = getattr(self.primary, "queued_read", None)
+        if read is not None:
+            read(emitted)
+
     def queue_more(self, tokens, ms):
         """After each queued round (`tokens`: what it emitted, the last the next root; `ms`: its
         wall time): whether queueing goes on. Its rate over the last QUEUED_WINDOW booked rounds

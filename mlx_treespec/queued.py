@@ -92,7 +92,9 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     ahead, eager = drafter.ahead, whole_buffer_forward(model, capture, scans, kernel)
     settled = {i: (keys[i], values[i]) for i in scans}  # recurrent states at the host's `start`
     start = caches[first_kv].offset  # host: rows the caches hold (all but `root`, the pending token)
-    bound = start  # the most rows a queued round may have committed
+    # the most rows the rounds queued so far may have committed: the host's `start`, then what
+    # the rounds it has not read may commit at most (room is made for a round's rows past it)
+    bound = start
     consts = {}  # the mask's constants per (width, rows): the rounds are host-bound
 
     def mask_constants(width, T, dtype):
@@ -107,6 +109,8 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         nonlocal keys, values, bound
         drafted = ahead(dev_root, rows, count)                                                # draft
         tree = isinstance(drafted, Draft)
+        if tree and scans:  # (can_queue keeps them apart: a chain's recurrent commit is no tree's)
+            raise ValueError("a tree round cannot be queued over recurrent layers")
         tokens = drafted.tokens if tree else mx.concatenate([dev_root, drafted])
         T = tokens.shape[0]
         if bound + T > keys[first_kv].shape[2]:  # room for this round's rows, in width_step() steps
@@ -141,7 +145,8 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             rows = None if rows is None else rows[path]
         else:
             count = mx.sum(mx.cumprod((drafted == choice[:-1]).astype(mx.int32))) + 1
-        bound += T
+        most = drafted.depth + 1 if tree else T  # the most rows the round may commit
+        bound += most
         # commit: the root and the accepted chain are the rows before dev_start + count, and the
         # recurrent states those rows leave
         payloads = {i: keys[i] for i in scans}
@@ -150,7 +155,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             keys[i], values[i] = conv, state
         shape = (T, drafted.depth, drafted.budget) if tree else (T, T - 1, T - 1)
         return (choice[count - 1].reshape(1), rows, count, dev_start + count), \
-            (logits, choice, count, payloads, states, shape)
+            (logits, choice, count, payloads, states, shape, most)
 
     more = getattr(drafter, "queue_more", None)
     delivered, accepted, handed, everything, failed = 0, 0, False, [], False
@@ -163,8 +168,10 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         nxt, out = queue(mx.array([root], mx.uint32), None, None, mx.array(start, mx.int32))
         mx.async_eval(out[1], out[2])
         tic = time.perf_counter()
+        read = getattr(drafter, "queued_read", None)
+        first = n  # tokens emitted before this stretch of queued rounds
         while True:
-            logits, choice, count, payloads, states, shape = out
+            logits, choice, count, payloads, states, shape, _ = out
             nxt, out = queue(*nxt)  # round r + 1, queued before round r is read
             mx.async_eval(out[1], out[2])
             ts = time.perf_counter()
@@ -194,6 +201,9 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
                 break
             start, root, delivered = start + accepted + 1, emitted[-1], -1  # round r is whole
             settled = states
+            bound = start + out[-1]  # (round r + 1 is under way: it may commit this many)
+            if read is not None:
+                read(n - first)
             if more is not None and not more(emitted, ms):
                 handed = True
                 break

@@ -680,8 +680,12 @@ def test_queued_tree_rounds_are_plain_decoding(targets, folders, gpu_path, monke
     target.__dict__.pop("_treespec_compiled_verify", None)
     prompt = prompt_tokens(5, n=n)
     d = QueuedTreeOracle(bind_dflash(folders(family), target), target, seed=4, budget=12)
-    out, stats = speculative(target, d, prompt)
-    assert out == plain(target, prompt)
+    stats = RoundStats()
+    got = [(t, lp) for t, lp, _ in tree_generate_step(prompt, target, d, max_tokens=N, stats=stats)]
+    want = list(generate_step(mx.array(prompt), target, max_tokens=N))
+    assert [t for t, _ in got] == [t for t, _ in want]
+    # the logprobs of each token are the target's at the node the path took (bitwise on CPU)
+    assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(got, want))
     assert set(stats.drafter) == {"queued"} and set(stats.nodes) == {13} and max(stats.accepted) > 1
     moved = [np.array(p)[: c.item()].tolist() != list(range(c.item())) for c, p, _ in walks]
     assert any(moved), "no round accepted a path off the tree's spine"
@@ -733,3 +737,25 @@ def test_trees_queue_over_attention_layers_only(targets, folders, gpu_path):
     prompt = prompt_tokens(5)
     out, stats = speculative(target, DFlashDrafter(bind_dflash(folders("qwen3_5"), target), budget=12), prompt)
     assert out == plain(target, prompt) and "queued" not in stats.drafter
+
+
+@pytest.mark.parametrize("shape", [dict(topk=1, depth=7), dict(budget=31)])
+def test_queued_rounds_grow_buffers_with_the_context_not_the_rounds(targets, folders, gpu_path, shape):
+    # a queued round reserves room for its rows past what may be committed; the host's bound on
+    # that follows what it reads, so the target's and the drafter's buffers stay within a width
+    # step of the context (a bound grown by a round's rows every round left a 32-node tree's
+    # target buffer 14336 wide at 612 rows)
+    from mlx_treespec.verify import width_step
+
+    target = targets("qwen3")
+    prompt = prompt_tokens(5)
+    cache = make_prompt_cache(target)
+    d = DFlashDrafter(bind_dflash(folders("qwen3"), target), **shape)
+    out = [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=300, prompt_cache=cache)]
+    assert out == plain(target, prompt, n=300) and d._queued is not None
+    step, T = width_step(), 32
+    kv = [c for c in cache if c.keys is not None]
+    assert all(c.keys.shape[2] <= -(-(c.offset + 2 * T) // step) * step for c in kv), \
+        [(c.offset, c.keys.shape[2]) for c in kv]
+    L0 = d._queued[0].item()
+    assert d.keys[0].shape[2] <= -(-(L0 + 3 * d.block) // step) * step, (L0, d.keys[0].shape[2])

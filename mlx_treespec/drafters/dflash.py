@@ -451,6 +451,14 @@ class DFlashDrafter:
         return Draft(tokens, Layout.on_device(parents, depths, anc), budget=self.budget,
                      depth=self.depth, forwards=1)
 
+    def queued_read(self, emitted):
+        """The host has read queued rounds that emitted `emitted` tokens since queueing began,
+        and the next round's block is queued: its forward took their rows, so the context holds
+        exactly the rows at entry + `emitted` (the host's bound on it, which only grew by a
+        block a round, is that again: buffers grow with the context, not the rounds)."""
+        if self._queued is not None:
+            self._queued = (self._queued[0], self._entry + emitted)
+
     def handed_back(self, start, tokens):
         """Rounds queued ahead ended (queued.py) at the target's `start` rows, having emitted
         `tokens`; the round loop drafts next. The context gained a row for the root they started
