@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import mlx.core as mx
 
+from .tree import ancestors_of, depths_of
+
 __all__ = ["best_first", "walk", "ddtree_ops", "walk_ops", "prefixes"]
 
 _HEADER = {"metal": "#define TS_NEG_INF (-INFINITY)\n",
@@ -156,11 +158,13 @@ def _paths(tokens, parents):
     return out
 
 
+_compile = mx.compile  # (tests run the kernels' glue eagerly through the emulated bodies)
+
+
 @functools.lru_cache(maxsize=None)
-def _build_fn(D, V, K, N):
-    """The compiled build for logprobs [D, V]: the kernel where it agreed with `ddtree_ops` on a
-    random problem, else the ops."""
-    backend = _backend()
+def _build_fn(D, V, K, N, backend):
+    """The compiled build for logprobs [D, V] on `backend` (None: no kernel): the kernel where it
+    agreed with `ddtree_ops` on a random problem, else the ops."""
 
     def ops(root, logprobs):
         return ddtree_ops(root, logprobs, N, K)
@@ -177,33 +181,30 @@ def _build_fn(D, V, K, N):
             lp = mx.array(x - np.log(np.exp(x).sum(-1, keepdims=True)))
             root = mx.array([1], mx.uint32)
             got, want = kern(root, lp), ops(root, lp)
-            if _paths(got[0], got[1]) == _paths(want[0], want[1]) and \
-                    np.array_equal(np.array(got[3]), _ancestors(np.array(got[1]))):
-                return mx.compile(kern)
+            parents = np.array(got[1])
+            if _paths(got[0], parents) == _paths(want[0], want[1]) and \
+                    np.array_equal(np.array(got[2]), depths_of(parents.astype(np.int64))) and \
+                    np.array_equal(np.array(got[3]), _ancestors(parents)):
+                return _compile(kern)
             _warn("DDTree build", ValueError("its tree differs from the MLX-ops build"))
         except Exception as e:  # a build failure surfaces at eval time
             _warn("DDTree build", e)
-    return mx.compile(ops)
+    return _compile(ops)
 
 
 def _ancestors(parents):
-    from .tree import ancestors_of
-
     return ancestors_of(parents.astype(np.int64))
 
 
 @functools.lru_cache(maxsize=None)
-def _walk_fn(T):
-    """The compiled walk of T nodes: the kernel where it agreed with `walk_ops` on random
-    trees and choices, else the ops."""
-    backend = _backend()
+def _walk_fn(T, backend):
+    """The compiled walk of T nodes on `backend` (None: no kernel): the kernel where it agreed
+    with `walk_ops` on random trees and choices, else the ops."""
     if backend is not None:
         def kern(choice, tokens, parents, depths, visible):
             return run_walk(backend, choice, tokens, parents)
 
         try:
-            from .tree import depths_of
-
             rng = np.random.default_rng(T)
             agree = True
             for _ in range(4):
@@ -218,11 +219,11 @@ def _walk_fn(T):
                 agree = agree and c0.item() == n and np.array_equal(np.array(p0)[:n], np.array(p1)[:n]) \
                     and np.array_equal(np.array(e0)[:n], np.array(e1)[:n])
             if agree:
-                return mx.compile(kern)
+                return _compile(kern)
             _warn("tree walk", ValueError("its path differs from the MLX-ops walk"))
         except Exception as e:
             _warn("tree walk", e)
-    return mx.compile(walk_ops)
+    return _compile(walk_ops)
 
 
 def best_first(root, logprobs, budget, topk):
@@ -230,9 +231,9 @@ def best_first(root, logprobs, budget, topk):
     D, V = logprobs.shape
     D = min(D, budget)
     K = min(topk, budget, V)
-    return _build_fn(D, V, K, min(budget, prefixes(D, K)))(root, logprobs[:D])
+    return _build_fn(D, V, K, min(budget, prefixes(D, K)), _backend())(root, logprobs[:D])
 
 
 def walk(choice, tokens, parents, depths, visible):
     """A tree round's walk (`walk_ops`' contract): one kernel on a GPU."""
-    return _walk_fn(tokens.shape[0])(choice, tokens, parents, depths, visible)
+    return _walk_fn(tokens.shape[0], _backend())(choice, tokens, parents, depths, visible)

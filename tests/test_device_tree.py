@@ -63,8 +63,13 @@ def test_both_builds_are_the_best_first_tree(budget, topk, depth):
 
 
 def test_the_build_kernel_ranks_nan_and_positive_log_probabilities_as_the_host_does():
-    # builders' clamp: NaN is -inf, a positive log-probability is 0 (a child never outscores its
-    # parent); equal scores still give a tree of distinct siblings
+    # builders' clamp: a positive log-probability is 0 (a child never outscores its parent:
+    # unclamped, position 1's +3 would put a deep path before the root's second child), NaN is
+    # -inf; equal scores still give a tree of distinct siblings
+    lp = np.array([[-1.0, -2.0], [3.0, -5.0], [-3.5, -6.0]], np.float32)
+    tokens, parents, _, anc = emulate_build(lp, 3, 2)
+    want = best_first_tree(7, lp, 3)
+    assert paths(parents, tokens) == paths(want.parents, want.tokens) and max(want.depths) == 2
     lp = np.full((3, 4), -2.0, np.float32)
     lp[0, 1], lp[1, 2], lp[2, 0], lp[1, 0] = np.nan, 0.5, -0.1, np.nan
     tokens, parents, _, anc = emulate_build(lp, 9, 4)

@@ -759,3 +759,64 @@ def test_queued_rounds_grow_buffers_with_the_context_not_the_rounds(targets, fol
         [(c.offset, c.keys.shape[2]) for c in kv]
     L0 = d._queued[0].item()
     assert d.keys[0].shape[2] <= -(-(L0 + 3 * d.block) // step) * step, (L0, d.keys[0].shape[2])
+
+
+@pytest.mark.parametrize("kernel", ["agrees", "wrong tree", "wrong walk"])
+def test_queued_trees_through_the_kernels_glue(targets, folders, gpu_path, monkeypatch, kernel):
+    # the GPU route of device_tree.py on CPU: its build and walk kernels are the emulated bodies
+    # (msl_check, g++), run eagerly; a generation is plain decoding through them, and a kernel
+    # that disagrees with the MLX ops at its first-use check warns and is not used
+    import warnings
+
+    import msl_check
+    from mlx_treespec import device_tree
+
+    if not msl_check.have_gxx():
+        pytest.fail("g++ is required for the kernel emulation")
+    calls = []
+
+    def build(backend, lp, ids, root, N):
+        D, K = lp.shape
+        T = N + 1
+        out = msl_check.emulate_single_thread(
+            "ddtree_build.inc", dict(D=D, K=K, N=N),
+            [("lp", np.array(lp)), ("ids", np.array(ids)), ("root", np.array(root))],
+            [("tokens", np.uint32, (T,)), ("parents", np.int32, (T,)), ("depths", np.int32, (T,)),
+             ("anc", np.bool_, (T, T))])
+        calls.append("build")
+        if kernel == "wrong tree":
+            out[0][-1] += 1  # a token the ops did not rank there
+        return [mx.array(a) for a in out]
+
+    def walk(backend, choice, tokens, parents):
+        T = tokens.shape[0]
+        count, path, emitted = msl_check.emulate_single_thread(
+            "tree_walk.inc", dict(T=T),
+            [("choice", np.array(choice)), ("tokens", np.array(tokens)), ("parents", np.array(parents))],
+            [("count", np.int32, (1,)), ("path", np.int32, (T,)), ("emitted", np.uint32, (T,))])
+        calls.append("walk")
+        if kernel == "wrong walk":
+            count = count * 0 + 1  # accepts nothing
+        return mx.array(count).reshape(()), mx.array(path), mx.array(emitted)
+
+    monkeypatch.setattr(device_tree, "_backend", lambda: "cuda")
+    monkeypatch.setattr(device_tree, "run_build", build)
+    monkeypatch.setattr(device_tree, "run_walk", walk)
+    monkeypatch.setattr(device_tree, "_compile", lambda f: f)
+    device_tree._build_fn.cache_clear()
+    device_tree._walk_fn.cache_clear()
+    target = targets("qwen3")
+    prompt = prompt_tokens(5)
+    d = QueuedTreeOracle(bind_dflash(folders("qwen3"), target), target, seed=4, budget=12)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, stats = speculative(target, d, prompt, n=24)
+    assert out == plain(target, prompt, n=24) and set(stats.drafter) == {"queued"} and max(stats.accepted) > 1
+    warned = [str(w.message) for w in caught if "kernel is not used" in str(w.message)]
+    if kernel == "agrees":
+        assert not warned and calls.count("build") > 1 and calls.count("walk") > 4  # past the checks
+    else:
+        assert len(warned) == 1 and ("build" if kernel == "wrong tree" else "walk") in warned[0]
+        assert calls.count("build" if kernel == "wrong tree" else "walk") == (1 if kernel == "wrong tree" else 4)
+    device_tree._build_fn.cache_clear()
+    device_tree._walk_fn.cache_clear()
