@@ -820,3 +820,25 @@ def test_queued_trees_through_the_kernels_glue(targets, folders, gpu_path, monke
         assert calls.count("build" if kernel == "wrong tree" else "walk") == (1 if kernel == "wrong tree" else 4)
     device_tree._build_fn.cache_clear()
     device_tree._walk_fn.cache_clear()
+
+
+def test_queued_tree_rounds_hand_the_drafter_the_accepted_paths_rows(targets, folders, gpu_path):
+    # the next block reads the last verify's captured rows along its accepted path: after queued
+    # tree rounds, the drafter's context holds the target's rows of the prompt and the emitted
+    # tokens in order, as a prefill over the same text writes them
+    target = targets("qwen3")
+    prompt = prompt_tokens(5)
+    bound = bind_dflash(folders("qwen3"), target)
+    d = QueuedTreeOracle(bound, target, seed=4, budget=12)
+    out, stats = speculative(target, d, prompt, n=40)
+    assert out == plain(target, prompt, n=40) and max(stats.accepted) > 1
+    text = prompt + plain(target, prompt, n=40 + d.block)  # (the round queued past the end read on)
+    L0 = d._queued[0].item()
+    assert len(prompt) + 40 - 1 <= L0 <= len(text)
+    with capturing(target, d.capture) as cap:
+        target(mx.array(text[:L0])[None])
+        hidden = cap.hidden()
+    fresh = DFlashDrafter(bound, budget=12)
+    fresh.prefill(text[: L0 + 1], hidden)
+    for got, want in zip(d.keys + d.values, fresh.keys + fresh.values):
+        assert mx.allclose(got[:, :, :L0], want[:, :, :L0], atol=1e-4, rtol=1e-4).item()
