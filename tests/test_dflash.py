@@ -699,7 +699,7 @@ def test_queued_tree_rounds_are_plain_decoding(targets, folders, gpu_path, monke
 def test_queued_tree_rounds_end_with_prompt_plus_delivered(targets, folders, gpu_path, end):
     # a queued tree round's commit moves rows inside the round's own columns only: wherever the
     # generation ends, a prompt cache holds the prompt and every delivered token
-    from test_reliability import check_cache_holds
+    from test_reliability import check_cache_holds, mlx_cache_after
 
     target = targets("qwen3")
     prompt = prompt_tokens(7)
@@ -718,6 +718,11 @@ def test_queued_tree_rounds_end_with_prompt_plus_delivered(targets, folders, gpu
     steps.close()
     want = {"max_tokens 13": ref[:13], "stop token": ref[: ref.index(ref[9]) + 1]}.get(end, ref[: len(got)])
     assert got == want and d._queued is not None
+    # the accepted paths' K/V rows moved into place are bitwise those mlx-lm's decoding writes (CPU)
+    for c, r in zip(cache, mlx_cache_after(target, prompt, got, {})):
+        n = r.offset
+        assert mx.array_equal(c.keys[..., :n, :], r.keys[..., :n, :]).item()
+        assert mx.array_equal(c.values[..., :n, :], r.values[..., :n, :]).item()
     check_cache_holds(target, cache, prompt, got, {})
 
 
