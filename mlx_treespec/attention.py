@@ -43,7 +43,8 @@ def splits_for(width):
     return max(1, min(MAX_SPLITS, width // SPLIT_KEYS))
 
 
-def _source(name):
+def kernel_text(name):
+    """The text of metal_kernels/NAME, installed beside the package or in a source checkout."""
     here = Path(__file__).resolve().parent
     for cand in (here / "metal_kernels" / name, here.parent / "metal_kernels" / name):
         if cand.is_file():
@@ -131,14 +132,14 @@ def shared_bytes(D, key_tile):
 @functools.lru_cache(maxsize=None)
 def _kernel(D, key_tile):
     return mx.fast.cuda_kernel(name="treespec_tree_attention", input_names=INPUTS, output_names=OUTPUTS,
-                               source=PRELUDE + _source("tree_attention.inc"), header=HEADER,
+                               source=PRELUDE + kernel_text("tree_attention.inc"), header=HEADER,
                                shared_memory=shared_bytes(D, key_tile))
 
 
 @functools.lru_cache(maxsize=None)
 def _merge():
     return mx.fast.cuda_kernel(name="treespec_tree_attention_merge", input_names=MERGE_INPUTS,
-                               output_names=["out"], source=MERGE_PRELUDE + _source("tree_attention_merge.inc"),
+                               output_names=["out"], source=MERGE_PRELUDE + kernel_text("tree_attention_merge.inc"),
                                header=HEADER)
 
 

@@ -11,7 +11,6 @@ same root paths; the same count and path), else the ops run (a warning says so).
 """
 import functools
 import warnings
-from pathlib import Path
 
 import numpy as np
 import mlx.core as mx
@@ -97,11 +96,9 @@ def walk_ops(choice, tokens, parents, depths, visible):
 
 @functools.lru_cache(maxsize=None)
 def _body(name):
-    here = Path(__file__).resolve().parent
-    for cand in (here / "metal_kernels" / name, here.parent / "metal_kernels" / name):
-        if cand.is_file():
-            return cand.read_text()
-    raise FileNotFoundError(f"metal_kernels/{name} not found next to mlx_treespec")
+    from .attention import kernel_text
+
+    return kernel_text(name)
 
 
 @functools.lru_cache(maxsize=None)

@@ -452,10 +452,10 @@ def attention_cuda_sources() -> List[Tuple[str, str]]:
                     [("q", dt), ("k", dt), ("v", dt), ("mask", dt), ("bounds", mx.int32), ("params", mx.float32)],
                     [("out", dt), ("opart", mx.float32), ("lpart", mx.float32)],
                     [("InT", dt), ("D", D), ("KT", at.KEY_TILE), ("Bf16", dt == mx.bfloat16), ("Direct", direct)],
-                    at.HEADER, at.PRELUDE + at._source("tree_attention.inc")))
+                    at.HEADER, at.PRELUDE + at.kernel_text("tree_attention.inc")))
             out.append(cuda_kernel_source(
                 "treespec_tree_attention_merge", [("opart", mx.float32), ("lpart", mx.float32)], [("out", dt)],
-                [("InT", dt), ("D", D)], at.HEADER, at.MERGE_PRELUDE + at._source("tree_attention_merge.inc")))
+                [("InT", dt), ("D", D)], at.HEADER, at.MERGE_PRELUDE + at.kernel_text("tree_attention_merge.inc")))
     return out
 
 
@@ -703,7 +703,7 @@ def build_attention_emulator() -> str:
     atexit.register(shutil.rmtree, d, True)
     for name in ("tree_attention.inc", "tree_attention_merge.inc"):
         with open(os.path.join(d, name), "w") as f:
-            f.write(at._source(name))
+            f.write(at.kernel_text(name))
     src, exe = os.path.join(d, "emu.cpp"), os.path.join(d, "emu")
     with open(src, "w") as f:
         f.write(EMU_COMMON + ATTN_EMU)

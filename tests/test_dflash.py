@@ -551,13 +551,14 @@ def test_a_compiled_verify_whose_state_for_later_rounds_differs_runs_eagerly(tar
     target.__dict__.pop("_treespec_compiled_verify", None)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("family,shape", [("qwen3", "chain"), ("qwen3_5", "chain"), ("qwen3", "tree")])
 @pytest.mark.parametrize("end", ["cut after 1", "cut after 5", "max_tokens 13", "stop token"])
-def test_queued_rounds_end_with_prompt_plus_delivered(targets, folders, gpu_path, end, family):
+def test_queued_rounds_end_with_prompt_plus_delivered(targets, folders, gpu_path, end, family, shape):
     # stopping is decided on the host a round late: the round queued past the end leaves no
     # trace, and a prompt cache holds the prompt and every delivered token (mlx-lm's rule);
-    # a hybrid's recurrent states included (a cut inside a round: its prefix replayed)
-    from test_reliability import check_cache_holds
+    # a hybrid's recurrent states included (a cut inside a round: its prefix replayed); a tree
+    # round's commit moves rows inside the round's own columns only
+    from test_reliability import check_cache_holds, mlx_cache_after
 
     target = targets(family)
     prompt = prompt_tokens(7)
@@ -566,7 +567,9 @@ def test_queued_rounds_end_with_prompt_plus_delivered(targets, folders, gpu_path
     if end == "stop token":
         kw["stop_tokens"] = [ref[9]]
     cache = make_prompt_cache(target)
-    d = QueuedOracle(bind_dflash(folders(family), target), target, seed=1, topk=1, depth=7)
+    bound = bind_dflash(folders(family), target)
+    d = QueuedOracle(bound, target, seed=1, topk=1, depth=7) if shape == "chain" else \
+        QueuedTreeOracle(bound, target, seed=1, budget=12)
     steps = tree_generate_step(prompt, target, d, prompt_cache=cache, **kw)
     got = []
     for t, _, _ in steps:
@@ -576,6 +579,12 @@ def test_queued_rounds_end_with_prompt_plus_delivered(targets, folders, gpu_path
     steps.close()
     want = {"max_tokens 13": ref[:13], "stop token": ref[: ref.index(ref[9]) + 1]}.get(end, ref[: len(got)])
     assert got == want and d._queued is not None
+    # the K/V rows a round committed (a tree's moved into place) are bitwise mlx-lm's (CPU)
+    for c, r in zip(cache, mlx_cache_after(target, prompt, got, {})):
+        if type(c).__name__ == "KVCache":
+            n = r.offset
+            assert mx.array_equal(c.keys[..., :n, :], r.keys[..., :n, :]).item()
+            assert mx.array_equal(c.values[..., :n, :], r.values[..., :n, :]).item()
     check_cache_holds(target, cache, prompt, got, {})
 
 
@@ -693,37 +702,6 @@ def test_queued_tree_rounds_are_plain_decoding(targets, folders, gpu_path, monke
         store = _compiled_store(target)
         assert store["off"] is None and store["trusted_runs"] > 0, "the queued verify did not run compiled"
     target.__dict__.pop("_treespec_compiled_verify", None)
-
-
-@pytest.mark.parametrize("end", ["cut after 1", "cut after 5", "max_tokens 13", "stop token"])
-def test_queued_tree_rounds_end_with_prompt_plus_delivered(targets, folders, gpu_path, end):
-    # a queued tree round's commit moves rows inside the round's own columns only: wherever the
-    # generation ends, a prompt cache holds the prompt and every delivered token
-    from test_reliability import check_cache_holds, mlx_cache_after
-
-    target = targets("qwen3")
-    prompt = prompt_tokens(7)
-    ref = plain(target, prompt)
-    kw = dict(max_tokens=13) if end == "max_tokens 13" else dict(max_tokens=N)
-    if end == "stop token":
-        kw["stop_tokens"] = [ref[9]]
-    cache = make_prompt_cache(target)
-    d = QueuedTreeOracle(bind_dflash(folders("qwen3"), target), target, seed=1, budget=12)
-    steps = tree_generate_step(prompt, target, d, prompt_cache=cache, **kw)
-    got = []
-    for t, _, _ in steps:
-        got.append(t)
-        if end.startswith("cut") and len(got) == int(end.split()[-1]):
-            break
-    steps.close()
-    want = {"max_tokens 13": ref[:13], "stop token": ref[: ref.index(ref[9]) + 1]}.get(end, ref[: len(got)])
-    assert got == want and d._queued is not None
-    # the accepted paths' K/V rows moved into place are bitwise those mlx-lm's decoding writes (CPU)
-    for c, r in zip(cache, mlx_cache_after(target, prompt, got, {})):
-        n = r.offset
-        assert mx.array_equal(c.keys[..., :n, :], r.keys[..., :n, :]).item()
-        assert mx.array_equal(c.values[..., :n, :], r.values[..., :n, :]).item()
-    check_cache_holds(target, cache, prompt, got, {})
 
 
 def test_trees_queue_over_attention_layers_only(targets, folders, gpu_path):
