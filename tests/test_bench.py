@@ -72,6 +72,7 @@ def test_proj_section_tiny(tmp_path):
 
     acc = {"sets": {"unseen": {"arms": [
         {"arm": "dflash:7", "pooled_emitted_per_verify": 3.0}, {"arm": "ddtree:12", "pooled_emitted_per_verify": 3.5},
+        {"arm": "ddtree:12/sync", "pooled_emitted_per_verify": 3.5},
         {"arm": "mtp-chain:3", "pooled_emitted_per_verify": 2.0},
         {"arm": "mtp-tree:3:3:9:1", "pooled_emitted_per_verify": 2.4},
         {"arm": "eagle3-tree:2:3:6:2", "pooled_emitted_per_verify": 2.2}]}}}
@@ -96,6 +97,15 @@ def test_proj_section_tiny(tmp_path):
         for r in rows:  # x plain = emitted per verify x plain ms / round ms (stored at 5 digits)
             want_x = r["tau"] * data["variants"][0]["plain_ms"] / r["round_ms"]
             assert abs(r["x_plain"] - want_x) <= 1e-4 * want_x
+    # --rounds: each arm's whole rounds timed (an ARM/sync arm through the round loop), and a
+    # queued tree round's own pieces
+    run(["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "dflash", "--config",
+         str(tmp_path / "qwen3.json"), "--head-config", str(tmp_path / "dflash.json"), "--q-bits", "0", "--dtype",
+         "float32", "--history", "32", "--rounds", "--out", str(tmp_path / "rounds")])
+    v = read_json(tmp_path / "rounds.json.gz")["variants"][0]
+    assert [r["arm"] for r in v["arms"]] == ["dflash:7", "ddtree:12", "ddtree:12/sync"]
+    assert [r["round_ms"] for r in v["arms"]] == [v["draft"]["round_ms"][a] for a in ("dflash:7", "ddtree:12", "ddtree:12/sync")]
+    assert set(v["draft"]["tree_pieces_ms"]) >= {"top-k", "build", "walk"} and all(r["round_ms"] > 0 for r in v["arms"])
 
 
 def test_derived_prompt_sets():
