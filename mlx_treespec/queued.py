@@ -11,10 +11,12 @@ round r's tokens, as mlx-lm's generate_step queues the next token before it read
 
 A tree (`ahead` returns a Draft whose layout lives on the device) is walked on the device too:
 a node is accepted where it and its ancestors agree with the target, the deepest accepted node
-ends the path (device_tree.walk: one kernel thread on a GPU), and the commit gathers the path's K/V
-rows to the round's first rows in path order (`_compact`), where one-token decoding would have
-written them; the host reads the target's choices along the path. Trees queue over attention
-layers only (a recurrent layer's tree scan takes its schedule from host parents).
+ends the path (device_tree.walk: one kernel thread on a GPU); the host reads the target's
+choices along the path. No K/V row moves: the next round's forward re-runs the accepted path
+as a chain at the committed offset, where one-token decoding writes those rows, and hangs its
+tree from the path's end (the round loop's rule, "re-run instead of move": a gather per layer
+costs more launches than the rows, and verify cost is flat in rows). Trees queue over
+attention layers only (a recurrent layer's tree scan takes its schedule from host parents).
 
 Exact as the loop's rounds: the verify is the same whole-buffer forward
 (`verify.compiled_forward`, checked bitwise against its eager twin); rows past the committed
@@ -104,23 +106,31 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
                            mx.array(mx.finfo(dtype).min, dtype), mx.array([0, 0, T], mx.int32))
         return consts[key]
 
-    def queue(dev_root, rows, count, dev_start):
-        """One round on the device: draft, verify, walk, commit."""
+    def queue(dev_root, rows, count, dev_start, replay=None):
+        """One round on the device: draft, verify, walk, commit. A tree round first re-runs the
+        previous tree round's accepted path (`replay`: its tokens, the first `count` of them
+        accepted) at dev_start, then its own tree hangs from the path's end."""
         nonlocal keys, values, bound
         drafted = ahead(dev_root, rows, count)                                                # draft
         tree = isinstance(drafted, Draft)
         if tree and scans:  # (can_queue keeps them apart: a chain's recurrent commit is no tree's)
             raise ValueError("a tree round cannot be queued over recurrent layers")
-        tokens = drafted.tokens if tree else mx.concatenate([dev_root, drafted])
-        T = tokens.shape[0]
+        most = drafted.depth + 1 if tree else None  # a tree round commits at most its depth + 1
+        if tree:
+            if replay is None:  # (the first round re-runs nothing: the same shapes, none accepted)
+                replay, count = mx.zeros((most,), mx.uint32), mx.array(0, mx.int32)
+            tokens = mx.concatenate([replay, drafted.tokens])
+        else:
+            tokens = mx.concatenate([dev_root, drafted])
+        T = tokens.shape[0]  # the rows this round writes, from dev_start
         if bound + T > keys[first_kv].shape[2]:  # room for this round's rows, in width_step() steps
             keys = [k if i in scans else grown(k, bound + T) for i, k in enumerate(keys)]
             values = [v if i in scans else grown(v, bound + T) for i, v in enumerate(values)]
         columns, steps, zero, low, spans = mask_constants(keys[first_kv].shape[2], T, keys[first_kv].dtype)
-        if tree:  # the history, and each node's ancestors and itself among the round's columns
+        if tree:
+            m = replay.shape[0]
             parents, depths, visible = drafted.layout.device
-            positions = dev_start + depths
-            mask = _tree_mask(columns - dev_start, visible, zero, low)
+            positions, mask = _replay_layout(columns, steps, dev_start, count, depths, visible, zero, low)
         else:  # the history and the chain before each row
             positions = dev_start + steps
             mask = mx.where(columns <= positions[:, None], zero, low)
@@ -133,29 +143,29 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
 
         res = compiled_forward(model, capture, T, args, reference, kernel, scans)  # verify
         logits, rows, keys, values = reference() if res is None else res[0]
-        choice = mx.argmax(logits, axis=-1).astype(mx.uint32)
         if tree:                                                                              # walk
-            count, path, choice = walk(choice, tokens, parents, depths, visible)
-            # commit: the accepted path's K/V rows move to dev_start.. in path order (rows past
-            # the count are dead); what the host and the next draft read follows the path
-            moved = _compact(dev_start.reshape(1), path, [keys[i] for i in kv] + [values[i] for i in kv])
-            for j, i in enumerate(kv):
-                keys[i], values[i] = moved[j], moved[len(kv) + j]
-            logits = logits[path]
-            rows = None if rows is None else rows[path]
-        else:
-            count = mx.sum(mx.cumprod((drafted == choice[:-1]).astype(mx.int32))) + 1
-        most = drafted.depth + 1 if tree else T  # the most rows the round may commit
-        bound += most
+            choice = mx.argmax(logits[m:], axis=-1).astype(mx.uint32)
+            count_now, path, choice = walk(choice, drafted.tokens, parents, depths, visible)
+            # commit: no K/V row moves; the next round re-runs the accepted path from where this
+            # one's re-run path ended (a gather per layer costs more launches than the rows)
+            logits = logits[m:][path]
+            rows = None if rows is None else rows[m:][path]
+            bound += most
+            shape = (drafted.tokens.shape[0], drafted.depth, drafted.budget)
+            return (choice[count_now - 1].reshape(1), rows, count_now, dev_start + count,
+                    drafted.tokens[path[:most]]), \
+                (logits, choice, count_now, {}, {}, shape, most)
+        choice = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        count = mx.sum(mx.cumprod((drafted == choice[:-1]).astype(mx.int32))) + 1
+        bound += T
         # commit: the root and the accepted chain are the rows before dev_start + count, and the
         # recurrent states those rows leave
         payloads = {i: keys[i] for i in scans}
         states = gdn_chain_prefix(payloads, count)
         for i, (conv, state) in states.items():
             keys[i], values[i] = conv, state
-        shape = (T, drafted.depth, drafted.budget) if tree else (T, T - 1, T - 1)
         return (choice[count - 1].reshape(1), rows, count, dev_start + count), \
-            (logits, choice, count, payloads, states, shape, most)
+            (logits, choice, count, payloads, states, (T, T - 1, T - 1), T)
 
     more = getattr(drafter, "queue_more", None)
     delivered, accepted, handed, everything, failed = 0, 0, False, [], False
@@ -243,12 +253,15 @@ def _tree_mask(rel, visible, zero, low):
 
 
 @mx.compile
-def _compact(start, path, buffers):
-    """Each K or V buffer [B, H, W, D] with its rows start.. (one per tree node) in `path`'s
-    order: the accepted path's rows become the chain of rows a decoding would have written."""
-    T = path.shape[0]
-    out = []
-    for b in buffers:
-        block = mx.slice(b, start, (2,), (b.shape[0], b.shape[1], T, b.shape[3]))
-        out.append(mx.slice_update(b, mx.take(block, path, axis=2), start, axes=(2,)))
-    return out
+def _replay_layout(columns, steps, start, count, depths, visible, zero, low):
+    """A tree round's positions and additive mask ([1, W] columns, `steps` 0..R-1 over its R
+    rows): the previous round's path re-run as a chain at start.. (its m = R - T rows, the
+    first `count` accepted), then the T tree nodes at positions start + count + depth, each
+    seeing the history, the path's accepted rows, and its ancestors and itself."""
+    T = visible.shape[0]
+    m = steps.shape[0] - T
+    r = steps[:m]
+    positions = mx.concatenate([start + r, start + count + depths])
+    chain = mx.concatenate([r[None] <= r[:, None], mx.zeros((m, T), mx.bool_)], axis=1)
+    tree = mx.concatenate([mx.broadcast_to(r[None] < count, (T, m)), visible.astype(mx.bool_)], axis=1)
+    return positions, _tree_mask(columns - start, mx.concatenate([chain, tree]), zero, low)
