@@ -5,8 +5,9 @@
 #   hybrid   demo hybrid (GatedDeltaNet): plain vs draft model vs DFlash/DDTree vs MTP
 #   proj     8B-shape projections (DFlash bf16 and 4-bit, EAGLE-3, MTP) from the measured acceptance
 #            (PROJ="dflash eagle3 mtp" picks which)
-#   proj_rounds the 8B-shape DFlash projection from whole rounds timed (queued where they queue), over
-#            the acceptance of $ACCEPTANCE (default: the queued section's JSON)
+#   proj_rounds the 8B-shape DFlash projection from whole rounds timed (queued where they queue; every
+#            arm and plain decoding in turn, ROUND_REPS times), over the acceptance of $ACCEPTANCE
+#            (default: the queued section's JSON); Q_BITS (default 0,4)
 #   long     tree verify vs causal forward at 1k/8k/32k context: qwen3-8B shape (bf16, 4-bit), demo target
 #   long_loop generation at ~11k tokens of context (the 'long' prompt set) on LONG_TARGETS (demo-hybrid;
 #            "demo demo-hybrid" for both): plain vs the default vs DFlash chains vs DDTree
@@ -49,9 +50,9 @@ for section in "$@"; do
               $([ "$3" = - ] || echo --head-config bench/configs/$3.json) --acceptance "$OUT/$4.json.gz" \
               --prompt-set unseen --q-bits $5 --out "$OUT/proj_$1"
           done ;;
-    proj_rounds) timeout ${PROJ_TIMEOUT:-240} python3 bench/run.py proj --family dflash --config bench/configs/qwen3_8b.json \
+    proj_rounds) timeout ${PROJ_TIMEOUT:-400} python3 bench/run.py proj --family dflash --config bench/configs/qwen3_8b.json \
               --head-config bench/configs/qwen3_8b_dflash.json --acceptance "${ACCEPTANCE:-$OUT/queued.json.gz}" \
-              --prompt-set unseen --q-bits 0,4 --rounds --out "$OUT/proj_rounds" ;;
+              --prompt-set unseen --q-bits ${Q_BITS:-0,4} --rounds --round-reps ${ROUND_REPS:-3} --out "$OUT/proj_rounds" ;;
     long) timeout ${LONG_TIMEOUT:-150} python3 bench/run.py long --config bench/configs/qwen3_8b.json \
             --contexts 1024,8192,32768 --q-bits 0,4 --repeats 5 --out "$OUT/long_8b"
           timeout 60 python3 bench/run.py long --config demo --contexts 1024,8192,32768 --repeats 5 --out "$OUT/long_demo" ;;

@@ -335,6 +335,15 @@ def run_proj(args):
         plain = costmodel.time_plain(target, history=args.history, tokens=64)
         verify = costmodel.time_verify(target, Ts=(8, 16, 32, 64), history=args.history)
         draft_cost = _draft_cost(family, target, cfg, head_cfg, args, q)
+        if args.rounds:  # every arm's rounds and plain decoding timed in turn, --round-reps times
+            plains = [plain]
+            for rep in range(args.round_reps):
+                if rep:
+                    plains.append(costmodel.time_plain(target, history=args.history, tokens=64))
+                for a in arms:
+                    draft_cost["round_ms"](*_sync_arm(a))
+            plain = statistics.median(plains)
+            draft_cost["timed"]["plain_ms"] = plains
         out = dict(variant=label, plain_ms=plain, verify_ms=verify, draft=draft_cost["timed"], arms=[])
         md += [f"## {label}: plain {plain:.2f} ms/token; verify T=8/16/32/64 "
                + "/".join(f"{verify[T]:.2f}" for T in (8, 16, 32, 64)) + " ms; " + draft_cost["text"], "",
@@ -342,19 +351,20 @@ def run_proj(args):
                "| x plain (projected) |",
                "|---|---|---|---|---|"]
         for a, t in arms.items():
-            base, sync = (a[: -len("/sync")], True) if a.endswith("/sync") else (a, False)
+            spec, sync = _sync_arm(a)
             if sync and not args.rounds:
                 continue  # (the same pieces as the queued arm)
-            spec = DraftSpec.parse(base)
             nodes = min(spec.budget or 31, 63) + 1
             T = next(T for T in (8, 16, 32, 64) if nodes <= T)
             d = draft_cost["per_arm"](spec)
-            round_ms = draft_cost["round_ms"](spec, sync) if "round_ms" in draft_cost else \
+            round_ms = statistics.median(draft_cost["timed"]["round_ms"][a]) if args.rounds else \
                 d + verify[T] + args.overhead_ms
             x = t * plain / round_ms
             out["arms"].append(dict(arm=a, tau=t, draft_ms=d, round_ms=round_ms, x_plain=x))
             md.append(f"| {a} | {t:.2f} | {d:.2f} | {round_ms:.2f} | {x:.2f} |")
-        md += ["\nround = whole rounds of the arm's generation, timed (--rounds)" if args.rounds else
+        md += [f"\nround = whole rounds of the arm's generation, timed (--rounds): the median of {args.round_reps} "
+               "runs, the arms and plain decoding in turn (plain ms: " + ", ".join(f"{p:.2f}" for p in plains)
+               + "; round ms per run in the JSON)" if args.rounds else
                f"\nround = draft + verify (T = the next timed row count) + {args.overhead_ms:.2f} ms host "
                "overhead per round", ""]
         report["variants"].append(out)
@@ -395,6 +405,11 @@ def proj_from_costs(args, tau, pset):
     write(args, report, md)
 
 
+def _sync_arm(arm):
+    """(DraftSpec, through the round loop) of an arm name, `ARM/sync` the round loop's."""
+    return (DraftSpec.parse(arm[: -len("/sync")]), True) if arm.endswith("/sync") else (DraftSpec.parse(arm), False)
+
+
 def _draft_cost(family, target, cfg, head_cfg, args, q):
     """Time the family's drafter at this shape; returns the figures and draft ms per arm."""
     import mlx.nn as nn
@@ -418,14 +433,16 @@ def _draft_cost(family, target, cfg, head_cfg, args, q):
         # the host's work per round overlaps the device's), the draft forward included
         timed = {}
 
-        def round_ms(spec, sync):
-            key = spec.arm + ("/sync" if sync else "")
-            if key not in timed:
-                drafter = spec.build(bound, target=target)
-                timed[key] = time_rounds(target, Unqueued(drafter) if sync else drafter, args.history)
-            return timed[key]
+        drafters = {}
 
-        pieces = time_tree_pieces(target, cfg["vocab_size"], bound.model.block_size - 1, args.history)
+        def round_ms(spec, sync):  # one more run of the arm's rounds (its drafter built once)
+            key = spec.arm + ("/sync" if sync else "")
+            if key not in drafters:
+                drafter = spec.build(bound, target=target)
+                drafters[key] = Unqueued(drafter) if sync else drafter
+            timed.setdefault(key, []).append(time_rounds(target, drafters[key], args.history))
+
+        pieces = time_tree_pieces(cfg["vocab_size"], bound.model.block_size - 1)
         return dict(timed=dict(forward_ms=ms, round_ms=timed, tree_pieces_ms=pieces), per_arm=lambda spec: ms,
                     round_ms=round_ms,
                     text=f"DFlash draft forward {ms:.2f} ms; a queued tree round's own pieces, each synced: "
@@ -490,28 +507,18 @@ def time_rounds(target, drafter, history, tokens=48, seed=0):
     return statistics.median(stats.round_ms[2:])
 
 
-def time_tree_pieces(target, vocab, depth, history, budget=31, repeats=15, seed=0):
-    """Median ms of each piece a queued DDTree round adds to a chain's, synced one at a time:
-    the block's top-k over the vocabulary, the tree build, the walk, and the commit's gather
-    over every attention layer's K and V buffers."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from mlx_treespec import device_tree, queued
-    from mlx_treespec.verify import grown
+def time_tree_pieces(vocab, depth, budget=31, repeats=15, seed=0):
+    """Median ms of each piece a queued DDTree round adds to a chain's besides its rows,
+    synced one at a time: the block's top-k over the vocabulary, the tree build, the walk."""
+    from mlx_treespec import device_tree
 
     rng = np.random.default_rng(seed)
     x = mx.array(rng.standard_normal((depth, vocab)).astype(np.float32))
     lp = x - mx.logsumexp(x, axis=-1, keepdims=True)
     root = mx.array([1], mx.uint32)
     K = min(budget, vocab)
-    caches = make_prompt_cache(target)
-    target(mx.array(rng.integers(0, vocab, history).tolist())[None], cache=caches)
-    bufs = [grown(b, history + 2 * budget) for c in caches if type(c).__name__ == "KVCache"
-            for b in (c.keys, c.values)]
-    mx.eval(bufs)
     tree = device_tree.best_first(root, lp, budget, budget)
     choice = mx.array(rng.integers(0, 4, budget + 1).astype(np.uint32))
-    start, path = mx.array([history], mx.int32), mx.arange(budget + 1, dtype=mx.int32)[::-1]
 
     def timed(f):
         for _ in range(3):
@@ -534,8 +541,7 @@ def time_tree_pieces(target, vocab, depth, history, budget=31, repeats=15, seed=
     return {"top-k": timed(lambda: mx.take_along_axis(lp, mx.argpartition(-lp, kth=K - 1, axis=-1)[:, :K], axis=-1)),
             "top-k in two stages": timed(two_stage),
             "build": timed(lambda: device_tree.best_first(root, lp, budget, budget)),
-            "walk": timed(lambda: device_tree.walk(choice, *tree[:2], *tree[2:])),
-            f"gather of {len(bufs)} K/V buffers": timed(lambda: queued._compact(start, path, bufs))}
+            "walk": timed(lambda: device_tree.walk(choice, *tree[:2], *tree[2:]))}
 
 
 def time_head(head, history=256, rows=1, repeats=5, warmup=2, seed=0):
@@ -1115,6 +1121,8 @@ def main(argv=None):
     p.add_argument("--rounds", action="store_true",
                    help="proj (dflash): time whole rounds of each arm (queued where they queue) instead of "
                         "summing the verify and the draft forward")
+    p.add_argument("--round-reps", type=int, default=3,
+                   help="proj --rounds: time each arm's rounds (and plain decoding) this many times, in turn")
     p.add_argument("--shard", default="tensor,pipeline", help="comm: how the target is split over the processes")
     p.add_argument("--out", default=None, help="write OUT.md and OUT.json instead of bench/results/")
     p.add_argument("--verbose", action="store_true")

@@ -2,8 +2,11 @@
 broken script; on CPU every arm's tokens equal plain decoding's."""
 import json
 import os
+import statistics
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,10 +104,13 @@ def test_proj_section_tiny(tmp_path):
     # queued tree round's own pieces
     run(["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "dflash", "--config",
          str(tmp_path / "qwen3.json"), "--head-config", str(tmp_path / "dflash.json"), "--q-bits", "0", "--dtype",
-         "float32", "--history", "32", "--rounds", "--out", str(tmp_path / "rounds")])
+         "float32", "--history", "32", "--rounds", "--round-reps", "2", "--out", str(tmp_path / "rounds")])
     v = read_json(tmp_path / "rounds.json.gz")["variants"][0]
-    assert [r["arm"] for r in v["arms"]] == ["dflash:7", "ddtree:12", "ddtree:12/sync"]
-    assert [r["round_ms"] for r in v["arms"]] == [v["draft"]["round_ms"][a] for a in ("dflash:7", "ddtree:12", "ddtree:12/sync")]
+    arms = ["dflash:7", "ddtree:12", "ddtree:12/sync"]
+    assert [r["arm"] for r in v["arms"]] == arms and all(len(v["draft"]["round_ms"][a]) == 2 for a in arms)
+    # (stored at 5 significant digits)
+    assert [r["round_ms"] for r in v["arms"]] == pytest.approx([statistics.median(v["draft"]["round_ms"][a]) for a in arms], rel=1e-4)
+    assert len(v["draft"]["plain_ms"]) == 2 and v["plain_ms"] == pytest.approx(statistics.median(v["draft"]["plain_ms"]), rel=1e-4)
     assert set(v["draft"]["tree_pieces_ms"]) >= {"top-k", "build", "walk"} and all(r["round_ms"] > 0 for r in v["arms"])
 
 
