@@ -236,7 +236,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
                 c.keys, c.values, c.offset = keys[i], values[i], start
         if root is not None and not handed:
             land(root, failed)
-    if handed:  # the queued round past this one wrote only dead rows (and the drafter's context)
+    if handed:  # the queued round past this one wrote only rows a round may write (dead past `start`)
         drafter.handed_back(start, everything)
         return root, n
     return None
