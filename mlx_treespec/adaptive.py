@@ -2,7 +2,8 @@
 
 `AdaptiveDrafter` picks one of three arms each round: `primary` (a drafter that runs a model:
 DFlash, a draft model, an MTP or EAGLE-3 head; where rounds can be queued ahead, `QueueAhead`:
-the loop queues the primary's chains until `queue_more` hands back), `host` (prompt lookup or a
+the loop queues the primary's trees (its chains over recurrent layers) until `queue_more` hands
+back), `host` (prompt lookup or a
 suffix index, where it matched the text) or `plain` (`PlainStretch(n)`: the loop decodes n
 tokens plainly, pipelined as mlx-lm, then hands the drafters what they missed in `catch_up`).
 An arm's rate is its tokens per use over its wall ms per use: the ms carry over between
@@ -66,7 +67,7 @@ class PlainStretch:
 
 @dataclass(frozen=True)
 class QueueAhead:
-    """No draft from the round loop: the loop queues the primary's chains ahead (queued.py) from
+    """No draft from the round loop: the loop queues the primary's rounds ahead (queued.py) from
     the root, after `requeue`, until `queue_more` hands back."""
 
 
@@ -387,9 +388,22 @@ class AdaptiveDrafter:
 
     @property
     def ahead(self):
-        """The primary's queued chain (queued.py) where it has one: where rounds can be queued,
-        a generation starts with them, and `queue_more` hands it to the adaptive rounds when
-        they lose to plain decoding."""
+        """The primary's queued draft (queued.py) where it has one: DDTree's trees where its
+        primary drafts them (they cost a queued round about a chain's and emit more: bench/RESULTS.md,
+        "Queued trees re-run their path"), else its chain. Where rounds can be queued, a
+        generation starts with them, and `queue_more` hands it to the adaptive rounds when they
+        lose to plain decoding."""
+        if self.primary is None:
+            return None
+        return self.primary.tree_ahead if self.queues_trees else getattr(self.primary, "chain_ahead", None)
+
+    @property
+    def queues_trees(self):
+        return bool(getattr(self.primary, "queues_trees", False))
+
+    @property
+    def ahead_over_recurrent(self):
+        """The primary's queued chain: what queues where its trees cannot (queued.queued_draft)."""
         return getattr(self.primary, "chain_ahead", None) if self.primary is not None else None
 
     def queued_read(self, emitted):

@@ -31,9 +31,10 @@ layer, the states that match the rows it has read (`settled`), and writes those 
 
 Where it runs (`can_queue`): greedy decoding, plain KV caches (not quantized, not rotating) and
 GatedDeltaNet states (chains only), whole-buffer attention (GPUs: `verify.pad_keys_default`), a
-drafter with `ahead`. Elsewhere the round loop runs. A drafter may also offer `queue_more(emitted, ms)`,
+drafter with `ahead` (`queued_draft`: over recurrent layers, a tree drafter's chain where it
+offers one). Elsewhere the round loop runs. A drafter may also offer `queue_more(emitted, ms)`,
 asked after every round with the tokens it emitted and its wall ms: False hands the generation
-back to the round loop at that round's end (an adaptive drafter whose queued chains lose to
+back to the round loop at that round's end (an adaptive drafter whose queued rounds lose to
 plain decoding or to its host drafter), and `handed_back(start,
 tokens)` tells it where the round loop starts (the context rows, the tokens emitted queued).
 The round loop may hand the generation back here (an adaptive drafter's `QueueAhead`): the
@@ -51,16 +52,24 @@ from .device_tree import walk
 from .draft import Draft
 from .verify import compiled_forward, grown, kernel_fits, whole_buffer_forward
 
-__all__ = ["can_queue", "queued_rounds"]
+__all__ = ["can_queue", "queued_draft", "queued_rounds"]
 
 
 def can_queue(drafter, caches, greedy, kv_bits):
     """Whether a generation's rounds may be queued ahead (see the module docstring)."""
-    trees = getattr(drafter, "queues_trees", False)
-    return (getattr(drafter, "ahead", None) is not None and greedy and kv_bits is None
+    return (queued_draft(drafter, caches) is not None and greedy and kv_bits is None
             and verify.pad_keys_default() and any(type(c).__name__ == "KVCache" for c in caches)
-            and all(_queueable(c) for c in caches)
-            and not (trees and any(cache_kind(c) == "arrays" for c in caches)))
+            and all(_queueable(c) for c in caches))
+
+
+def queued_draft(drafter, caches):
+    """What drafts a queued round over these caches, or None: the drafter's `ahead`. Trees queue
+    over attention layers only, so where a layer is recurrent a drafter that drafts trees
+    (`queues_trees`) queues its `ahead_over_recurrent` where it offers one (an adaptive
+    drafter's primary chain), else nothing: a DDTree arm's rounds then run the round loop."""
+    if getattr(drafter, "queues_trees", False) and any(cache_kind(c) == "arrays" for c in caches):
+        return getattr(drafter, "ahead_over_recurrent", None)
+    return getattr(drafter, "ahead", None)
 
 
 def _queueable(cache):
@@ -91,7 +100,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     kv = sorted(set(range(len(caches))) - scans)  # attention layers
     first_kv = kv[0]
     kernel = kernel_fits([k for i, k in enumerate(keys) if i not in scans])
-    ahead, eager = drafter.ahead, whole_buffer_forward(model, capture, scans, kernel)
+    ahead, eager = queued_draft(drafter, caches), whole_buffer_forward(model, capture, scans, kernel)
     settled = {i: (keys[i], values[i]) for i in scans}  # recurrent states at the host's `start`
     start = caches[first_kv].offset  # host: rows the caches hold (all but `root`, the pending token)
     # the most rows the rounds queued so far may have committed: the host's `start`, then what

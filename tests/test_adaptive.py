@@ -518,6 +518,26 @@ def test_the_default_queues_dflash_chains_and_hands_back_when_they_lose(tmp_path
         assert used == {"queued": stats.rounds}
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_queued_rounds_draft_trees_over_attention_and_chains_over_recurrent_layers(monkeypatch, tmp_path, family):
+    # where rounds queue, an adaptive drafter whose primary drafts DDTree trees queues them
+    # over an attention target (a tree round costs about a chain's), and the primary's chain
+    # where a layer is recurrent (its tree scan takes host parents); tokens stay plain's
+    import mlx_treespec.verify as verify
+    from test_dflash import QueuedTreeOracle
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    target = tiny.build(tiny.CONFIGS[family])
+    bound = bind_dflash(save_random(tmp_path / family, dflash_config(tiny.CONFIGS[family])), target)
+    primary = QueuedTreeOracle(bound, target, seed=4, budget=12)
+    drafter = AdaptiveDrafter(primary=primary, host=LookupDrafter(8, 6), costs=(1.0, flat(1.0)))
+    prompt = repetitive()
+    out, stats = run(target, drafter, prompt, n=48)
+    assert out == plain(target, prompt, n=48)
+    queued = {n for n, k in zip(stats.nodes, stats.drafter) if k == "queued"}
+    assert queued == ({13} if family == "qwen3" else {primary.depth + 1}), (queued, stats.drafter)
+
+
 class Requeues(Scripted):
     """Scripted arms; queued rounds hand back after `per_entry` rounds each time they run. Checks
     at every requeue that the DFlash context holds every row of this turn before the root

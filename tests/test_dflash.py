@@ -448,9 +448,14 @@ def test_loader_errors_name_the_fix(tmp_path, targets, folders):
 class QueuedOracle(OracleDFlash):
     """OracleDFlash for rounds queued ahead: the chain is the target's own greedy continuation
     at some positions, the drafter's device chain elsewhere (its forward and context writes
-    run every round). It reads the device values it is handed (a test may sync)."""
+    run every round). It reads the device values it is handed (a test may sync). It queues
+    chains whatever its tree shape (its round-loop rounds draft that shape)."""
 
-    ahead = DFlashDrafter.ahead
+    queues_trees = False
+
+    @property
+    def ahead(self):
+        return self.chain_ahead
 
     def chain_ahead(self, root, rows, count):
         real = np.array(DFlashDrafter.chain_ahead(self, root, rows, count)).tolist()
