@@ -14,7 +14,8 @@
 Arms use mlx_treespec.spec's grammar (plain, chain:K, tree:K:S[:B[:L]], lookup:B:D,
 suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselines:
 `mlx-plain` (generate_step) and `mlx-chain:K` (speculative_generate_step); an arm ending in /dI
-drafts with the I-th of the --draft-model list, /sync without queued rounds. Speed figures are
+drafts with the I-th of the --draft-model list, /sync without queued rounds, auto:dflash/chains
+queueing the primary's chains instead of its trees. Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
 --out names another place.
@@ -115,6 +116,7 @@ class Arms:
         """A function making the arm's drafter: a fresh one per prompt, as each library call
         makes one (an adaptive one starts from the target's start-up costs, measured at the
         warm-up and then read from disk)."""
+        arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
         arm, which = arm.rsplit("/d", 1) if "/d" in arm and arm.rsplit("/d", 1)[1].isdigit() else (arm, 1)
         spec = DraftSpec.parse(arm)
@@ -124,6 +126,8 @@ class Arms:
             (lambda: spec.build(None, target=self.target))
         if unqueued:  # "ARM/sync": the same drafter through the round loop (one host sync a round)
             return lambda: Unqueued(make())
+        if chains:  # "auto:KIND/chains": the adaptive drafter queueing its primary's chains
+            return lambda: ChainsQueued.of(make())
         return make
 
 
@@ -137,6 +141,18 @@ class Unqueued:
 
     def __getattr__(self, name):
         return getattr(self.drafter, name)
+
+
+class ChainsQueued:
+    """An adaptive drafter whose queued rounds are its primary's chains where they could be its
+    trees (the default before `f4d7a27`): the A/B arm of the queued draft's shape."""
+
+    @staticmethod
+    def of(drafter):
+        if not getattr(drafter, "queues_trees", False) or not hasattr(drafter, "ahead_over_recurrent"):
+            raise ValueError("ARM/chains takes an adaptive arm over a tree-drafting primary (auto:dflash)")
+        drafter.__class__ = type("ChainsQueued" + type(drafter).__name__, (type(drafter),), {"queues_trees": False})
+        return drafter
 
 
 def _timed(gen):
