@@ -124,7 +124,9 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         tree = isinstance(drafted, Draft)
         if tree and scans:  # (can_queue keeps them apart: a chain's recurrent commit is no tree's)
             raise ValueError("a tree round cannot be queued over recurrent layers")
-        most = drafted.depth + 1 if tree else None  # a tree round commits at most its depth + 1
+        # a tree round commits at most its depth + 1 (Draft.depth bounds the tree's depths: the
+        # next round re-runs that many rows)
+        most = drafted.depth + 1 if tree else None
         if tree:
             if replay is None:  # (the first round re-runs nothing: the same shapes, none accepted)
                 replay, count = mx.zeros((most,), mx.uint32), mx.array(0, mx.int32)

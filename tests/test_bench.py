@@ -100,8 +100,8 @@ def test_proj_section_tiny(tmp_path):
         for r in rows:  # x plain = emitted per verify x plain ms / round ms (stored at 5 digits)
             want_x = r["tau"] * data["variants"][0]["plain_ms"] / r["round_ms"]
             assert abs(r["x_plain"] - want_x) <= 1e-4 * want_x
-    # --rounds: each arm's whole rounds timed (an ARM/sync arm through the round loop), and a
-    # queued tree round's own pieces
+    # --rounds: each arm's whole rounds timed, the arms and plain decoding in turn (an ARM/sync
+    # arm through the round loop; on CPU no round queues), and a queued tree round's own pieces
     run(["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "dflash", "--config",
          str(tmp_path / "qwen3.json"), "--head-config", str(tmp_path / "dflash.json"), "--q-bits", "0", "--dtype",
          "float32", "--history", "32", "--rounds", "--round-reps", "2", "--out", str(tmp_path / "rounds")])

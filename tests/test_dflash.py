@@ -474,7 +474,7 @@ class QueuedOracle(OracleDFlash):
 class QueuedTreeOracle(tiny.FollowsText, DFlashDrafter):
     """DDTree rounds queued ahead (the tree built on the device) over a block that puts the
     target's own greedy continuation first at some positions and second at others, so the
-    target accepts paths off the tree's spine too (a commit that moves K/V rows). It reads the
+    target accepts paths off the tree's spine too (rows the next round re-runs). It reads the
     device values it is handed (a test may sync)."""
 
     truth = ()
@@ -562,7 +562,7 @@ def test_queued_rounds_end_with_prompt_plus_delivered(targets, folders, gpu_path
     # stopping is decided on the host a round late: the round queued past the end leaves no
     # trace, and a prompt cache holds the prompt and every delivered token (mlx-lm's rule);
     # a hybrid's recurrent states included (a cut inside a round: its prefix replayed); a tree
-    # round's commit moves rows inside the round's own columns only
+    # round's path is written by the round queued after it, always queued before the host reads
     from test_reliability import check_cache_holds, mlx_cache_after
 
     target = targets(family)
@@ -584,7 +584,7 @@ def test_queued_rounds_end_with_prompt_plus_delivered(targets, folders, gpu_path
     steps.close()
     want = {"max_tokens 13": ref[:13], "stop token": ref[: ref.index(ref[9]) + 1]}.get(end, ref[: len(got)])
     assert got == want and d._queued is not None
-    # the K/V rows a round committed (a tree's moved into place) are bitwise mlx-lm's (CPU)
+    # the K/V rows a round committed (a tree's path re-run by the next round) are bitwise mlx-lm's (CPU)
     for c, r in zip(cache, mlx_cache_after(target, prompt, got, {})):
         if type(c).__name__ == "KVCache":
             n = r.offset
@@ -683,7 +683,7 @@ def test_queued_rounds_through_the_kernel_route_are_plain_decoding(targets, fold
 @pytest.mark.parametrize("family,n", [("qwen3", 12), ("qwen3", 1000), ("llama", 12), ("qwen3_moe", 12)])
 def test_queued_tree_rounds_are_plain_decoding(targets, folders, gpu_path, monkeypatch, family, n):
     # DDTree rounds queued ahead: the tree built, walked and committed on the device (the
-    # accepted path's K/V rows gathered into place), no host sync between rounds; the tokens
+    # accepted path re-run by the next round's forward), no host sync between rounds; the tokens
     # are plain decoding's, with paths accepted off the spine; a 1000-token prompt grows the
     # buffers inside the generation
     import mlx_treespec.queued as queued
@@ -701,8 +701,8 @@ def test_queued_tree_rounds_are_plain_decoding(targets, folders, gpu_path, monke
     # the logprobs of each token are the target's at the node the path took (bitwise on CPU)
     assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(got, want))
     assert set(stats.drafter) == {"queued"} and set(stats.nodes) == {13} and max(stats.accepted) > 1
-    moved = [np.array(p)[: c.item()].tolist() != list(range(c.item())) for c, p, _ in walks]
-    assert any(moved), "no round accepted a path off the tree's spine"
+    off_spine = [np.array(p)[: c.item()].tolist() != list(range(c.item())) for c, p, _ in walks]
+    assert any(off_spine), "no round accepted a path off the tree's spine"
     if family == "qwen3":
         store = _compiled_store(target)
         assert store["off"] is None and store["trusted_runs"] > 0, "the queued verify did not run compiled"
@@ -810,16 +810,21 @@ def test_queued_trees_through_the_kernels_glue(targets, folders, gpu_path, monke
     device_tree._walk_fn.cache_clear()
 
 
-def test_queued_tree_rounds_hand_the_drafter_the_accepted_paths_rows(targets, folders, gpu_path):
+def test_queued_tree_rounds_hand_the_drafter_the_accepted_paths_rows(targets, folders, gpu_path, monkeypatch):
     # the next block reads the last verify's captured rows along its accepted path: after queued
-    # tree rounds, the drafter's context holds the target's rows of the prompt and the emitted
-    # tokens in order, as a prefill over the same text writes them
+    # tree rounds (some paths off the spine), the drafter's context holds the target's rows of
+    # the prompt and the emitted tokens in order, as a prefill over the same text writes them
+    import mlx_treespec.queued as queued
+
+    walks, real = [], queued.walk
+    monkeypatch.setattr(queued, "walk", lambda *a: walks.append(real(*a)) or walks[-1])
     target = targets("qwen3")
     prompt = prompt_tokens(5)
     bound = bind_dflash(folders("qwen3"), target)
     d = QueuedTreeOracle(bound, target, seed=4, budget=12)
     out, stats = speculative(target, d, prompt, n=40)
     assert out == plain(target, prompt, n=40) and max(stats.accepted) > 1
+    assert any(np.array(p)[: c.item()].tolist() != list(range(c.item())) for c, p, _ in walks)
     text = prompt + plain(target, prompt, n=40 + d.block)  # (the round queued past the end read on)
     L0 = d._queued[0].item()
     assert len(prompt) + 40 - 1 <= L0 <= len(text)
