@@ -15,7 +15,8 @@ Arms use mlx_treespec.spec's grammar (plain, chain:K, tree:K:S[:B[:L]], lookup:B
 suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselines:
 `mlx-plain` (generate_step) and `mlx-chain:K` (speculative_generate_step); an arm ending in /dI
 drafts with the I-th of the --draft-model list, /sync without queued rounds, auto:dflash/chains
-queueing the primary's chains instead of its trees. Speed figures are
+queueing the primary's chains instead of its trees (suffixes in that order: ARM[/dI][/sync]).
+ Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
 --out names another place.
@@ -134,7 +135,8 @@ class Arms:
 class Unqueued:
     """A drafter whose chains are not queued ahead (mlx_treespec/queued.py): the A/B arm."""
 
-    ahead = None
+    ahead = ahead_over_recurrent = None
+    queues_trees = False
 
     def __init__(self, drafter):
         self.drafter = drafter
@@ -351,7 +353,8 @@ def run_proj(args):
         plain = costmodel.time_plain(target, history=args.history, tokens=64)
         verify = costmodel.time_verify(target, Ts=(8, 16, 32, 64), history=args.history)
         draft_cost = _draft_cost(family, target, cfg, head_cfg, args, q)
-        if args.rounds:  # every arm's rounds and plain decoding timed in turn, --round-reps times
+        rounds = args.rounds and "round_ms" in draft_cost  # (whole rounds are timed for dflash only)
+        if rounds:  # every arm's rounds and plain decoding timed in turn, --round-reps times
             plains = [plain]
             for rep in range(args.round_reps):
                 if rep:
@@ -363,24 +366,24 @@ def run_proj(args):
         out = dict(variant=label, plain_ms=plain, verify_ms=verify, draft=draft_cost["timed"], arms=[])
         md += [f"## {label}: plain {plain:.2f} ms/token; verify T=8/16/32/64 "
                + "/".join(f"{verify[T]:.2f}" for T in (8, 16, 32, 64)) + " ms; " + draft_cost["text"], "",
-               f"| arm | emitted/verify (measured) | draft ms | round ms ({'timed' if args.rounds else 'projected'}) "
+               f"| arm | emitted/verify (measured) | draft ms | round ms ({'timed' if rounds else 'projected'}) "
                "| x plain (projected) |",
                "|---|---|---|---|---|"]
         for a, t in arms.items():
             spec, sync = _sync_arm(a)
-            if sync and not args.rounds:
+            if sync and not rounds:
                 continue  # (the same pieces as the queued arm)
             nodes = min(spec.budget or 31, 63) + 1
             T = next(T for T in (8, 16, 32, 64) if nodes <= T)
             d = draft_cost["per_arm"](spec)
-            round_ms = statistics.median(draft_cost["timed"]["round_ms"][a]) if args.rounds else \
+            round_ms = statistics.median(draft_cost["timed"]["round_ms"][_round_key(spec, sync)]) if rounds else \
                 d + verify[T] + args.overhead_ms
             x = t * plain / round_ms
             out["arms"].append(dict(arm=a, tau=t, draft_ms=d, round_ms=round_ms, x_plain=x))
             md.append(f"| {a} | {t:.2f} | {d:.2f} | {round_ms:.2f} | {x:.2f} |")
         md += [f"\nround = whole rounds of the arm's generation, timed (--rounds): the median of {args.round_reps} "
                "runs, the arms and plain decoding in turn (plain ms: " + ", ".join(f"{p:.2f}" for p in plains)
-               + "; round ms per run in the JSON)" if args.rounds else
+               + "; round ms per run in the JSON)" if rounds else
                f"\nround = draft + verify (T = the next timed row count) + {args.overhead_ms:.2f} ms host "
                "overhead per round", ""]
         report["variants"].append(out)
@@ -426,6 +429,18 @@ def _sync_arm(arm):
     return (DraftSpec.parse(arm[: -len("/sync")]), True) if arm.endswith("/sync") else (DraftSpec.parse(arm), False)
 
 
+def _round_key(spec, sync):
+    """The key of an arm's timed rounds: its spec's own arm string (`dflash` and `dflash:15` are one arm)."""
+    return spec.arm + ("/sync" if sync else "")
+
+
+def _at_least_one(text):
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: give 1 or more")
+    return n
+
+
 def _draft_cost(family, target, cfg, head_cfg, args, q):
     """Time the family's drafter at this shape; returns the figures and draft ms per arm."""
     import mlx.nn as nn
@@ -452,7 +467,7 @@ def _draft_cost(family, target, cfg, head_cfg, args, q):
         drafters = {}
 
         def round_ms(spec, sync):  # one more run of the arm's rounds (its drafter built once)
-            key = spec.arm + ("/sync" if sync else "")
+            key = _round_key(spec, sync)
             if key not in drafters:
                 drafter = spec.build(bound, target=target)
                 drafters[key] = Unqueued(drafter) if sync else drafter
@@ -1137,7 +1152,7 @@ def main(argv=None):
     p.add_argument("--rounds", action="store_true",
                    help="proj (dflash): time whole rounds of each arm (queued where they queue) instead of "
                         "summing the verify and the draft forward")
-    p.add_argument("--round-reps", type=int, default=3,
+    p.add_argument("--round-reps", type=_at_least_one, default=3,
                    help="proj --rounds: time each arm's rounds (and plain decoding) this many times, in turn")
     p.add_argument("--shard", default="tensor,pipeline", help="comm: how the target is split over the processes")
     p.add_argument("--out", default=None, help="write OUT.md and OUT.json instead of bench/results/")

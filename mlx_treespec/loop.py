@@ -348,7 +348,7 @@ def tree_generate_step(
         yield from _plain_decode(model, caches, prompt[-1], max_tokens, choose, quantize, stop_tokens,
                                  stats, settle=prompt_cache is not None)
         return
-    queue = can_queue(drafter, caches, choose.greedy, kv_bits)  # chains with no host sync per round
+    queue = can_queue(drafter, caches, choose.greedy, kv_bits)  # rounds with no host sync between them
     if hasattr(drafter, "queueable"):  # (an adaptive drafter: its model arm is queued rounds)
         drafter.queueable = queue
 

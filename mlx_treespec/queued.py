@@ -21,8 +21,9 @@ attention layers only (a recurrent layer's tree scan takes its schedule from hos
 Exact as the loop's rounds: the verify is the same whole-buffer forward
 (`verify.compiled_forward`, checked bitwise against its eager twin); rows past the committed
 offset are masked and overwritten by the next round. Stopping (the tokens left, a stop token,
-the consumer) is decided on the host one round late: the round queued past the end writes only
-rows past the committed offset, so the caches end as if it never ran.
+the consumer) is decided on the host one round late. The round queued past the end writes
+rows past the committed offset, which are dead, and for a tree it is also the round whose re-run
+writes the last accepted path's rows, so the caches end as one-token decoding leaves them.
 
 A hybrid's recurrent layers (GatedDeltaNet) scan the chain from their committed states; their
 commit runs the scan again over the whole chain with the nodes from the accepted count on made
@@ -101,6 +102,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     first_kv = kv[0]
     kernel = kernel_fits([k for i, k in enumerate(keys) if i not in scans])
     ahead, eager = queued_draft(drafter, caches), whole_buffer_forward(model, capture, scans, kernel)
+    drafting = getattr(ahead, "__self__", None)  # the drafter whose `ahead` it is: its forwards per draft
     settled = {i: (keys[i], values[i]) for i in scans}  # recurrent states at the host's `start`
     start = caches[first_kv].offset  # host: rows the caches hold (all but `root`, the pending token)
     # the most rows the rounds queued so far may have committed: the host's `start`, then what
@@ -126,7 +128,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             raise ValueError("a tree round cannot be queued over recurrent layers")
         # a tree round commits at most its depth + 1 (Draft.depth bounds the tree's depths: the
         # next round re-runs that many rows)
-        most = drafted.depth + 1 if tree else None
+        most = min(drafted.depth, drafted.tokens.shape[0] - 1) + 1 if tree else None
         if tree:
             if replay is None:  # (the first round re-runs nothing: the same shapes, none accepted)
                 replay, count = mx.zeros((most,), mx.uint32), mx.array(0, mx.int32)
@@ -209,7 +211,8 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             stats.record(accepted=accepted, emitted=len(emitted), nodes=nodes, depth=depth, held=0,
                          budget=budget, requested_depth=depth, draft_ms=0.0,
                          verify_ms=1e3 * (toc - tic), round_ms=1e3 * (toc - tic),
-                         sync_ms=1e3 * (toc - ts), walk_ms=0.0, draft_forwards=1, drafter="queued")
+                         sync_ms=1e3 * (toc - ts), walk_ms=0.0, draft_forwards=getattr(drafting, "forwards", 1),
+                         drafter="queued")
             ms, tic = 1e3 * (toc - tic), toc
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             delivered = 0

@@ -92,3 +92,83 @@ def test_one_token_prompt(tmp_path):
     out = [t for t, _, _ in tree_generate_step([7], target, OracleHead(head, target, topk=1, depth=3),
                                                max_tokens=N, stats=stats)]
     assert out == ref and stats.depth[0] == 0 and sum(stats.accepted) > 0
+
+
+def _truth_kept(pos, step):
+    """Whether the oracle below drafts the target's own token at this draft step: a function of
+    the text's length, so a round drafted twice (queued past a hand-back, then by the round
+    loop) drafts the same."""
+    return (7 * pos + 13 * step) % 10 < 8
+
+
+class PositionOracle(tiny.FollowsText, HeadDrafter):
+    """A head drafter whose chains are the head's own with most steps replaced by the target's
+    greedy continuation (rounds accept and reject), in the round loop (`_spine`) and in rounds
+    queued ahead (`chain_ahead`) alike. Records the head's own chain per text position (`raw`);
+    queued rounds hand back after `hand_back_after` of them (None: never)."""
+
+    hand_back_after = None
+
+    def __init__(self, source, target, **kw):
+        super().__init__(source, target, **kw)
+        self.raw, self.queued_rounds = [], 0
+
+    def _oracle(self, raw):
+        self.raw.append((len(self.text), raw))
+        cache = make_prompt_cache(self.target)
+        out = self.target(mx.array(self.text)[None], cache=cache)[0, -1]
+        chain = []
+        for s, r in enumerate(raw):
+            chain.append(int(mx.argmax(out)) if _truth_kept(len(self.text), s) else r)
+            out = self.target(mx.array([[chain[-1]]]), cache=cache)[0, -1]
+        return chain
+
+    def _spine(self, logits, rnd, depth):
+        rows, toks = super()._spine(logits, rnd, depth)
+        return rows, [mx.array([t], mx.uint32) for t in self._oracle([int(t.item()) for t in toks])]
+
+    def chain_ahead(self, root, rows, count):
+        raw = np.array(super().chain_ahead(root, rows, count)).tolist()
+        if rows is not None:  # the last round's accepted drafts, then its target token (the root)
+            self.text += self.last[: count.item() - 1] + [int(root.item())]
+        self.last = self._oracle(raw)
+        chain = mx.array(self.last, mx.uint32)
+        self._queued["prev"] = mx.concatenate([root.astype(mx.uint32), chain])  # (what is verified)
+        return chain
+
+    def queue_more(self, tokens, ms):
+        self.queued_rounds += 1
+        return self.hand_back_after is None or self.queued_rounds < self.hand_back_after
+
+
+@pytest.mark.parametrize("hand_back", [None, 3])
+@pytest.mark.parametrize("kind", ["mtp-qwen3_5_tied", "mtp-qwen3_next_moe", "eagle3-safeailab", "eagle3-speculators"])
+def test_queued_head_chains_draft_what_the_round_loop_drafts(tmp_path, monkeypatch, kind, hand_back):
+    # where rounds queue (the GPU path, here on CPU), a head's chain is drafted on the device:
+    # the slots of the last round's accepted tokens at a device offset, then one step per depth.
+    # Its chains are the round loop's, round by round (the head's own tokens, before the
+    # oracle), through a hand-back to the round loop too; tokens are plain decoding's
+    import mlx_treespec.verify as verify
+
+    family, name = kind.split("-", 1)
+    head, target = (make_mtp(tmp_path, name)[:2] if family == "mtp" else make_eagle3(tmp_path, name)[:2])
+    prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
+    ref = plain(target, prompt)
+    host = PositionOracle(head, target, topk=1, depth=4)
+    out = [t for t, _, _ in tree_generate_step(prompt, target, host, max_tokens=N)]
+    assert out == ref
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    queued = PositionOracle(head, target, topk=1, depth=4)
+    queued.hand_back_after = hand_back
+    stats = RoundStats()
+    out = [t for t, _, _ in tree_generate_step(prompt, target, queued, max_tokens=N, stats=stats)]
+    assert out == ref
+    kinds = ["queued"] * (hand_back or len(stats.drafter))
+    assert stats.drafter[: len(kinds)] == kinds and "queued" not in stats.drafter[len(kinds):]
+    assert all(f == 4 for f, k in zip(stats.draft_forwards, stats.drafter) if k == "queued")
+    assert sum(stats.accepted) > 0 and any(a < 4 for a in stats.accepted)
+    by_position = dict(host.raw)  # (a round near the end drafts less in the round loop: its prefix)
+    assert len(queued.raw) >= len(host.raw)
+    for pos, raw in queued.raw:
+        if pos in by_position:
+            assert raw[: len(by_position[pos])] == by_position[pos], pos

@@ -9,11 +9,20 @@ rows the loop captured), so its last slot predicts the first draft token. Every 
 its own token and the head's output hidden state at its parent. Only first-pass slots stay in
 the head's cache: deeper nodes were computed from the head's own hidden states, which the next
 round replaces with the target's.
+
+A chain (topk 1) also drafts from device values alone, for rounds queued ahead (queued.py):
+`chain_ahead` writes the previous round's slots at a device offset (slot j: the token after
+row j over the target's row j; the accepted count says which are real, the last is the root's)
+and takes `depth` one-token steps after them, all in one compiled function over whole K/V
+buffers (verify.whole_buffer_forward with the head as the model). Its step rows land after the
+real slots and are overwritten by the next round's, as the round loop's head cache keeps only
+first-pass slots.
 """
 import numpy as np
 import mlx.core as mx
 
 from ..draft import Draft
+from ..verify import grown, install, whole_buffer_forward
 from .model import ModelDrafter
 
 __all__ = ["HeadDrafter"]
@@ -33,6 +42,10 @@ class HeadDrafter(ModelDrafter):
         super().reset()
         self.pending_hidden = None  # target rows of the pending slots [n, H or n*H]
         self._node_hidden = None  # the head's output hidden state of each round node [m, H]
+        # rounds queued ahead: {L0: slots held (device), bound: a host bound on L0, entry: L0 after
+        # the host's pending slots, prev: the last queued round's tokens, last: its slots' rows
+        # and the count of them that are real}
+        self._queued = None
 
     def _target_rows(self, hidden):
         return self.first_pass(hidden) if self.first_pass is not None else hidden
@@ -94,3 +107,109 @@ class HeadDrafter(ModelDrafter):
         else:  # nothing forwarded: the slots pile up
             self.pending = self.pending + list(emitted)
             self.pending_hidden = mx.concatenate([self.pending_hidden, self._target_rows(hidden)])
+
+    # ------------------------------------------------------------------ rounds queued ahead
+
+    @property
+    def ahead(self):
+        """`chain_ahead` for a chain (queued.py); a tree's lanes run the round loop."""
+        return self.chain_ahead if self.topk == 1 else None
+
+    queues_trees = False
+
+    def chain_ahead(self, root, rows, count):
+        """A chain of `depth` head steps from device values alone: `root` (mx uint32 [1]), the
+        previous queued round's captured target rows `rows` (None in the first round: the host's
+        pending slots go in) of which the first `count` (mx int32) were accepted. Returns the
+        chain, mx uint32 [depth]."""
+        q, c = self._queued, self.cache[0]
+        if q is None:  # the host's pending slots (the last is the root's); none: a one-token prompt
+            n = 0 if self.pending_hidden is None else len(self.pending)
+            q = self._queued = dict(L0=mx.array(c.offset, mx.int32), bound=c.offset, entry=c.offset + n)
+            if n == 0:
+                chain = mx.zeros((self.depth,), mx.uint32)  # (no row to continue from: any guess is exact)
+                q.update(prev=mx.concatenate([root.reshape(1).astype(mx.uint32), chain]), last=None)
+                return chain
+            # padded to a round's slot count (or a power of two past it): one trace for both
+            P = self.depth + 1 if n <= self.depth + 1 else 1 << (n - 1).bit_length()
+            tokens = mx.array(self.pending + [0] * (P - n), mx.uint32)
+            slot_rows = mx.pad(self.pending_hidden, ((0, P - n), (0, 0)))
+            count = mx.array(n, mx.int32)
+        else:  # slot j: the token after row j (the last accepted one's: the root)
+            prev = q["prev"]
+            P = prev.shape[0]
+            tokens = mx.where(mx.arange(P) == count - 1, root.astype(mx.uint32), mx.concatenate([prev[1:], prev[:1]]))
+            slot_rows = self._target_rows(rows[:P])
+        P = tokens.shape[0]
+        keys, values = self._buffers(q["bound"] + P + self.depth)
+        chain, c.keys, c.values = self._chain_fn()(tokens, slot_rows, count, q["L0"], keys, values)
+        q.update(L0=q["L0"] + count, bound=q["bound"] + P, last=(slot_rows, count),
+                 prev=mx.concatenate([root.reshape(1).astype(mx.uint32), chain]))
+        self.forwards = self.depth
+        return chain
+
+    def _buffers(self, rows):
+        """The head cache's K/V buffers with room for `rows` rows (made where the cache holds none)."""
+        c = self.cache[0]
+        if c.keys is None:
+            at = next(m for _, m in self.model.named_modules() if hasattr(m, "k_proj") and hasattr(m, "rope"))
+            n_kv = getattr(at, "num_key_value_heads", None) or at.n_kv
+            dim = at.k_proj.weight.shape[0] // n_kv
+            c.keys = c.values = mx.zeros((1, n_kv, 0, dim), at.k_proj.weight.dtype)
+        return grown(c.keys, rows), grown(c.values, rows)
+
+    def _chain_fn(self):
+        """The slots' forward and `depth` steps as one compiled function (traced per slot count and
+        buffer width): (slot tokens [P], their target rows, real slots, L0, K, V) -> (chain, K, V)."""
+        fn = self.__dict__.get("_compiled_chain")
+        if fn is not None:
+            return fn
+        head, depth = self.model, self.depth
+        install(head)
+        forward = whole_buffer_forward(head, ())
+
+        def chain(tokens, slot_rows, count, L0, keys, values):
+            P, dtype = tokens.shape[0], keys.dtype
+            cols = mx.arange(keys.shape[2])
+            zero, low = mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype)
+            positions = L0 + mx.arange(P, dtype=mx.int32)
+            self._set_hidden(slot_rows, first=True)
+            logits, _, ks, vs = forward(tokens, positions, mx.where(cols[None] <= positions[:, None], zero, low),
+                                        mx.stack([L0, L0, L0 + P]), [keys], [values])
+            last = (count - 1).reshape(1)
+            hidden = mx.take(head.out_hidden[0], last, axis=0)
+            tok = mx.argmax(mx.take(logits, last, axis=0), axis=-1).astype(mx.uint32)
+            out, pos = [tok], (L0 + count).reshape(1)
+            for _ in range(1, depth):  # each step over its parent's output hidden, after the real slots
+                self._set_hidden(hidden, first=False)
+                logits, _, ks, vs = forward(tok, pos, mx.where(cols[None] <= pos[:, None], zero, low),
+                                            mx.concatenate([pos, pos, pos + 1]), ks, vs)
+                hidden = head.out_hidden[0]
+                tok = mx.argmax(logits, axis=-1).astype(mx.uint32)
+                out.append(tok)
+                pos = pos + 1
+            return mx.concatenate(out), ks[0], vs[0]
+
+        fn = self.__dict__["_compiled_chain"] = mx.compile(chain)
+        return fn
+
+    def queued_read(self, emitted):
+        """The host read queued rounds that emitted `emitted` tokens, and the next round's
+        chain is queued: it wrote their slots, so the head holds entry + emitted of them."""
+        if self._queued is not None:
+            self._queued["bound"] = self._queued["entry"] + emitted
+
+    def handed_back(self, start, tokens):
+        """Queued rounds ended having emitted `tokens` (the last the next root); the round loop
+        drafts next. The round queued past the end wrote every slot, the root's too: the root's
+        goes back to pending (the round loop's first pass runs it), over its target row."""
+        q, c = self._queued, self.cache[0]
+        c.offset = q["entry"] + len(tokens) - 1
+        slot_rows, count = q["last"]
+        self.pending = [int(tokens[-1])]
+        self.pending_hidden = mx.take(slot_rows, (count - 1).reshape(1), axis=0)
+        self._queued = None
+
+    def requeue(self):
+        """Rounds are queued again: the next chain starts from the host's pending slots."""
+        self._queued = None
