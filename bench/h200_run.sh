@@ -25,6 +25,8 @@
 #            on DEFAULT_TARGETS (demo; "demo demo-hybrid" for both); REPS runs of each prompt, pooled;
 #            DEFAULT_ARMS, DEFAULT_PROMPTS replace the arms (e.g. adding dflash:15/sync, the chain through
 #            the round loop) and the prompt sets
+#   heads    MTP chains queued ahead vs the same chains through the round loop (/sync) and the head's
+#            tree, on the demo hybrid; EAGLE-3 the same on the demo target (HEADS_PROMPTS: unseen,heldout)
 # DFLASH, HYBRID_DFLASH, EAGLE3 override the shipped demo drafters (folders).
 set -u
 export PYTHONPATH=/root/mlx-site:$PWD PYTHONUNBUFFERED=1
@@ -70,6 +72,14 @@ for section in "$@"; do
               ${DFLASH:+--dflash $DFLASH} --arms ${QUEUED_ARMS:-plain,dflash:15,dflash:15/sync,ddtree:31,ddtree:31/sync,ddtree:15,ddtree:63} \
               --prompts ${QUEUED_PROMPTS:-unseen,heldout} --n $N --reps ${REPS:-1} --max-tokens $TOKENS \
               --seconds ${QUEUED_SECONDS:-380} --out "$OUT/queued" ;;
+    heads) timeout ${HEADS_TIMEOUT:-270} python3 bench/run.py loop --section heads_hybrid --target demo-hybrid \
+              --arms ${HEADS_HYBRID_ARMS:-plain,mtp-chain:10,mtp-chain:10/sync,mtp-chain:15,mtp-tree:2:10:10:1,dflash:15} \
+              --prompts ${HEADS_PROMPTS:-unseen,heldout} --n $N --max-tokens $TOKENS --seconds ${HEADS_SECONDS:-220} \
+              --out "$OUT/heads_hybrid"
+           timeout ${HEADS_TIMEOUT:-270} python3 bench/run.py loop --section heads_target --target demo \
+              ${EAGLE3:+--eagle3 $EAGLE3} --arms ${HEADS_TARGET_ARMS:-plain,eagle3-chain:5,eagle3-chain:5/sync,eagle3-chain:8,eagle3-tree:3:5,dflash:15} \
+              --prompts ${HEADS_PROMPTS:-unseen,heldout} --n $N --max-tokens $TOKENS --seconds ${HEADS_SECONDS:-220} \
+              --out "$OUT/heads_target" ;;
     pieces) timeout 120 python3 bench/run.py pieces --target demo --history 300 --repeats 30 --out "$OUT/pieces" ;;
     gdn) timeout 150 python3 bench/gdn_kernel_bench.py --out "$OUT/gdn.json" 2>&1 | tee "$OUT/gdn.md" ;;
     hybrid_drafter) timeout ${HD_TIMEOUT:-420} python3 bench/train_heads.py --out /root/hd_out --stage /root/hd_stage \
