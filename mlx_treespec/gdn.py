@@ -65,6 +65,7 @@ compute_g = mlx_lm_gated_delta.compute_g
 normalize_qk = mlx_lm_gated_delta.normalize_qk
 
 __all__ = [
+    "DevicePlan",
     "check_parents",
     "TreePlan",
     "tree_plan",
@@ -299,6 +300,10 @@ def tree_plan(parents, n: Optional[int] = None) -> TreePlan:
     if isinstance(parents, TreePlan):
         check_parents(parents, n)
         return parents
+    if isinstance(parents, DevicePlan):
+        if n is not None and parents.size != n:
+            raise ValueError(f"tree plan has {parents.size} nodes, expected {n}")
+        return parents
     return TreePlan(check_parents(parents, n))
 
 
@@ -306,6 +311,46 @@ def tree_plan(parents, n: Optional[int] = None) -> TreePlan:
 def chain_plan(n: int) -> TreePlan:
     """Cached plan of a chain of n nodes (commits replay chains)."""
     return TreePlan(chain_parents(n))
+
+
+class DevicePlan:
+    """A tree whose parents live on the device (mx int32 [T], parents[i] < i, -1 the committed
+    state): a round queued ahead builds its tree there, so no host table can be made. The
+    kernel keeps every node's state (scratch slot t is node t: T slots, no schedule), which also
+    gives the state after any node (`tree_gated_delta(..., return_states="all")`); the conv
+    windows are gathered along the parent links with ops. Validity is the builder's contract
+    (`device_tree.best_first` numbers parents first)."""
+
+    def __init__(self, parents: mx.array):
+        self.parents = parents.astype(mx.int32)
+        self.size = int(parents.shape[0])
+        self._memo: Dict[Any, Any] = {}
+
+    def kernel_table(self) -> Tuple[mx.array, int]:
+        if "kernel" not in self._memo:
+            T, p = self.size, self.parents
+            t = mx.arange(T, dtype=mx.int32)
+            load = mx.where((p == t - 1) & (p >= 0), LOAD_CONTINUE, p)  # (-1: the committed state)
+            steps = mx.stack([t, load, t], axis=1).reshape(-1)  # node t at step t, stored in slot t
+            self._memo["kernel"] = (mx.concatenate([mx.array([T, T], mx.int32), steps]), T)
+        return self._memo["kernel"]
+
+    def conv_index(self, kernel_size: int) -> mx.array:
+        """:func:`conv_window_index`, flattened, from the device parents."""
+        K = int(kernel_size)
+        if ("conv", K) not in self._memo:
+            p = self.parents
+            node = mx.arange(self.size, dtype=mx.int32)
+            rows, held = [], []
+            for _ in range(K):  # the node, then its ancestors (-1 once past the root)
+                held.append(node >= 0)
+                rows.append(node)
+                node = mx.where(node >= 0, mx.take(p, mx.maximum(node, 0)), -1)
+            L = mx.sum(mx.stack(held).astype(mx.int32), axis=0)  # the root path's length, at most K
+            # lag s: ancestor s's input, or committed rows from the newest back where the path ends
+            cols = [mx.where(h, K - 1 + r, K - 2 - s + L) for s, (h, r) in enumerate(zip(held, rows))]
+            self._memo[("conv", K)] = mx.stack(cols[::-1], axis=1).reshape(-1).astype(mx.int32)
+        return self._memo[("conv", K)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,6 +389,8 @@ def tree_gated_delta_ops(
     plan = tree_plan(parents, T)
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    if isinstance(plan, DevicePlan):
+        return _device_tree_gated_delta_ops(q, k, v, g, beta, state, plan, return_states)
     if T == 0:
         y = mx.zeros((B, 0, Hv, Dv), dtype=q.dtype)
         extra = {None: None, "last": state, "all": mx.zeros((B, 0, Hv, Dv, Dk), state.dtype)}
@@ -383,6 +430,27 @@ def tree_gated_delta_ops(
         allst = mx.swapaxes(mx.take(mx.concatenate(states, axis=0), inv, axis=0), 0, 1)
         return y, allst
     return y, last
+
+
+def _device_tree_gated_delta_ops(q, k, v, g, beta, state, plan, return_states):
+    """`tree_gated_delta_ops` over a :class:`DevicePlan`: node by node in index order (parents
+    first), each from its parent's state gathered at a device index; the same step per node,
+    so the same values (bitwise on CPU)."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    if (repeat_factor := Hv // Hk) > 1:
+        q = mx.repeat(q, repeat_factor, -2)
+        k = mx.repeat(k, repeat_factor, -2)
+    states = state[None]  # [1 + nodes so far, B, Hv, Dv, Dk]: the committed state first
+    ys = []
+    for t in range(T):
+        s = mx.take(states, plan.parents[t] + 1, axis=0)
+        y, s = _gated_delta_step_ops(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], s)
+        ys.append(y)
+        states = mx.concatenate([states, s[None]])
+    y = mx.stack(ys, axis=1) if ys else mx.zeros((B, 0, Hv, Dv), dtype=q.dtype)
+    extra = {None: None, "last": states[-1], "all": mx.swapaxes(states[1:], 0, 1)}
+    return y, extra[return_states]
 
 
 # --------------------------------------------------------------------------------------------
@@ -504,10 +572,13 @@ def run_tree_kernel(
     parents,
     *,
     store_final: bool = False,
+    all_states: bool = False,
     verbose: bool = False,
     stream=None,
 ) -> Tuple[mx.array, Optional[mx.array]]:
-    """Call the tree kernel of ``backend`` ('metal' or 'cuda') directly; returns (y, final)."""
+    """Call the tree kernel of ``backend`` ('metal' or 'cuda') directly; returns (y, final), or
+    with ``all_states`` (a :class:`DevicePlan`: slot t holds node t) (y, every node's state
+    ``[B, T, Hv, Dv, Dk]``)."""
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
     if Dk % 32 or Hv % Hk or g.ndim not in (3, 4):
@@ -531,6 +602,10 @@ def run_tree_kernel(
         verbose=verbose,
         **kwargs,
     )
+    if all_states:
+        if not isinstance(parents, DevicePlan):
+            raise ValueError("every node's state is kept for a DevicePlan only")
+        return y, mx.swapaxes(_scratch.reshape(B, Hv, T, Dv, Dk), 1, 2)
     return y, (final if store_final else None)
 
 
@@ -596,12 +671,14 @@ def tree_gated_delta(
     use_kernel: bool = True,
     *,
     return_final_state: bool = False,
+    return_all_states: bool = False,
 ) -> Tuple[mx.array, Optional[mx.array]]:
     """Tree gated-delta recurrence: the kernel on a Metal/CUDA GPU, the ops reference otherwise.
 
     Returns ``(y, final)``: y ``[B, T, Hv, Dv]`` (dtype of q) and, when ``return_final_state``,
-    the float32 state after node T-1 (for a chain: after the whole chain), else None.
-    The committed ``state`` is never modified.
+    the float32 state after node T-1 (for a chain: after the whole chain), when
+    ``return_all_states`` (a :class:`DevicePlan`) every node's state ``[B, T, Hv, Dv, Dk]``,
+    else None. The committed ``state`` is never modified.
     """
     B, T, Hk, Dk = q.shape
     Hv, Dv = v.shape[-2:]
@@ -618,12 +695,12 @@ def tree_gated_delta(
         and g.ndim in (3, 4)
         and _variant_builds(backend, q, k, v, g, beta, return_final_state)
     ):
-        return run_tree_kernel(
-            backend, q, k, v, g, beta, state, parents, store_final=return_final_state
-        )
+        return run_tree_kernel(backend, q, k, v, g, beta, state, parents,
+                               store_final=return_final_state and not return_all_states,
+                               all_states=return_all_states)
     return tree_gated_delta_ops(
         q, k, v, g, beta, state, parents,
-        return_states="last" if return_final_state else None,
+        return_states="all" if return_all_states else ("last" if return_final_state else None),
     )
 
 
@@ -731,6 +808,8 @@ def gdn_layer_tree_forward(layer, x: mx.array, cache, parents,
     _check_cache(cache)
     B, S, _ = x.shape
     first = 0 if prior is None else prior["parents"].size
+    if prior is not None and isinstance(parents, DevicePlan):
+        raise ValueError("a tree with device parents is forwarded in one pass (no prior)")
     if prior is not None:
         new = parents.parents if isinstance(parents, TreePlan) else np.asarray(parents, np.int64)
         parents = np.concatenate([prior["parents"], new])
@@ -778,7 +857,8 @@ def gdn_layer_tree_forward(layer, x: mx.array, cache, parents,
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     use_kernel = not layer.training
 
-    y, _ = tree_gated_delta(q, k, v, g, beta, state, plan, use_kernel)
+    on_device = isinstance(plan, DevicePlan)  # (every node's state kept: queued.py's commit reads them)
+    y, states = tree_gated_delta(q, k, v, g, beta, state, plan, use_kernel, return_all_states=on_device)
     y = y[:, first:]
 
     out = layer.norm(y, z)
@@ -798,6 +878,8 @@ def gdn_layer_tree_forward(layer, x: mx.array, cache, parents,
         "state": state,
         "use_kernel": use_kernel,
     }
+    if on_device:
+        payload["states"] = states
     return out, payload
 
 

@@ -64,12 +64,14 @@ def can_queue(drafter, caches, greedy, kv_bits):
 
 
 def queued_draft(drafter, caches):
-    """What drafts a queued round over these caches, or None: the drafter's `ahead`. Trees queue
-    over attention layers only, so where a layer is recurrent a drafter that drafts trees
-    (`queues_trees`) queues its `ahead_over_recurrent` where it offers one (an adaptive
-    drafter's primary chain), else nothing: a DDTree arm's rounds then run the round loop."""
+    """What drafts a queued round over these caches, or None: the drafter's `ahead`; where a
+    layer is recurrent, a drafter that drafts trees (`queues_trees`) and offers a chain for
+    those layers (an adaptive drafter's `ahead_over_recurrent`: its primary's chain, measured
+    the faster there) queues that."""
     if getattr(drafter, "queues_trees", False) and any(cache_kind(c) == "arrays" for c in caches):
-        return getattr(drafter, "ahead_over_recurrent", None)
+        over = getattr(drafter, "ahead_over_recurrent", None)
+        if over is not None:
+            return over
     return getattr(drafter, "ahead", None)
 
 
@@ -124,8 +126,6 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         nonlocal keys, values, bound
         drafted = ahead(dev_root, rows, count)                                                # draft
         tree = isinstance(drafted, Draft)
-        if tree and scans:  # (can_queue keeps them apart: a chain's recurrent commit is no tree's)
-            raise ValueError("a tree round cannot be queued over recurrent layers")
         # a tree round commits at most its depth + 1 (Draft.depth bounds the tree's depths: the
         # next round re-runs that many rows)
         most = min(drafted.depth, drafted.tokens.shape[0] - 1) + 1 if tree else None
@@ -149,6 +149,8 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             mask = mx.where(columns <= positions[:, None], zero, low)
         # written at dev_start; every row sees the columns before it, none from dev_start + T on
         args = (tokens, positions, mask, dev_start + spans, keys, values)
+        if tree and scans:  # recurrent layers scan the re-run path, then the tree from its count
+            args += (_replay_parents(parents, m, count),)
 
         def reference():
             out, h, k, v = eager(*args)
@@ -160,14 +162,20 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             choice = mx.argmax(logits[m:], axis=-1).astype(mx.uint32)
             count_now, path, choice = walk(choice, drafted.tokens, parents, depths, visible)
             # commit: no K/V row moves; the next round re-runs the accepted path from where this
-            # one's re-run path ended (a gather per layer costs more launches than the rows)
+            # one's re-run path ended (a gather per layer costs more launches than the rows).
+            # Recurrent layers: the states after the re-run path's accepted rows (this round
+            # commits the last round's path)
+            payloads = {i: keys[i] for i in scans}
+            states = replay_prefix(payloads, count)
+            for i, (conv, state) in states.items():
+                keys[i], values[i] = conv, state
             logits = logits[m:][path]
             rows = None if rows is None else rows[m:][path]
             bound += most
             shape = (drafted.tokens.shape[0], drafted.depth, drafted.budget)
             return (choice[count_now - 1].reshape(1), rows, count_now, dev_start + count,
                     drafted.tokens[path[:most]]), \
-                (logits, choice, count_now, {}, {}, shape, most)
+                (logits, choice, count_now, payloads, states, shape, most)
         choice = mx.argmax(logits, axis=-1).astype(mx.uint32)
         count = mx.sum(mx.cumprod((drafted == choice[:-1]).astype(mx.int32))) + 1
         bound += T
@@ -182,6 +190,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
 
     more = getattr(drafter, "queue_more", None)
     delivered, accepted, handed, everything, failed = 0, 0, False, [], False
+    trees = False  # the rounds are trees (their recurrent states lag a round: see `settled`)
     try:  # (from the first call: an error anywhere still lands the pending root)
         verify.install(model)  # per-token RoPE positions
         if resume is None:
@@ -189,6 +198,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         else:
             drafter.requeue(root)
         nxt, out = queue(mx.array([root], mx.uint32), None, None, mx.array(start, mx.int32))
+        trees = len(nxt) == 5  # (a tree round hands the next its path to re-run)
         mx.async_eval(out[1], out[2])
         tic = time.perf_counter()
         read = getattr(drafter, "queued_read", None)
@@ -224,7 +234,8 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             if len(emitted) < accepted + 1 or emitted[-1] in stop_tokens or n == max_tokens:
                 break
             start, root, delivered = start + accepted + 1, emitted[-1], -1  # round r is whole
-            settled = states
+            # (a tree's path is committed by the round after it: round r + 1, queued above)
+            settled = out[4] if trees else states
             bound = start + out[-1]  # (round r + 1 is under way: it may commit this many)
             if read is not None:
                 read(n - first)
@@ -242,7 +253,10 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             kept = min(delivered, accepted)  # accepted drafts delivered are in the rows
             pending = None if delivered <= accepted else emitted[accepted]
             start, root = start + kept + 1, pending
-            settled = states if kept == accepted else gdn_chain_prefix(payloads, mx.array(kept + 1, mx.int32))
+            if trees:  # round r's path is round r + 1's re-run (`out`: queued before r was read)
+                settled = out[4] if kept == accepted else replay_prefix(out[3], mx.array(kept + 1, mx.int32))
+            else:
+                settled = states if kept == accepted else gdn_chain_prefix(payloads, mx.array(kept + 1, mx.int32))
         for i, c in enumerate(caches):
             if i in scans:
                 c[0], c[1] = settled[i]
@@ -279,3 +293,25 @@ def _replay_layout(columns, steps, start, count, depths, visible, zero, low):
     chain = mx.concatenate([r[None] <= r[:, None], mx.zeros((m, T), mx.bool_)], axis=1)
     tree = mx.concatenate([mx.broadcast_to(r[None] < count, (T, m)), visible.astype(mx.bool_)], axis=1)
     return positions, _tree_mask(columns - start, mx.concatenate([chain, tree]), zero, low)
+
+
+def _replay_parents(parents, m, count):
+    """A tree round's parents for its recurrent layers (mx int32 [m + T]): the re-run path as a
+    chain from the committed state, the tree's root after its `count`-th row (the committed
+    state where count is 0), the tree's other nodes after their parents."""
+    chain = mx.arange(-1, m - 1, dtype=mx.int32)
+    return mx.concatenate([chain, mx.where(parents < 0, count - 1, parents + m).astype(mx.int32)])
+
+
+def replay_prefix(payloads, n):
+    """Per recurrent layer, the (conv state, recurrent state) after the first `n` (mx int32) rows
+    of a tree round's re-run path, what one-token decoding of those tokens leaves: from the
+    forward's kept node states (`gdn.DevicePlan`) and the conv window ending at row n - 1."""
+    out = {}
+    for i, payload in payloads.items():
+        keep = payload["conv_state"].shape[1]
+        conv = mx.take(mx.concatenate([payload["conv_state"], payload["qkv"]], axis=1),
+                       n + mx.arange(keep, dtype=mx.int32), axis=1)
+        after = mx.take(payload["states"], mx.maximum(n - 1, 0).reshape(1), axis=1)[:, 0]
+        out[i] = conv, mx.where(n > 0, after, payload["state"])
+    return out

@@ -441,13 +441,14 @@ def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False):
     logits [T, V], the captured rows and the new buffers out.
 
     `scans`: the indices of recurrent layers (a hybrid's GatedDeltaNet), whose "buffers" are
-    their committed conv and recurrent states; the tokens are then a chain, and such a layer
-    gives out its scan's payload (and None) for `gdn.gdn_chain_prefix` (a compiled forward
+    their committed conv and recurrent states; the tokens are a chain, or the tree of the
+    optional last input `parents` (mx int32 [T]: a tree built on the device, `gdn.DevicePlan`),
+    and such a layer gives out its scan's payload (and None) for the commit (a compiled forward
     gives out the payload's host entries, its parents and kernel flag, as they were traced:
     they depend on the row count only).
     `kernel`: attention runs the tree-attention kernel (`kernel_fits`)."""
 
-    def forward(tokens, positions, mask, start, keys, values):
+    def forward(tokens, positions, mask, start, keys, values, parents=None):
         bufs = [_ArraysLayer([k, v], None) if i in scans else _TracedAppend(k, v, start, mask)
                 for i, (k, v) in enumerate(zip(keys, values))]
         try:
@@ -455,9 +456,10 @@ def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False):
             if kernel:
                 _CTX.attend = (mask, start[1:])
             if scans:
-                from .gdn import chain_plan
+                from .gdn import DevicePlan, chain_plan
 
-                _CTX.parents, _CTX.first = chain_plan(tokens.shape[0]), 0
+                _CTX.parents = chain_plan(tokens.shape[0]) if parents is None else DevicePlan(parents)
+                _CTX.first = 0
             with capturing(model, capture) as cap:
                 out = model(tokens[None], cache=bufs)[0]
                 hidden = [cap.hidden()] if capture else []
@@ -526,12 +528,12 @@ def compiled_forward(model, capture, n, args, reference, kernel=False, scans=fro
     fn, store = _compiled(model, capture, kernel, scans)
     if fn is None:
         return None
-    tokens, positions, mask, start, keys, values = args
+    tokens, positions, mask, start, keys, values = args[:6]  # (then a tree's device parents, if any)
     # what a trace is made for (mx.compile traces again for any other input shape or dtype; the
     # buffers' shapes follow from the width and the model)
     shape = (tokens.shape[0], tokens.dtype, positions.dtype, start.dtype, mask.shape[1], mask.dtype,
              tuple(k.dtype for k in keys), tuple(None if v is None else v.dtype for v in values),
-             capture, kernel, scans)
+             capture, kernel, scans, len(args))
     if store["eager"].get(shape):
         return None
     # a trace that raises leaves its placeholders in the model's arrays (they are the

@@ -556,7 +556,8 @@ def test_a_compiled_verify_whose_state_for_later_rounds_differs_runs_eagerly(tar
     target.__dict__.pop("_treespec_compiled_verify", None)
 
 
-@pytest.mark.parametrize("family,shape", [("qwen3", "chain"), ("qwen3_5", "chain"), ("qwen3", "tree")])
+@pytest.mark.parametrize("family,shape", [("qwen3", "chain"), ("qwen3_5", "chain"), ("qwen3", "tree"),
+                                          ("qwen3_5", "tree")])
 @pytest.mark.parametrize("end", ["cut after 1", "cut after 5", "max_tokens 13", "stop token"])
 def test_queued_rounds_end_with_prompt_plus_delivered(targets, folders, gpu_path, end, family, shape):
     # stopping is decided on the host a round late: the round queued past the end leaves no
@@ -680,12 +681,14 @@ def test_queued_rounds_through_the_kernel_route_are_plain_decoding(targets, fold
     assert contract_kernel and sum(stats.accepted) > 0
 
 
-@pytest.mark.parametrize("family,n", [("qwen3", 12), ("qwen3", 1000), ("llama", 12), ("qwen3_moe", 12)])
+@pytest.mark.parametrize("family,n", [("qwen3", 12), ("qwen3", 1000), ("llama", 12), ("qwen3_moe", 12),
+                                      ("qwen3_5", 12), ("qwen3_next", 12)])
 def test_queued_tree_rounds_are_plain_decoding(targets, folders, gpu_path, monkeypatch, family, n):
     # DDTree rounds queued ahead: the tree built, walked and committed on the device (the
     # accepted path re-run by the next round's forward), no host sync between rounds; the tokens
     # are plain decoding's, with paths accepted off the spine; a 1000-token prompt grows the
-    # buffers inside the generation
+    # buffers inside the generation; the hybrids' recurrent layers scan the re-run path and the
+    # tree from device parents (gdn.DevicePlan) and commit from the states the scan kept
     import mlx_treespec.queued as queued
 
     walks, real = [], queued.walk
@@ -703,28 +706,10 @@ def test_queued_tree_rounds_are_plain_decoding(targets, folders, gpu_path, monke
     assert set(stats.drafter) == {"queued"} and set(stats.nodes) == {13} and max(stats.accepted) > 1
     off_spine = [np.array(p)[: c.item()].tolist() != list(range(c.item())) for c, p, _ in walks]
     assert any(off_spine), "no round accepted a path off the tree's spine"
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_5", "qwen3_next"):
         store = _compiled_store(target)
         assert store["off"] is None and store["trusted_runs"] > 0, "the queued verify did not run compiled"
     target.__dict__.pop("_treespec_compiled_verify", None)
-
-
-def test_trees_queue_over_attention_layers_only(targets, folders, gpu_path):
-    # a hybrid's recurrent tree scan takes its schedule from host parents: its DDTree rounds go
-    # through the round loop (exact there), its chains queue
-    from mlx_treespec.queued import can_queue
-
-    for family, queues in (("qwen3", True), ("qwen3_5", False)):
-        target = targets(family)
-        bound = bind_dflash(folders(family), target)
-        caches = make_prompt_cache(target)
-        target(mx.array(prompt_tokens(3))[None], cache=caches)
-        assert can_queue(DFlashDrafter(bound, budget=12), caches, True, None) is queues
-        assert can_queue(DFlashDrafter(bound, topk=1, depth=7), caches, True, None)
-    target = targets("qwen3_5")
-    prompt = prompt_tokens(5)
-    out, stats = speculative(target, DFlashDrafter(bind_dflash(folders("qwen3_5"), target), budget=12), prompt)
-    assert out == plain(target, prompt) and "queued" not in stats.drafter
 
 
 @pytest.mark.parametrize("shape", [dict(topk=1, depth=7), dict(budget=31)])
