@@ -25,6 +25,9 @@
 #            on DEFAULT_TARGETS (demo; "demo demo-hybrid" for both); REPS runs of each prompt, pooled;
 #            DEFAULT_ARMS, DEFAULT_PROMPTS replace the arms (e.g. adding dflash:15/sync, the chain through
 #            the round loop) and the prompt sets
+#   queued_hybrid the demo hybrid: DDTree's trees queued ahead (recurrent layers over device parents)
+#            vs the same trees through the round loop (/sync), DFlash's queued chain, the default
+#            (queueing chains over recurrent layers) and the default queueing trees (auto:dflash/trees)
 #   heads    MTP chains queued ahead vs the same chains through the round loop (/sync) and the head's
 #            tree, on the demo hybrid; EAGLE-3 the same on the demo target (HEADS_PROMPTS: unseen,heldout)
 # DFLASH, HYBRID_DFLASH, EAGLE3 override the shipped demo drafters (folders).
@@ -80,6 +83,10 @@ for section in "$@"; do
               ${EAGLE3:+--eagle3 $EAGLE3} --arms ${HEADS_TARGET_ARMS:-plain,eagle3-chain:5,eagle3-chain:5/sync,eagle3-chain:8,eagle3-tree:3:5,dflash:15} \
               --prompts ${HEADS_PROMPTS:-unseen,heldout} --n $N --max-tokens $TOKENS --seconds ${HEADS_SECONDS:-220} \
               --out "$OUT/heads_target" ;;
+    queued_hybrid) timeout ${QH_TIMEOUT:-500} python3 bench/run.py loop --section queued_hybrid --target demo-hybrid \
+              --arms ${QH_ARMS:-plain,dflash:15,ddtree:31,ddtree:31/sync,ddtree:63,auto:dflash,auto:dflash/trees} \
+              --prompts ${QH_PROMPTS:-unseen,heldout} --n $N --reps ${REPS:-1} --max-tokens $TOKENS \
+              --seconds ${QH_SECONDS:-420} --out "$OUT/queued_hybrid" ;;
     pieces) timeout 120 python3 bench/run.py pieces --target demo --history 300 --repeats 30 --out "$OUT/pieces" ;;
     gdn) timeout 150 python3 bench/gdn_kernel_bench.py --out "$OUT/gdn.json" 2>&1 | tee "$OUT/gdn.md" ;;
     hybrid_drafter) timeout ${HD_TIMEOUT:-420} python3 bench/train_heads.py --out /root/hd_out --stage /root/hd_stage \

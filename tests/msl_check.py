@@ -372,6 +372,8 @@ int main(int argc, char** argv) {
   fwrite(y.data(), sizeof(float), y.size(), f); fclose(f);
   snprintf(p, sizeof p, "%s/state.out", dir); f = fopen(p, "wb");
   fwrite(out.data(), sizeof(float), out.size(), f); fclose(f);
+  snprintf(p, sizeof p, "%s/scratch.out", dir); f = fopen(p, "wb");
+  fwrite(scr.data(), sizeof(float), scr.size(), f); fclose(f);
   return 0;
 }
 """
@@ -407,7 +409,9 @@ def build_emulator(body_path: str = None) -> str:
 
 
 def emulate_tree_kernel(q, k, v, g, beta, state, parents, store_final=True):
-    """Run the kernel body on the CPU (float32); returns numpy (y, final state or None)."""
+    """Run the kernel body on the CPU (float32); returns numpy (y, final state or None). With
+    `parents` a gdn.DevicePlan (its device-built table: every node kept), the second is every
+    node's state [B, T, Hv, Dv, Dk], read from the scratch slots."""
     import numpy as np
     from mlx_treespec import gdn
 
@@ -415,7 +419,12 @@ def emulate_tree_kernel(q, k, v, g, beta, state, parents, store_final=True):
             for n, a in dict(q=q, k=k, v=v, g=g, beta=beta, state=state).items()}
     B, T, Hk, Dk = arrs["q"].shape
     Hv, Dv = arrs["v"].shape[-2:]
-    table, n_slots = gdn.tree_kernel_table(parents)
+    on_device = isinstance(parents, gdn.DevicePlan)
+    if on_device:
+        table, n_slots = parents.kernel_table()
+        table = np.array(table)
+    else:
+        table, n_slots = gdn.tree_kernel_table(parents)
     exe = build_emulator()
     with tempfile.TemporaryDirectory() as d:
         for n, a in arrs.items():
@@ -430,6 +439,9 @@ def emulate_tree_kernel(q, k, v, g, beta, state, parents, store_final=True):
             raise RuntimeError(f"emulator failed ({r.returncode}): {r.stderr}")
         y = np.fromfile(os.path.join(d, "y.out"), dtype=np.float32).reshape(B, T, Hv, Dv)
         final = np.fromfile(os.path.join(d, "state.out"), dtype=np.float32)
+        scratch = np.fromfile(os.path.join(d, "scratch.out"), dtype=np.float32)
+    if on_device:
+        return y, scratch.reshape(B, Hv, T, Dv, Dk).swapaxes(1, 2)
     return y, (final.reshape(B, Hv, Dv, Dk) if store_final else None)
 
 

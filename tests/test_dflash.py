@@ -820,3 +820,24 @@ def test_queued_tree_rounds_hand_the_drafter_the_accepted_paths_rows(targets, fo
     fresh.prefill(text[: L0 + 1], hidden)
     for got, want in zip(d.keys + d.values, fresh.keys + fresh.values):
         assert mx.allclose(got[:, :, :L0], want[:, :, :L0], atol=1e-4, rtol=1e-4).item()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_queued_tree_rounds_hand_back_to_the_round_loop(targets, folders, gpu_path, family):
+    # queued DDTree rounds that hand back (`queue_more`) after a few rounds: the round loop goes
+    # on from the caches they leave, the last round's path re-run by the round queued past it
+    # (a hybrid's recurrent states: that round's re-run path's, not the round's own)
+    class HandsBack(QueuedTreeOracle):
+        rounds = 0
+
+        def queue_more(self, tokens, ms):
+            self.rounds += 1
+            return self.rounds < 3
+
+    target = targets(family)
+    prompt = prompt_tokens(5)
+    d = HandsBack(bind_dflash(folders(family), target), target, seed=4, budget=12)
+    out, stats = speculative(target, d, prompt)
+    assert out == plain(target, prompt)
+    assert stats.drafter[:3] == ["queued"] * 3 and "queued" not in stats.drafter[3:] and len(stats.drafter) > 4
+    assert max(stats.accepted[:3]) > 0

@@ -559,3 +559,37 @@ def test_kernel_body_emulated_matches_reference(name, gvec, Dk, Hk, Hv):
     if name != "chain":  # the same body on the flattened order would be wrong
         y_flat, _ = gated_delta_ops(*inputs)
         assert not np.allclose(y, np.array(y_flat), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Device parents (a tree built on the device: gdn.DevicePlan)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["example", "chain", "several_roots", "random40_roots", "random64"])
+def test_device_plan_equals_the_host_plan(name):
+    # a tree whose parents are a device array (no host schedule): the ops path runs node by node
+    # and keeps every node's state; its outputs, and each node's state, are the host plan's
+    # along every root path, bitwise on CPU; the conv windows the same rows
+    parents = PARENT_LISTS[name]
+    inputs = make_inputs(len(parents), B=2, gvec=name == "example", seed=3)
+    plan = gdn.DevicePlan(mx.array(parents, mx.int32))
+    y, states = gdn.tree_gated_delta(*inputs, plan, return_all_states=True)
+    y_ref, states_ref = gdn.tree_gated_delta_ops(*inputs, parents, return_states="all")
+    assert mx.array_equal(y, y_ref).item() and mx.array_equal(states, states_ref).item()
+    for K in (1, 2, 4):
+        assert np.array(plan.conv_index(K)).tolist() == gdn.conv_window_index(parents, K).reshape(-1).tolist()
+
+
+@pytest.mark.parametrize("name,gvec", [("example", True), ("several_roots", False), ("random64", False)])
+def test_kernel_body_over_a_device_plan_keeps_every_node(name, gvec):
+    # the kernel body (emulated on CPU) over a device-built table, every node in its own scratch
+    # slot: the outputs and every node's state are the ops reference's
+    if not msl_check.have_gxx():
+        pytest.fail("g++ is required for the kernel emulation")
+    parents = PARENT_LISTS[name]
+    inputs = make_inputs(len(parents), B=2, Hk=2, Hv=4, Dk=64, Dv=8, gvec=gvec, seed=5)
+    y, states = msl_check.emulate_tree_kernel(*inputs, gdn.DevicePlan(mx.array(parents, mx.int32)))
+    y_ref, states_ref = gdn.tree_gated_delta_ops(*inputs, parents, return_states="all")
+    np.testing.assert_allclose(y, np.array(y_ref), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(states, np.array(states_ref), rtol=1e-4, atol=1e-5)
