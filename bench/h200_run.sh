@@ -27,7 +27,7 @@
 #            the round loop) and the prompt sets
 #   queued_hybrid the demo hybrid: DDTree's trees queued ahead (recurrent layers over device parents)
 #            vs the same trees through the round loop (/sync), DFlash's queued chain, the default
-#            (queueing chains over recurrent layers) and the default queueing trees (auto:dflash/trees)
+#            (queueing trees) and the default queueing chains (auto:dflash/chains)
 #   heads    MTP chains queued ahead vs the same chains through the round loop (/sync) and the head's
 #            tree, on the demo hybrid; EAGLE-3 the same on the demo target (HEADS_PROMPTS: unseen,heldout)
 # DFLASH, HYBRID_DFLASH, EAGLE3 override the shipped demo drafters (folders).
@@ -84,7 +84,7 @@ for section in "$@"; do
               --prompts ${HEADS_PROMPTS:-unseen,heldout} --n $N --max-tokens $TOKENS --seconds ${HEADS_SECONDS:-220} \
               --out "$OUT/heads_target" ;;
     queued_hybrid) timeout ${QH_TIMEOUT:-500} python3 bench/run.py loop --section queued_hybrid --target demo-hybrid \
-              --arms ${QH_ARMS:-plain,dflash:15,ddtree:31,ddtree:31/sync,ddtree:63,auto:dflash,auto:dflash/trees} \
+              --arms ${QH_ARMS:-plain,dflash:15,ddtree:31,ddtree:31/sync,ddtree:63,auto:dflash,auto:dflash/chains} \
               --prompts ${QH_PROMPTS:-unseen,heldout} --n $N --reps ${REPS:-1} --max-tokens $TOKENS \
               --seconds ${QH_SECONDS:-420} --out "$OUT/queued_hybrid" ;;
     pieces) timeout 120 python3 bench/run.py pieces --target demo --history 300 --repeats 30 --out "$OUT/pieces" ;;

@@ -15,8 +15,7 @@ Arms use mlx_treespec.spec's grammar (plain, chain:K, tree:K:S[:B[:L]], lookup:B
 suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselines:
 `mlx-plain` (generate_step) and `mlx-chain:K` (speculative_generate_step); an arm ending in /dI
 drafts with the I-th of the --draft-model list, /sync without queued rounds, auto:dflash/chains
-queueing the primary's chains instead of its trees, auto:dflash/trees its trees over recurrent
-layers too (suffixes in that order: ARM[/dI][/sync]).
+queueing the primary's chains instead of its trees (suffixes in that order: ARM[/dI][/sync]).
  Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
@@ -118,7 +117,6 @@ class Arms:
         """A function making the arm's drafter: a fresh one per prompt, as each library call
         makes one (an adaptive one starts from the target's start-up costs, measured at the
         warm-up and then read from disk)."""
-        arm, trees = (arm[: -len("/trees")], True) if arm.endswith("/trees") else (arm, False)
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
         arm, which = arm.rsplit("/d", 1) if "/d" in arm and arm.rsplit("/d", 1)[1].isdigit() else (arm, 1)
@@ -131,15 +129,13 @@ class Arms:
             return lambda: Unqueued(make())
         if chains:  # "auto:KIND/chains": the adaptive drafter queueing its primary's chains
             return lambda: ChainsQueued.of(make())
-        if trees:  # "auto:KIND/trees": ... its primary's trees over recurrent layers too
-            return lambda: TreesQueued.of(make())
         return make
 
 
 class Unqueued:
     """A drafter whose chains are not queued ahead (mlx_treespec/queued.py): the A/B arm."""
 
-    ahead = ahead_over_recurrent = None
+    ahead = None
     queues_trees = False
 
     def __init__(self, drafter):
@@ -155,22 +151,9 @@ class ChainsQueued:
 
     @staticmethod
     def of(drafter):
-        if not getattr(drafter, "queues_trees", False) or not hasattr(drafter, "ahead_over_recurrent"):
+        if not getattr(drafter, "queues_trees", False) or not hasattr(drafter, "queue_more"):
             raise ValueError("ARM/chains takes an adaptive arm over a tree-drafting primary (auto:dflash)")
         drafter.__class__ = type("ChainsQueued" + type(drafter).__name__, (type(drafter),), {"queues_trees": False})
-        return drafter
-
-
-class TreesQueued:
-    """An adaptive drafter whose queued rounds are its primary's trees over recurrent layers too
-    (where the default queues its chains): the A/B arm of the default's shape on a hybrid."""
-
-    @staticmethod
-    def of(drafter):
-        if not getattr(drafter, "queues_trees", False):
-            raise ValueError("ARM/trees takes an adaptive arm over a tree-drafting primary (auto:dflash)")
-        drafter.__class__ = type("TreesQueued" + type(drafter).__name__, (type(drafter),),
-                                 {"ahead_over_recurrent": None})
         return drafter
 
 

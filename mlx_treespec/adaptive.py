@@ -389,8 +389,9 @@ class AdaptiveDrafter:
     @property
     def ahead(self):
         """The primary's queued draft (queued.py) where it has one: DDTree's trees where its
-        primary drafts them (they cost a queued round about a chain's and emit more: bench/RESULTS.md,
-        "Queued trees re-run their path"), else its chain. Where rounds can be queued, a
+        primary drafts them, over attention and recurrent layers alike (they cost a queued round
+        about a chain's and emit more: bench/RESULTS.md, "Queued trees re-run their path" and
+        "DDTree queued over hybrids"), else its chain. Where rounds can be queued, a
         generation starts with them, and `queue_more` hands it to the adaptive rounds when they
         lose to plain decoding."""
         if self.primary is None:
@@ -400,11 +401,6 @@ class AdaptiveDrafter:
     @property
     def queues_trees(self):
         return bool(getattr(self.primary, "queues_trees", False))
-
-    @property
-    def ahead_over_recurrent(self):
-        """The primary's queued chain: what queues where its trees cannot (queued.queued_draft)."""
-        return getattr(self.primary, "chain_ahead", None) if self.primary is not None else None
 
     def queued_read(self, emitted):
         """(queued.py: the host read queued rounds that emitted `emitted` tokens since queueing

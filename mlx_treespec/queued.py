@@ -15,8 +15,7 @@ ends the path (device_tree.walk: one kernel thread on a GPU); the host reads the
 choices along the path. No K/V row moves: the next round's forward re-runs the accepted path
 as a chain at the committed offset, where one-token decoding writes those rows, and hangs its
 tree from the path's end (the round loop's rule, "re-run instead of move": a gather per layer
-costs more launches than the rows, and verify cost is flat in rows). Trees queue over
-attention layers only (a recurrent layer's tree scan takes its schedule from host parents).
+costs more launches than the rows, and verify cost is flat in rows).
 
 Exact as the loop's rounds: the verify is the same whole-buffer forward
 (`verify.compiled_forward`, checked bitwise against its eager twin); rows past the committed
@@ -27,13 +26,17 @@ writes the last accepted path's rows, so the caches end as one-token decoding le
 
 A hybrid's recurrent layers (GatedDeltaNet) scan the chain from their committed states; their
 commit runs the scan again over the whole chain with the nodes from the accepted count on made
-inert (`gdn.gdn_chain_prefix`), so it too needs no host value. The host keeps, per recurrent
-layer, the states that match the rows it has read (`settled`), and writes those at the end.
+inert (`gdn.gdn_chain_prefix`), so it too needs no host value. In a tree round they scan the
+re-run path as a chain from their committed states and the tree from the path's accepted end,
+over the round's device parents (`gdn.DevicePlan`: the scan keeps every node's state); their
+commit is the state after the re-run path's accepted rows (`replay_prefix`), so a tree round
+commits the previous round's path and the host's states lag a round (`trees`). The host keeps,
+per recurrent layer, the states that match the rows it has read (`settled`), and writes those
+at the end.
 
 Where it runs (`can_queue`): greedy decoding, plain KV caches (not quantized, not rotating) and
-GatedDeltaNet states (chains only), whole-buffer attention (GPUs: `verify.pad_keys_default`), a
-drafter with `ahead` (`queued_draft`: over recurrent layers, a tree drafter's chain where it
-offers one). Elsewhere the round loop runs. A drafter may also offer `queue_more(emitted, ms)`,
+GatedDeltaNet states, whole-buffer attention (GPUs: `verify.pad_keys_default`), a drafter
+with `ahead` (`queued_draft`). Elsewhere the round loop runs. A drafter may also offer `queue_more(emitted, ms)`,
 asked after every round with the tokens it emitted and its wall ms: False hands the generation
 back to the round loop at that round's end (an adaptive drafter whose queued rounds lose to
 plain decoding or to its host drafter), and `handed_back(start,
@@ -64,14 +67,8 @@ def can_queue(drafter, caches, greedy, kv_bits):
 
 
 def queued_draft(drafter, caches):
-    """What drafts a queued round over these caches, or None: the drafter's `ahead`; where a
-    layer is recurrent, a drafter that drafts trees (`queues_trees`) and offers a chain for
-    those layers (an adaptive drafter's `ahead_over_recurrent`: its primary's chain, measured
-    the faster there) queues that."""
-    if getattr(drafter, "queues_trees", False) and any(cache_kind(c) == "arrays" for c in caches):
-        over = getattr(drafter, "ahead_over_recurrent", None)
-        if over is not None:
-            return over
+    """What drafts a queued round over these caches, or None: the drafter's `ahead` (a chain,
+    or a tree: over recurrent layers too, their scan taking the tree's device parents)."""
     return getattr(drafter, "ahead", None)
 
 
