@@ -2,7 +2,7 @@
 
 `AdaptiveDrafter` picks one of three arms each round: `primary` (a drafter that runs a model:
 DFlash, a draft model, an MTP or EAGLE-3 head; where rounds can be queued ahead, `QueueAhead`:
-the loop queues the primary's trees (its chains over recurrent layers) until `queue_more` hands
+the loop queues the primary's trees (its chains where it drafts none) until `queue_more` hands
 back), `host` (prompt lookup or a
 suffix index, where it matched the text) or `plain` (`PlainStretch(n)`: the loop decodes n
 tokens plainly, pipelined as mlx-lm, then hands the drafters what they missed in `catch_up`).

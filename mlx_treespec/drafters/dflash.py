@@ -411,7 +411,7 @@ class DFlashDrafter:
 
     @property
     def queues_trees(self):
-        """`ahead` drafts trees (queued.py queues them over attention layers only)."""
+        """`ahead` drafts trees (queued.py: over recurrent layers too, scanned over device parents)."""
         return self.topk != 1
 
     def _ahead_logits(self, root, rows, count):
