@@ -317,7 +317,7 @@ class DevicePlan:
     """A tree whose parents live on the device (mx int32 [T], parents[i] < i, -1 the committed
     state): a round queued ahead builds its tree there, so no host table can be made. The
     kernel keeps every node's state (scratch slot t is node t: T slots, no schedule), which also
-    gives the state after any node (`tree_gated_delta(..., return_states="all")`); the conv
+    gives the state after any node (`tree_gated_delta(..., return_all_states=True)`); the conv
     windows are gathered along the parent links with ops. Validity is the builder's contract
     (`device_tree.best_first` numbers parents first)."""
 

@@ -445,7 +445,7 @@ def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False):
     optional last input `parents` (mx int32 [T]: a tree built on the device, `gdn.DevicePlan`),
     and such a layer gives out its scan's payload (and None) for the commit (a compiled forward
     gives out the payload's host entries, its parents and kernel flag, as they were traced:
-    they depend on the row count only).
+    they depend on the row count only; a device tree's parents are an input, given back).
     `kernel`: attention runs the tree-attention kernel (`kernel_fits`)."""
 
     def forward(tokens, positions, mask, start, keys, values, parents=None):
