@@ -155,7 +155,8 @@ class HeadDrafter(ModelDrafter):
             at = next(m for _, m in self.model.named_modules() if hasattr(m, "k_proj") and hasattr(m, "rope"))
             n_kv = getattr(at, "num_key_value_heads", None) or at.n_kv
             dim = at.k_proj.weight.shape[0] // n_kv
-            c.keys = c.values = mx.zeros((1, n_kv, 0, dim), at.k_proj.weight.dtype)
+            dtype = getattr(at.k_proj, "scales", at.k_proj.weight).dtype  # (a quantized head's weight is uint32)
+            c.keys = c.values = mx.zeros((1, n_kv, 0, dim), dtype)
         return grown(c.keys, rows), grown(c.values, rows)
 
     def _chain_fn(self):
