@@ -169,6 +169,8 @@ def test_queued_head_chains_draft_what_the_round_loop_drafts(tmp_path, monkeypat
     assert sum(stats.accepted) > 0 and any(a < 4 for a in stats.accepted)
     by_position = dict(host.raw)  # (a round near the end drafts less in the round loop: its prefix)
     assert len(queued.raw) >= len(host.raw)
+    compared = [pos for pos, _ in queued.raw if pos in by_position]
+    assert len(compared) >= len(host.raw) - 1, (compared, sorted(by_position))
     for pos, raw in queued.raw:
         if pos in by_position:
             assert raw[: len(by_position[pos])] == by_position[pos], pos
