@@ -138,10 +138,11 @@ class Drafter(Protocol):
     `commit(draft, path, emitted, hidden)` (one row per path node, the root first).
 
     A drafter that drafts from device values alone may offer `ahead` (None otherwise):
-    `ahead(root, rows, count)` (mx uint32 [1]; the last verify's captured rows along its
-    accepted path, or None; mx int32 rows accepted) returns a chain (mx uint32 [depth]) or a
-    tree (a `Draft` whose layout lives on the device; then `queues_trees` is True); the loop
-    then queues rounds ahead (queued.py) where it can.
+    `ahead(root, rows, count[, path])` (mx uint32 [1]; the last verify's captured rows along
+    its accepted path, or None; mx int32 rows accepted; after a tree round, that path's tokens,
+    root first) returns a chain (mx uint32 [depth]) or a tree (a `Draft` whose layout lives on
+    the device; then `queues_trees` is True); the loop then queues rounds ahead (queued.py)
+    where it can.
     """
 
     def prefill(self, prompt: Sequence[int]) -> None: ...

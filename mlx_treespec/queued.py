@@ -3,7 +3,7 @@
 The round loop (loop.py) syncs once a round: the host walks what the target verified and only
 then builds the next round, so the device idles while Python works and Python idles while the
 device does. A draft made from device values alone (a drafter's `ahead`: DFlash's chain, or
-DDTree's tree built on the device) needs nothing of the host: for a chain the walk is a prefix
+DDTree's tree built on the device; a head's chain, or its one-lane tree) needs nothing of the host: for a chain the walk is a prefix
 match (`cumprod(chain == the target's choices)`), the commit moves a device offset (a chain's
 accepted rows are a prefix of the verify's), and the next draft reads the verify's captured rows
 with the accepted count as a device scalar. So round r + 1 is queued before the host reads
@@ -121,7 +121,8 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         previous tree round's accepted path (`replay`: its tokens, the first `count` of them
         accepted) at dev_start, then its own tree hangs from the path's end."""
         nonlocal keys, values, bound
-        drafted = ahead(dev_root, rows, count)                                                # draft
+        # draft (a tree round's drafter also reads the path the previous tree round accepted)
+        drafted = ahead(dev_root, rows, count) if replay is None else ahead(dev_root, rows, count, replay)
         tree = isinstance(drafted, Draft)
         # a tree round commits at most its depth + 1 (Draft.depth bounds the tree's depths: the
         # next round re-runs that many rows)

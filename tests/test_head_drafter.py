@@ -101,64 +101,90 @@ def _truth_kept(pos, step):
     return (7 * pos + 13 * step) % 10 < 8
 
 
+def _leaf_truth(pos, step):
+    """Where the oracle below keeps the head's spine token, whether it makes the target's own
+    token the step's first runner-up (a one-lane tree's path then ends at that leaf)."""
+    return (pos + step) % 3 != 0
+
+
 class PositionOracle(tiny.FollowsText, HeadDrafter):
     """A head drafter whose chains are the head's own with most steps replaced by the target's
-    greedy continuation (rounds accept and reject), in the round loop (`_spine`) and in rounds
-    queued ahead (`chain_ahead`) alike. Records the head's own chain per text position (`raw`);
-    queued rounds hand back after `hand_back_after` of them (None: never)."""
+    greedy continuation (rounds accept and reject), and, in one-lane trees, whose other steps
+    mostly rank the target's token first among the runners-up (paths end at leaves), in the
+    round loop (`_spine`) and in rounds queued ahead (`_steps_ahead`) alike. Records the head's
+    own chain per text position (`raw`) and the queued rounds whose path ends at a leaf
+    (`leaf_ends`); queued rounds hand back after `hand_back_after` of them (None: never)."""
 
     hand_back_after = None
 
     def __init__(self, source, target, **kw):
         super().__init__(source, target, **kw)
-        self.raw, self.queued_rounds = [], 0
+        self.raw, self.queued_rounds, self.leaf_ends = [], 0, 0
 
-    def _oracle(self, raw):
-        self.raw.append((len(self.text), raw))
+    def _oracle(self, raw, logits):
+        """(the chain verified, the steps' logits [S, V] with leaf truths ranked first after
+        the spine token (None for a chain), whether the round's path ends at a leaf)."""
+        pos = len(self.text)
+        self.raw.append((pos, raw))
         cache = make_prompt_cache(self.target)
         out = self.target(mx.array(self.text)[None], cache=cache)[0, -1]
-        chain = []
+        chain, bumped, agreed, leaf = [], None if logits is None else np.array(logits.astype(mx.float32)), True, False
         for s, r in enumerate(raw):
-            chain.append(int(mx.argmax(out)) if _truth_kept(len(self.text), s) else r)
+            truth = int(mx.argmax(out))
+            chain.append(truth if _truth_kept(pos, s) else r)
+            if bumped is not None and chain[-1] != truth and _leaf_truth(pos, s):
+                bumped[s, truth] = bumped[s].max() + 1
+                leaf = leaf or agreed  # (every step before it agreed: the path ends here)
+            agreed = agreed and chain[-1] == truth
             out = self.target(mx.array([[chain[-1]]]), cache=cache)[0, -1]
-        return chain
+        return chain, None if bumped is None else mx.array(bumped).astype(logits.dtype), leaf
 
     def _spine(self, logits, rnd, depth):
         rows, toks = super()._spine(logits, rnd, depth)
-        return rows, [mx.array([t], mx.uint32) for t in self._oracle([int(t.item()) for t in toks])]
+        chain, bumped, _ = self._oracle([int(t.item()) for t in toks], mx.concatenate(rows) if self.topk > 1 else None)
+        return (rows if bumped is None else list(bumped[:, None])), [mx.array([t], mx.uint32) for t in chain]
 
-    def chain_ahead(self, root, rows, count):
-        raw = np.array(super().chain_ahead(root, rows, count)).tolist()
+    def _steps_ahead(self, root, rows, count, path):
+        raw, logits = super()._steps_ahead(root, rows, count, path)
         if rows is not None:  # the last round's accepted drafts, then its target token (the root)
-            self.text += self.last[: count.item() - 1] + [int(root.item())]
-        self.last = self._oracle(raw)
+            accepted = self.last[: count.item() - 1] if path is None else np.array(path[1 : count.item()]).tolist()
+            self.text += accepted + [int(root.item())]
+        self.last, logits, leaf = self._oracle(np.array(raw).tolist(), logits)
+        self.leaf_ends += leaf
         chain = mx.array(self.last, mx.uint32)
         self._queued["prev"] = mx.concatenate([root.astype(mx.uint32), chain])  # (what is verified)
-        return chain
+        return chain, logits
 
     def queue_more(self, tokens, ms):
         self.queued_rounds += 1
         return self.hand_back_after is None or self.queued_rounds < self.hand_back_after
 
 
-@pytest.mark.parametrize("hand_back", [None, 3])
-@pytest.mark.parametrize("kind", ["mtp-qwen3_5_tied", "mtp-qwen3_next_moe", "eagle3-safeailab", "eagle3-speculators"])
-def test_queued_head_chains_draft_what_the_round_loop_drafts(tmp_path, monkeypatch, kind, hand_back):
+QUEUED = [(kind, "chain", h) for kind in ("mtp-qwen3_5_tied", "mtp-qwen3_next_moe", "eagle3-safeailab",
+                                         "eagle3-speculators") for h in (None, 3)] + \
+    [(kind, "tree", h) for kind in ("mtp-qwen3_5_tied", "eagle3-safeailab") for h in (None, 3)]
+
+
+@pytest.mark.parametrize("kind, shape, hand_back", QUEUED)
+def test_queued_head_rounds_draft_what_the_round_loop_drafts(tmp_path, monkeypatch, kind, shape, hand_back):
     # where rounds queue (the GPU path, here on CPU), a head's chain is drafted on the device:
-    # the slots of the last round's accepted tokens at a device offset, then one step per depth.
-    # Its chains are the round loop's, round by round (the head's own tokens, before the
-    # oracle), through a hand-back to the round loop too; tokens are plain decoding's
+    # the slots of the last round's accepted path at a device offset, then one step per depth;
+    # a one-lane tree adds each step's runners-up as leaves. Its chains are the round loop's,
+    # round by round (the head's own tokens, before the oracle), through paths that end at a
+    # leaf and a hand-back to the round loop too; tokens are plain decoding's
     import mlx_treespec.verify as verify
 
     family, name = kind.split("-", 1)
     head, target = (make_mtp(tmp_path, name)[:2] if family == "mtp" else make_eagle3(tmp_path, name)[:2])
     prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
     ref = plain(target, prompt)
-    host = PositionOracle(head, target, topk=1, depth=4)
+    opts = dict(topk=1, depth=4) if shape == "chain" else dict(topk=3, lanes=1, depth=4, budget=12)
+    host = PositionOracle(head, target, **opts)
     out = [t for t, _, _ in tree_generate_step(prompt, target, host, max_tokens=N)]
     assert out == ref
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
-    queued = PositionOracle(head, target, topk=1, depth=4)
+    queued = PositionOracle(head, target, **opts)
+    assert queued.queues_trees == (shape == "tree")
     queued.hand_back_after = hand_back
     stats = RoundStats()
     out = [t for t, _, _ in tree_generate_step(prompt, target, queued, max_tokens=N, stats=stats)]
@@ -167,6 +193,7 @@ def test_queued_head_chains_draft_what_the_round_loop_drafts(tmp_path, monkeypat
     assert stats.drafter[: len(kinds)] == kinds and "queued" not in stats.drafter[len(kinds):]
     assert all(f == 4 for f, k in zip(stats.draft_forwards, stats.drafter) if k == "queued")
     assert sum(stats.accepted) > 0 and any(a < 4 for a in stats.accepted)
+    assert (queued.leaf_ends > 0) == (shape == "tree")
     by_position = dict(host.raw)  # (a round near the end drafts less in the round loop: its prefix)
     assert len(queued.raw) >= len(host.raw)
     compared = [pos for pos, _ in queued.raw if pos in by_position]

@@ -440,9 +440,10 @@ class DFlashDrafter:
         logits = self._ahead_logits(root, rows, count)
         return mx.argmax(logits[1 : self.depth + 1], axis=-1).astype(mx.uint32)
 
-    def tree_ahead(self, root, rows, count):
+    def tree_ahead(self, root, rows, count, path=None):
         """DDTree's tree drafted from device values alone (`device_tree.best_first`;
-        `_ahead_logits`'s arguments). Returns a Draft whose layout lives on the device."""
+        `_ahead_logits`'s arguments; the path's tokens are not needed: its rows are the context).
+        Returns a Draft whose layout lives on the device."""
         logits = self._ahead_logits(root, rows, count)[1 : self.depth + 1]
         lp = logits.astype(mx.float32)
         tokens, parents, depths, anc = best_first(root.reshape(1).astype(mx.uint32),

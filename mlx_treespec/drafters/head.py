@@ -10,20 +10,22 @@ its own token and the head's output hidden state at its parent. Only first-pass 
 the head's cache: deeper nodes were computed from the head's own hidden states, which the next
 round replaces with the target's.
 
-A chain (topk 1) also drafts from device values alone, for rounds queued ahead (queued.py):
-`chain_ahead` writes the previous round's slots at a device offset (slot j: the token after
-row j over the target's row j; the accepted count says which are real, the last is the root's)
-and takes `depth` one-token steps after them, all in one compiled function over whole K/V
-buffers (verify.whole_buffer_forward with the head as the model). Its step rows land after the
-real slots and are overwritten by the next round's, as the round loop's head cache keeps only
-first-pass slots.
+A chain (topk 1) and a one-lane tree whose siblings all stay (the fixed layout of
+model.one_lane_parents) also draft from device values alone, for rounds queued ahead
+(queued.py): `chain_ahead` writes the previous round's slots at a device offset (slot j: the
+token after row j of the previous round's accepted path over the target's row j; the accepted
+count says which are real, the last is the root's) and takes `depth` one-token steps after them,
+all in one compiled function over whole K/V buffers (verify.whole_buffer_forward with the head
+as the model); `tree_ahead` adds each step's runners-up as leaves, from the same steps' logits.
+Its step rows land after the real slots and are overwritten by the next round's, as the round
+loop's head cache keeps only first-pass slots.
 """
 import numpy as np
 import mlx.core as mx
 
-from ..draft import Draft
+from ..draft import Draft, Layout
 from ..verify import grown, install, whole_buffer_forward
-from .model import ModelDrafter
+from .model import ModelDrafter, one_lane_parents, runners_up
 
 __all__ = ["HeadDrafter"]
 
@@ -112,41 +114,63 @@ class HeadDrafter(ModelDrafter):
 
     @property
     def ahead(self):
-        """`chain_ahead` for a chain (queued.py); a tree's lanes run the round loop."""
-        return self.chain_ahead if self.topk == 1 else None
+        """`chain_ahead` for a chain, `tree_ahead` for a one-lane tree that keeps every sibling
+        (queued.py); other trees' lanes run the round loop."""
+        if self.topk == 1:
+            return self.chain_ahead
+        return self.tree_ahead if self.queues_trees else None
 
-    queues_trees = False
+    @property
+    def queues_trees(self):
+        """`ahead` drafts trees: one lane whose siblings all stay (a fixed layout)."""
+        return self.topk > 1 and self.lanes == 1 and self.budget >= self.depth * self.topk
 
-    def chain_ahead(self, root, rows, count):
+    def chain_ahead(self, root, rows, count, path=None):
         """A chain of `depth` head steps from device values alone: `root` (mx uint32 [1]), the
-        previous queued round's captured target rows `rows` (None in the first round: the host's
-        pending slots go in) of which the first `count` (mx int32) were accepted. Returns the
-        chain, mx uint32 [depth]."""
+        previous queued round's captured target rows along its accepted path `rows` (None in the
+        first round: the host's pending slots go in) of which the first `count` (mx int32) were
+        accepted, and that path's tokens `path` (root first; None: the previous round's chain).
+        Returns the chain, mx uint32 [depth]."""
+        return self._steps_ahead(root, rows, count, path)[0]
+
+    def tree_ahead(self, root, rows, count, path=None):
+        """The one-lane tree from device values alone (`chain_ahead`'s arguments): the chain,
+        and each step's `topk - 1` runners-up as leaves, as the round loop drafts it."""
+        chain, logits = self._steps_ahead(root, rows, count, path)
+        tokens = mx.concatenate([root.reshape(1).astype(mx.uint32), chain, runners_up(logits, chain, self.topk)])
+        return Draft(tokens, Layout.fixed(one_lane_parents(self.depth, self.topk)), budget=self.budget,
+                     depth=self.depth, forwards=self.depth)
+
+    def _steps_ahead(self, root, rows, count, path):
+        """(the chain of `depth` steps, mx uint32 [depth]; each step's logits [depth, V], None
+        for a chain): the slots of the previous round's path, then the steps."""
         q, c = self._queued, self.cache[0]
+        trees = self.topk > 1
         if q is None:  # the host's pending slots (the last is the root's); none: a one-token prompt
             n = 0 if self.pending_hidden is None else len(self.pending)
             q = self._queued = dict(L0=mx.array(c.offset, mx.int32), bound=c.offset, entry=c.offset + n)
             if n == 0:
-                chain = mx.zeros((self.depth,), mx.uint32)  # (no row to continue from: any guess is exact)
+                # (no row to continue from: any guess is exact)
+                chain = mx.zeros((self.depth,), mx.uint32)
                 q.update(prev=mx.concatenate([root.reshape(1).astype(mx.uint32), chain]), last=None)
-                return chain
+                return chain, (mx.zeros((self.depth, self.topk)) if trees else None)
             # padded to a round's slot count (or a power of two past it): one trace for both
             P = self.depth + 1 if n <= self.depth + 1 else 1 << (n - 1).bit_length()
             tokens = mx.array(self.pending + [0] * (P - n), mx.uint32)
             slot_rows = mx.pad(self.pending_hidden, ((0, P - n), (0, 0)))
             count = mx.array(n, mx.int32)
-        else:  # slot j: the token after row j (the last accepted one's: the root)
-            prev = q["prev"]
+        else:  # slot j: the token after row j of the path (the last accepted one's: the root)
+            prev = q["prev"] if path is None else path
             P = prev.shape[0]
             tokens = mx.where(mx.arange(P) == count - 1, root.astype(mx.uint32), mx.concatenate([prev[1:], prev[:1]]))
             slot_rows = self._target_rows(rows[:P])
         P = tokens.shape[0]
         keys, values = self._buffers(q["bound"] + P + self.depth)
-        chain, c.keys, c.values = self._chain_fn()(tokens, slot_rows, count, q["L0"], keys, values)
+        chain, logits, c.keys, c.values = self._chain_fn(trees)(tokens, slot_rows, count, q["L0"], keys, values)
         q.update(L0=q["L0"] + count, bound=q["bound"] + P, last=(slot_rows, count),
                  prev=mx.concatenate([root.reshape(1).astype(mx.uint32), chain]))
         self.forwards = self.depth
-        return chain
+        return chain, logits
 
     def _buffers(self, rows):
         """The head cache's K/V buffers with room for `rows` rows (made where the cache holds none)."""
@@ -159,10 +183,11 @@ class HeadDrafter(ModelDrafter):
             c.keys = c.values = mx.zeros((1, n_kv, 0, dim), dtype)
         return grown(c.keys, rows), grown(c.values, rows)
 
-    def _chain_fn(self):
+    def _chain_fn(self, trees):
         """The slots' forward and `depth` steps as one compiled function (traced per slot count and
-        buffer width): (slot tokens [P], their target rows, real slots, L0, K, V) -> (chain, K, V)."""
-        fn = self.__dict__.get("_compiled_chain")
+        buffer width): (slot tokens [P], their target rows, real slots, L0, K, V) -> (chain,
+        each step's logits [depth, V] where `trees`, else None, K, V)."""
+        fn = self.__dict__.get(("_compiled_chain", trees))
         if fn is not None:
             return fn
         head, depth = self.model, self.depth
@@ -179,8 +204,9 @@ class HeadDrafter(ModelDrafter):
                                         mx.stack([L0, L0, L0 + P]), [keys], [values])
             last = (count - 1).reshape(1)
             hidden = mx.take(head.out_hidden[0], last, axis=0)
-            tok = mx.argmax(mx.take(logits, last, axis=0), axis=-1).astype(mx.uint32)
-            out, pos = [tok], (L0 + count).reshape(1)
+            logits = mx.take(logits, last, axis=0)
+            tok = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            out, rows, pos = [tok], [logits], (L0 + count).reshape(1)
             for _ in range(1, depth):  # each step over its parent's output hidden, after the real slots
                 self._set_hidden(hidden, first=False)
                 logits, _, ks, vs = forward(tok, pos, mx.where(cols[None] <= pos[:, None], zero, low),
@@ -188,10 +214,11 @@ class HeadDrafter(ModelDrafter):
                 hidden = head.out_hidden[0]
                 tok = mx.argmax(logits, axis=-1).astype(mx.uint32)
                 out.append(tok)
+                rows.append(logits)
                 pos = pos + 1
-            return mx.concatenate(out), ks[0], vs[0]
+            return mx.concatenate(out), (mx.concatenate(rows) if trees else None), ks[0], vs[0]
 
-        fn = self.__dict__["_compiled_chain"] = mx.compile(chain)
+        fn = self.__dict__[("_compiled_chain", trees)] = mx.compile(chain)
         return fn
 
     def queued_read(self, emitted):

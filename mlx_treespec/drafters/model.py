@@ -88,6 +88,13 @@ def one_lane_parents(S, K):
     return np.concatenate([spine, leaves])
 
 
+def runners_up(logits, chain, K):
+    """The one-lane tree's leaves: each step's best K - 1 tokens but its spine token (logits
+    [S, V], chain [S]: the spine is its step's argmax), step by step, mx uint32 [S * (K - 1)]."""
+    logits = mx.put_along_axis(logits, chain[:, None].astype(mx.int32), mx.array(-mx.inf, logits.dtype), axis=-1)
+    return mx.argpartition(-logits, kth=K - 2, axis=-1)[:, : K - 1].reshape(-1).astype(mx.uint32)
+
+
 def model_probe_parents(topk, lanes, depth, budget):
     """The topology the GPU exactness probe verifies for a draft model of this shape: its fixed
     layout where the budget keeps every candidate (a chain; one lane with all its siblings),
@@ -207,11 +214,7 @@ class ModelDrafter:
         chain = mx.concatenate(toks)
         parts = [root, chain]  # root: the pending tokens' last, already on the device
         if K > 1:
-            logits = mx.concatenate(rows)  # [S, V]
-            # the spine token is its step's argmax: mask it, the next K - 1 are its siblings
-            logits = mx.put_along_axis(logits, chain[:, None].astype(mx.int32),
-                                       mx.array(-mx.inf, logits.dtype), axis=-1)
-            parts.append(mx.argpartition(-logits, kth=K - 2, axis=-1)[:, : K - 1].reshape(-1).astype(mx.uint32))
+            parts.append(runners_up(mx.concatenate(rows), chain, K))
         layout = Layout.fixed(one_lane_parents(S, K))
         # spine node i (1 <= i < S) was forwarded as round node root_node + i; nothing else was
         forwarded = np.full(layout.size, -1, np.int64)
