@@ -4,7 +4,8 @@
 #   target   demo target: plain vs draft-model chain/tree vs DFlash/DDTree vs EAGLE-3, unseen and held-out prompts
 #   hybrid   demo hybrid (GatedDeltaNet): plain vs draft model vs DFlash/DDTree vs MTP
 #   proj     8B-shape projections (DFlash bf16 and 4-bit, EAGLE-3, MTP) from the measured acceptance
-#            (PROJ="dflash eagle3 mtp" picks which)
+#            (PROJ="dflash eagle3 mtp" picks which; PROJ_ACC=heads_ reads the heads section's
+#            acceptance; PROJ_ROUNDS=1 times whole rounds, queued where they queue)
 #   proj_rounds the 8B-shape DFlash projection from whole rounds timed (queued where they queue; every
 #            arm and plain decoding in turn, ROUND_REPS times), over the acceptance of $ACCEPTANCE
 #            (default: the queued section's JSON); Q_BITS (default 0,4)
@@ -28,8 +29,9 @@
 #   queued_hybrid the demo hybrid: DDTree's trees queued ahead (recurrent layers over device parents)
 #            vs the same trees through the round loop (/sync), DFlash's queued chain, the default
 #            (queueing trees) and the default queueing chains (auto:dflash/chains)
-#   heads    MTP chains queued ahead vs the same chains through the round loop (/sync) and the head's
-#            tree, on the demo hybrid; EAGLE-3 the same on the demo target (HEADS_PROMPTS: unseen,heldout)
+#   heads    MTP chains and one-lane trees queued ahead, and the adaptive default queueing trees vs
+#            queueing chains (/chains), on the demo hybrid; EAGLE-3 the same on the demo target
+#            (HEADS_PROMPTS: unseen,heldout; HEADS_HYBRID_ARMS, HEADS_TARGET_ARMS replace the arms)
 # DFLASH, HYBRID_DFLASH, EAGLE3 override the shipped demo drafters (folders).
 set -u
 export PYTHONPATH=/root/mlx-site:$PWD PYTHONUNBUFFERED=1
@@ -52,8 +54,8 @@ for section in "$@"; do
             set -- $f
             case " ${PROJ:-dflash eagle3 mtp} " in *" $1 "*) ;; *) continue ;; esac
             timeout ${PROJ_TIMEOUT:-100} python3 bench/run.py proj --family $1 --config bench/configs/$2.json \
-              $([ "$3" = - ] || echo --head-config bench/configs/$3.json) --acceptance "$OUT/$4.json.gz" \
-              --prompt-set unseen --q-bits $5 --out "$OUT/proj_$1"
+              $([ "$3" = - ] || echo --head-config bench/configs/$3.json) --acceptance "$OUT/${PROJ_ACC:-}$4.json.gz" \
+              --prompt-set unseen --q-bits $5 ${PROJ_ROUNDS:+--rounds} --out "$OUT/proj_$1"
           done ;;
     proj_rounds) timeout ${PROJ_TIMEOUT:-400} python3 bench/run.py proj --family dflash --config bench/configs/qwen3_8b.json \
               --head-config bench/configs/qwen3_8b_dflash.json --acceptance "${ACCEPTANCE:-$OUT/queued.json.gz}" \
@@ -76,11 +78,11 @@ for section in "$@"; do
               --prompts ${QUEUED_PROMPTS:-unseen,heldout} --n $N --reps ${REPS:-1} --max-tokens $TOKENS \
               --seconds ${QUEUED_SECONDS:-380} --out "$OUT/queued" ;;
     heads) timeout ${HEADS_TIMEOUT:-270} python3 bench/run.py loop --section heads_hybrid --target demo-hybrid \
-              --arms ${HEADS_HYBRID_ARMS:-plain,mtp-chain:10,mtp-chain:10/sync,mtp-chain:15,mtp-tree:2:10:10:1,dflash:15} \
+              --arms ${HEADS_HYBRID_ARMS:-plain,mtp-chain:10,mtp-chain:15,mtp-tree:3:10:30:1,mtp-tree:3:15:45:1,auto:mtp,auto:mtp/chains} \
               --prompts ${HEADS_PROMPTS:-unseen,heldout} --n $N --max-tokens $TOKENS --seconds ${HEADS_SECONDS:-220} \
               --out "$OUT/heads_hybrid"
            timeout ${HEADS_TIMEOUT:-270} python3 bench/run.py loop --section heads_target --target demo \
-              ${EAGLE3:+--eagle3 $EAGLE3} --arms ${HEADS_TARGET_ARMS:-plain,eagle3-chain:5,eagle3-chain:5/sync,eagle3-chain:8,eagle3-tree:3:5,dflash:15} \
+              ${EAGLE3:+--eagle3 $EAGLE3} --arms ${HEADS_TARGET_ARMS:-plain,eagle3-chain:5,eagle3-chain:8,eagle3-tree:3:5:15:1,eagle3-tree:3:8:24:1,auto:eagle3,auto:eagle3/chains} \
               --prompts ${HEADS_PROMPTS:-unseen,heldout} --n $N --max-tokens $TOKENS --seconds ${HEADS_SECONDS:-220} \
               --out "$OUT/heads_target" ;;
     queued_hybrid) timeout ${QH_TIMEOUT:-500} python3 bench/run.py loop --section queued_hybrid --target demo-hybrid \

@@ -353,7 +353,7 @@ def run_proj(args):
         plain = costmodel.time_plain(target, history=args.history, tokens=64)
         verify = costmodel.time_verify(target, Ts=(8, 16, 32, 64), history=args.history)
         draft_cost = _draft_cost(family, target, cfg, head_cfg, args, q)
-        rounds = args.rounds and "round_ms" in draft_cost  # (whole rounds are timed for dflash only)
+        rounds = args.rounds
         if rounds:  # every arm's rounds and plain decoding timed in turn, --round-reps times
             plains = [plain]
             for rep in range(args.round_reps):
@@ -460,19 +460,7 @@ def _draft_cost(family, target, cfg, head_cfg, args, q):
         if not args.rounds:
             return dict(timed=dict(forward_ms=ms), text=f"DFlash draft forward {ms:.2f} ms",
                         per_arm=lambda spec: ms)
-        # --rounds: whole rounds timed as a generation runs them (queued ahead where they queue:
-        # the host's work per round overlaps the device's), the draft forward included
-        timed = {}
-
-        drafters = {}
-
-        def round_ms(spec, sync):  # one more run of the arm's rounds (its drafter built once)
-            key = _round_key(spec, sync)
-            if key not in drafters:
-                drafter = spec.build(bound, target=target)
-                drafters[key] = Unqueued(drafter) if sync else drafter
-            timed.setdefault(key, []).append(time_rounds(target, drafters[key], args.history))
-
+        timed, round_ms = _round_timer(bound, target, args)
         pieces = time_tree_pieces(cfg["vocab_size"], bound.model.block_size - 1)
         return dict(timed=dict(forward_ms=ms, round_ms=timed, tree_pieces_ms=pieces), per_arm=lambda spec: ms,
                     round_ms=round_ms,
@@ -496,8 +484,28 @@ def _draft_cost(family, target, cfg, head_cfg, args, q):
         S, L = spec.depth, spec.lanes
         return step[1] * S if L == 1 else step[1] + (S - 1) * step[min(L, 4)]
 
-    return dict(timed=dict(step_ms=step), text="head step (1/2/4 rows) " + "/".join(f"{step[L]:.2f}" for L in (1, 2, 4))
-                + " ms", per_arm=per_arm)
+    text = "head step (1/2/4 rows) " + "/".join(f"{step[L]:.2f}" for L in (1, 2, 4)) + " ms"
+    if not args.rounds:
+        return dict(timed=dict(step_ms=step), text=text, per_arm=per_arm)
+    timed, round_ms = _round_timer(head, target, args)
+    return dict(timed=dict(step_ms=step, round_ms=timed), per_arm=per_arm, round_ms=round_ms,
+                text=text + "; round ms: whole rounds timed (--rounds)")
+
+
+def _round_timer(draft_model, target, args):
+    """--rounds: ({arm key: [round ms per run]}, a function timing one more run of an arm's
+    rounds). Whole rounds as a generation runs them (queued ahead where they queue: the host's
+    work per round overlaps the device's), the draft included; each arm's drafter built once."""
+    timed, drafters = {}, {}
+
+    def round_ms(spec, sync):
+        key = _round_key(spec, sync)
+        if key not in drafters:
+            drafter = spec.build(draft_model, target=target)
+            drafters[key] = Unqueued(drafter) if sync else drafter
+        timed.setdefault(key, []).append(time_rounds(target, drafters[key], args.history))
+
+    return timed, round_ms
 
 
 def time_dflash(bound, target, history=256, new_rows=8, repeats=7, warmup=6, seed=0):
@@ -1150,8 +1158,8 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--overhead-ms", type=float, default=0.5)
     p.add_argument("--rounds", action="store_true",
-                   help="proj (dflash): time whole rounds of each arm (queued where they queue) instead of "
-                        "summing the verify and the draft forward")
+                   help="proj: time whole rounds of each arm (queued where they queue) instead of "
+                        "summing the verify and the draft")
     p.add_argument("--round-reps", type=_at_least_one, default=3,
                    help="proj --rounds: time each arm's rounds (and plain decoding) this many times, in turn")
     p.add_argument("--shard", default="tensor,pipeline", help="comm: how the target is split over the processes")

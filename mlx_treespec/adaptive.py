@@ -388,10 +388,10 @@ class AdaptiveDrafter:
 
     @property
     def ahead(self):
-        """The primary's queued draft (queued.py) where it has one: DDTree's trees where its
-        primary drafts them, over attention and recurrent layers alike (they cost a queued round
-        about a chain's and emit more: bench/RESULTS.md, "Queued trees re-run their path" and
-        "DDTree queued over hybrids"), else its chain. Where rounds can be queued, a
+        """The primary's queued draft (queued.py) where it has one: its trees where it queues
+        them (DDTree's; a head's one-lane tree), over attention and recurrent layers alike
+        (they cost a queued round about a chain's and emit more: bench/RESULTS.md), else its
+        chain. Where rounds can be queued, a
         generation starts with them, and `queue_more` hands it to the adaptive rounds when they
         lose to plain decoding."""
         if self.primary is None:

@@ -112,6 +112,14 @@ def test_proj_section_tiny(tmp_path):
     assert [r["round_ms"] for r in v["arms"]] == pytest.approx([statistics.median(v["draft"]["round_ms"][a]) for a in arms], rel=1e-4)
     assert len(v["draft"]["plain_ms"]) == 2 and v["plain_ms"] == pytest.approx(statistics.median(v["draft"]["plain_ms"]), rel=1e-4)
     assert set(v["draft"]["tree_pieces_ms"]) >= {"top-k", "build", "walk"} and all(r["round_ms"] > 0 for r in v["arms"])
+    # a head's whole rounds too (over a hybrid target here)
+    run(["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "mtp", "--config", str(tmp_path / "qwen3_5.json"),
+         "--q-bits", "0", "--dtype", "float32", "--history", "32", "--rounds", "--round-reps", "1",
+         "--out", str(tmp_path / "mtp_rounds")])
+    v = read_json(tmp_path / "mtp_rounds.json.gz")["variants"][0]
+    arms = ["mtp-chain:3", "mtp-tree:3:3:9:1"]
+    assert [r["arm"] for r in v["arms"]] == arms and all(len(v["draft"]["round_ms"][a]) == 1 for a in arms)
+    assert [r["round_ms"] for r in v["arms"]] == pytest.approx([v["draft"]["round_ms"][a][0] for a in arms], rel=1e-4)
 
 
 def test_derived_prompt_sets():
