@@ -388,10 +388,9 @@ class AdaptiveDrafter:
 
     @property
     def ahead(self):
-        """The primary's queued draft (queued.py) where it has one: its trees where it queues
-        them (DDTree's; a head's one-lane tree), over attention and recurrent layers alike
-        (they cost a queued round about a chain's and emit more: bench/RESULTS.md), else its
-        chain. Where rounds can be queued, a
+        """The primary's queued draft (queued.py) where it has one: DDTree's trees where its
+        primary drafts them, over attention and recurrent layers alike (they cost a queued
+        round about a chain's and emit more: bench/RESULTS.md), else its chain (`queues_trees`). Where rounds can be queued, a
         generation starts with them, and `queue_more` hands it to the adaptive rounds when they
         lose to plain decoding."""
         if self.primary is None:
@@ -400,7 +399,13 @@ class AdaptiveDrafter:
 
     @property
     def queues_trees(self):
-        return bool(getattr(self.primary, "queues_trees", False))
+        # DDTree's trees queue; a head's one-lane tree adds a few percent to its chain's
+        # emitted per verify for its verify's extra rows, and queued in the adaptive rounds it
+        # lost to the head's chain (bench/RESULTS.md, "Head trees queued ahead"): a head queues
+        # its chain here
+        from .drafters.head import HeadDrafter
+
+        return bool(getattr(self.primary, "queues_trees", False)) and not isinstance(self.primary, HeadDrafter)
 
     def queued_read(self, emitted):
         """(queued.py: the host read queued rounds that emitted `emitted` tokens since queueing

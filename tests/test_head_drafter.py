@@ -82,6 +82,10 @@ def test_make_drafter_loads_heads_and_merges_lookup(tmp_path):
         assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N)] == ref
     with pytest.raises(ValueError, match="target="):
         make_drafter(folder, drafter="mtp")
+    # the adaptive default over a head: its one-lane tree in the round loop, its chain queued
+    d = make_drafter(folder, drafter="mtp", target=target)
+    assert d.primary.queues_trees and not d.queues_trees and d.ahead == d.primary.chain_ahead
+    assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N)] == ref
 
 
 def test_one_token_prompt(tmp_path):
