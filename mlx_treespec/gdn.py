@@ -84,7 +84,6 @@ __all__ = [
     "tree_conv1d",
     "gdn_layer_tree_forward",
     "gdn_layer_commit",
-    "gdn_chain_prefix",
     "forkable",
     "kernel_body",
     "kernel_backend",
@@ -926,41 +925,3 @@ def gdn_layer_commit(layer, cache, payload: Dict[str, Any], path, apply: bool = 
     if not apply:
         return write
     write()
-
-
-def gdn_chain_prefix(payloads: Dict[Any, Dict[str, Any]], count: mx.array) -> Dict[Any, Tuple[mx.array, mx.array]]:
-    """Chain forwards' states after their first ``count`` nodes, with ``count`` (mx int32) a
-    device value the host has not read: per layer (the keys of ``payloads``, one forward's
-    payloads) its (conv state, recurrent state), what :func:`gdn_layer_commit` of the path
-    ``[0, count)`` writes (bitwise on CPU).
-
-    The replay runs over every node of the chain: nodes from ``count`` on decay by 1 and write
-    with beta 0, which leaves the state as it is (``state * 1`` and ``state + k * 0``), so its
-    length need not be known (rounds queued ahead: queued.py). The mask and the conv window's
-    index are built once for all layers (the rounds are host-bound).
-    """
-    out = {}
-    if not payloads:
-        return out
-    T = int(next(iter(payloads.values()))["parents"].size)
-    plan = chain_plan(T)
-    live = (mx.arange(T, dtype=mx.int32) < count)[None]  # [1, T]
-    windows = {}  # conv window index per kernel size
-
-    def masked(a, dead):  # [B, T, ...]: the node's value before `count`, `dead` after
-        return mx.where(live.reshape(live.shape + (1,) * (a.ndim - 2)), a, mx.array(dead, a.dtype))
-
-    for layer, payload in payloads.items():
-        parents = payload["parents"]
-        if parents is not plan.parents and not np.array_equal(parents, plan.parents):
-            raise ValueError("gdn_chain_prefix needs a chain forward's payload")
-        keep = payload["conv_state"].shape[1]  # the conv's K-1 last inputs
-        if keep not in windows:
-            windows[keep] = count + mx.arange(keep, dtype=mx.int32)
-        conv_input = mx.concatenate([payload["conv_state"], payload["qkv"]], axis=1)
-        _, state = tree_gated_delta(
-            payload["q"], payload["k"], payload["v"], masked(payload["g"], 1), masked(payload["beta"], 0),
-            payload["state"], plan, payload["use_kernel"], return_final_state=True,
-        )
-        out[layer] = mx.take(conv_input, windows[keep], axis=1), state
-    return out

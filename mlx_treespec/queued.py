@@ -24,12 +24,12 @@ the consumer) is decided on the host one round late. The round queued past the e
 rows past the committed offset, which are dead, and for a tree it is also the round whose re-run
 writes the last accepted path's rows, so the caches end as one-token decoding leaves them.
 
-A hybrid's recurrent layers (GatedDeltaNet) scan the chain from their committed states; their
-commit runs the scan again over the whole chain with the nodes from the accepted count on made
-inert (`gdn.gdn_chain_prefix`), so it too needs no host value. In a tree round they scan the
-re-run path as a chain from their committed states and the tree from the path's accepted end,
-over the round's device parents (`gdn.DevicePlan`: the scan keeps every node's state); their
-commit is the state after the re-run path's accepted rows (`replay_prefix`), so a tree round
+A hybrid's recurrent layers (GatedDeltaNet) scan the round's rows over device parents
+(`gdn.DevicePlan`: the scan keeps every node's state), so a commit is a read at the accepted
+count (`replay_prefix`) and needs no host value and no second scan. A chain round scans its
+chain from the committed states and commits the state after its accepted rows. A tree round
+scans the re-run path as a chain from the committed states and the tree from the path's
+accepted end, and commits the state after the re-run path's accepted rows, so a tree round
 commits the previous round's path and the host's states lag a round (`trees`). The host keeps,
 per recurrent layer, the states that match the rows it has read (`settled`), and writes those
 at the end.
@@ -90,8 +90,6 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     None at the end of the generation, or (root, tokens emitted) where the drafter's
     `queue_more` handed it back: the caches then hold every emitted token but `root`, and no
     token is held."""
-    from .gdn import gdn_chain_prefix  # (imported where it is used: the package's import stays light)
-
     root, n = resume if resume is not None else (prompt[-1], 0)
     scans = frozenset(i for i, c in enumerate(caches) if cache_kind(c) == "arrays")  # recurrent layers
     # per layer: K/V buffers, or a recurrent layer's (conv state, recurrent state)
@@ -107,13 +105,14 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     # the most rows the rounds queued so far may have committed: the host's `start`, then what
     # the rounds it has not read may commit at most (room is made for a round's rows past it)
     bound = start
-    consts = {}  # the mask's constants per (width, rows): the rounds are host-bound
+    consts = {}  # a round's constants per (width, rows): the rounds are host-bound
 
     def mask_constants(width, T, dtype):
         key = (width, T, dtype)
         if key not in consts:
             consts[key] = (mx.arange(width)[None], mx.arange(T, dtype=mx.int32), mx.array(0, dtype),
-                           mx.array(mx.finfo(dtype).min, dtype), mx.array([0, 0, T], mx.int32))
+                           mx.array(mx.finfo(dtype).min, dtype), mx.array([0, 0, T], mx.int32),
+                           mx.arange(-1, T - 1, dtype=mx.int32))
         return consts[key]
 
     def queue(dev_root, rows, count, dev_start, replay=None):
@@ -137,7 +136,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         if bound + T > keys[first_kv].shape[2]:  # room for this round's rows, in width_step() steps
             keys = [k if i in scans else grown(k, bound + T) for i, k in enumerate(keys)]
             values = [v if i in scans else grown(v, bound + T) for i, v in enumerate(values)]
-        columns, steps, zero, low, spans = mask_constants(keys[first_kv].shape[2], T, keys[first_kv].dtype)
+        columns, steps, zero, low, spans, chain = mask_constants(keys[first_kv].shape[2], T, keys[first_kv].dtype)
         if tree:
             m = replay.shape[0]
             parents, depths, visible = drafted.layout.device
@@ -147,8 +146,8 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             mask = mx.where(columns <= positions[:, None], zero, low)
         # written at dev_start; every row sees the columns before it, none from dev_start + T on
         args = (tokens, positions, mask, dev_start + spans, keys, values)
-        if tree and scans:  # recurrent layers scan the re-run path, then the tree from its count
-            args += (_replay_parents(parents, m, count),)
+        if scans:  # recurrent layers keep every row's state: a chain; the re-run path, then the tree
+            args += (_replay_parents(parents, m, count) if tree else chain,)
 
         def reference():
             out, h, k, v = eager(*args)
@@ -180,7 +179,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         # commit: the root and the accepted chain are the rows before dev_start + count, and the
         # recurrent states those rows leave
         payloads = {i: keys[i] for i in scans}
-        states = gdn_chain_prefix(payloads, count)
+        states = replay_prefix(payloads, count)
         for i, (conv, state) in states.items():
             keys[i], values[i] = conv, state
         return (choice[count - 1].reshape(1), rows, count, dev_start + count), \
@@ -254,7 +253,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             if trees:  # round r's path is round r + 1's re-run (`out`: queued before r was read)
                 settled = out[4] if kept == accepted else replay_prefix(out[3], mx.array(kept + 1, mx.int32))
             else:
-                settled = states if kept == accepted else gdn_chain_prefix(payloads, mx.array(kept + 1, mx.int32))
+                settled = states if kept == accepted else replay_prefix(payloads, mx.array(kept + 1, mx.int32))
         for i, c in enumerate(caches):
             if i in scans:
                 c[0], c[1] = settled[i]
@@ -303,8 +302,9 @@ def _replay_parents(parents, m, count):
 
 def replay_prefix(payloads, n):
     """Per recurrent layer, the (conv state, recurrent state) after the first `n` (mx int32) rows
-    of a tree round's re-run path, what one-token decoding of those tokens leaves: from the
-    forward's kept node states (`gdn.DevicePlan`) and the conv window ending at row n - 1."""
+    of a round's chain (a chain round's, or a tree round's re-run path), what one-token decoding
+    of those tokens leaves: from the forward's kept node states (`gdn.DevicePlan`) and the conv
+    window ending at row n - 1."""
     out = {}
     for i, payload in payloads.items():
         keep = payload["conv_state"].shape[1]

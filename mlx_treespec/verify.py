@@ -442,8 +442,8 @@ def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False):
 
     `scans`: the indices of recurrent layers (a hybrid's GatedDeltaNet), whose "buffers" are
     their committed conv and recurrent states; the tokens are a chain, or the tree of the
-    optional last input `parents` (mx int32 [T]: a tree built on the device, `gdn.DevicePlan`),
-    and such a layer gives out its scan's payload (and None) for the commit (a compiled forward
+    optional last input `parents` (mx int32 [T]: a tree built on the device, or a queued chain
+    whose commit reads every row's kept state, `gdn.DevicePlan`), and such a layer gives out its scan's payload (and None) for the commit (a compiled forward
     gives out the payload's host entries, its parents and kernel flag, as they were traced:
     they depend on the row count only; a device tree's parents are an input, given back).
     `kernel`: attention runs the tree-attention kernel (`kernel_fits`)."""

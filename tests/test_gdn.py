@@ -433,9 +433,12 @@ def test_layer_tree_forward_and_commit_equal_plain_decoding(cfg_name):
 
 
 @pytest.mark.parametrize("cfg_name", list(LAYER_CONFIGS))
-def test_chain_prefix_is_the_commit_of_each_prefix(cfg_name):
+def test_replay_prefix_of_a_chain_is_the_commit_of_each_prefix(cfg_name):
     # rounds queued ahead commit a chain's recurrent states with the accepted count a device
-    # value: the states equal the commit's (plain decoding's) for every count, bitwise
+    # value, from the states a scan over device parents keeps: they equal the commit's (plain
+    # decoding's) for every count, bitwise
+    from mlx_treespec.queued import replay_prefix
+
     layer = build_layer(LAYER_CONFIGS[cfg_name], seed=4)
     D = LAYER_CONFIGS[cfg_name]["hidden_size"]
     mx.random.seed(5)
@@ -444,32 +447,14 @@ def test_chain_prefix_is_the_commit_of_each_prefix(cfg_name):
     T = 6
     x = mx.random.normal((1, T, D))
     _, payload = gdn.gdn_layer_tree_forward(layer, x, cache, gdn.chain_plan(T))
+    _, kept = gdn.gdn_layer_tree_forward(layer, x, cache, gdn.DevicePlan(mx.arange(-1, T - 1, dtype=mx.int32)))
     for count in range(1, T + 1):
-        conv, state = gdn.gdn_chain_prefix({0: payload}, mx.array(count, mx.int32))[0]
+        conv, state = replay_prefix({0: kept}, mx.array(count, mx.int32))[0]
         c = ArraysCache(2)
         c[0], c[1] = cache[0], cache[1]
         gdn.gdn_layer_commit(layer, c, payload, np.arange(count))
         for a, b in ((conv, c[0]), (state, c[1])):
             assert a.shape == b.shape and a.dtype == b.dtype and mx.array_equal(a, b), count
-    _, tree = gdn.gdn_layer_tree_forward(layer, x, cache, [-1, 0, 0, 1, 2, 3])
-    with pytest.raises(ValueError, match="chain"):
-        gdn.gdn_chain_prefix({0: tree}, mx.array(2, mx.int32))
-
-
-@pytest.mark.parametrize("gvec", [False, True])
-def test_kernel_body_leaves_the_state_past_the_count(gvec):
-    # the same prefix trick through the kernel body (emulated on CPU: the Metal kernel and its
-    # CUDA twin share it): nodes with decay 1 and beta 0 leave the state bitwise as it was
-    if not msl_check.have_gxx():
-        pytest.fail("g++ is required for the kernel emulation")
-    T, count = 8, 3
-    q, k, v, g, beta, state = make_inputs(T, B=1, Dk=32, Dv=8, gvec=gvec, seed=9)
-    live = (mx.arange(T) < count).reshape((1, T) + (1,) * (g.ndim - 2))
-    inert = mx.where(live, g, 1.0), mx.where(live.reshape(1, T, 1), beta, 0.0)
-    _, final = msl_check.emulate_tree_kernel(q, k, v, *inert, state, gdn.chain_parents(T))
-    short = [a[:, :count] for a in (q, k, v, g, beta)]
-    _, want = msl_check.emulate_tree_kernel(*short, state, gdn.chain_parents(count))
-    assert np.array_equal(final, want)
 
 
 def test_layer_on_fresh_cache():
