@@ -390,9 +390,9 @@ class AdaptiveDrafter:
     def ahead(self):
         """The primary's queued draft (queued.py) where it has one: DDTree's trees where its
         primary drafts them, over attention and recurrent layers alike (they cost a queued
-        round about a chain's and emit more: bench/RESULTS.md), else its chain (`queues_trees`). Where rounds can be queued, a
-        generation starts with them, and `queue_more` hands it to the adaptive rounds when they
-        lose to plain decoding."""
+        round about a chain's and emit more: bench/RESULTS.md), else its chain
+        (`queues_trees`). Where rounds can be queued, a generation starts with them, and
+        `queue_more` hands it to the adaptive rounds when they lose to plain decoding."""
         if self.primary is None:
             return None
         return self.primary.tree_ahead if self.queues_trees else getattr(self.primary, "chain_ahead", None)
