@@ -36,7 +36,7 @@ at the end.
 
 Where it runs (`can_queue`): greedy decoding, plain KV caches (not quantized, not rotating) and
 GatedDeltaNet states, whole-buffer attention (GPUs: `verify.pad_keys_default`), a drafter
-with `ahead` (`queued_draft`). Elsewhere the round loop runs. A drafter may also offer `queue_more(emitted, ms)`,
+with `ahead`. Elsewhere the round loop runs. A drafter may also offer `queue_more(emitted, ms)`,
 asked after every round with the tokens it emitted and its wall ms: False hands the generation
 back to the round loop at that round's end (an adaptive drafter whose queued rounds lose to
 plain decoding or to its host drafter), and `handed_back(start,
@@ -56,20 +56,14 @@ from .device_tree import walk
 from .draft import Draft
 from .verify import compiled_forward, grown, kernel_fits, whole_buffer_forward
 
-__all__ = ["can_queue", "queued_draft", "queued_rounds"]
+__all__ = ["can_queue", "queued_rounds"]
 
 
 def can_queue(drafter, caches, greedy, kv_bits):
     """Whether a generation's rounds may be queued ahead (see the module docstring)."""
-    return (queued_draft(drafter, caches) is not None and greedy and kv_bits is None
+    return (getattr(drafter, "ahead", None) is not None and greedy and kv_bits is None
             and verify.pad_keys_default() and any(type(c).__name__ == "KVCache" for c in caches)
             and all(_queueable(c) for c in caches))
-
-
-def queued_draft(drafter, caches):
-    """What drafts a queued round over these caches, or None: the drafter's `ahead` (a chain,
-    or a tree: over recurrent layers too, their scan taking the tree's device parents)."""
-    return getattr(drafter, "ahead", None)
 
 
 def _queueable(cache):
@@ -98,7 +92,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     kv = sorted(set(range(len(caches))) - scans)  # attention layers
     first_kv = kv[0]
     kernel = kernel_fits([k for i, k in enumerate(keys) if i not in scans])
-    ahead, eager = queued_draft(drafter, caches), whole_buffer_forward(model, capture, scans, kernel)
+    ahead, eager = drafter.ahead, whole_buffer_forward(model, capture, scans, kernel)
     drafting = getattr(ahead, "__self__", None)  # the drafter whose `ahead` it is: its forwards per draft
     settled = {i: (keys[i], values[i]) for i in scans}  # recurrent states at the host's `start`
     start = caches[first_kv].offset  # host: rows the caches hold (all but `root`, the pending token)
@@ -158,14 +152,18 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         if tree:                                                                              # walk
             choice = mx.argmax(logits[m:], axis=-1).astype(mx.uint32)
             count_now, path, choice = walk(choice, drafted.tokens, parents, depths, visible)
-            # commit: no K/V row moves; the next round re-runs the accepted path from where this
-            # one's re-run path ended (a gather per layer costs more launches than the rows).
-            # Recurrent layers: the states after the re-run path's accepted rows (this round
-            # commits the last round's path)
-            payloads = {i: keys[i] for i in scans}
-            states = replay_prefix(payloads, count)
-            for i, (conv, state) in states.items():
-                keys[i], values[i] = conv, state
+        else:
+            choice = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            count_now = mx.sum(mx.cumprod((drafted == choice[:-1]).astype(mx.int32))) + 1
+        # commit: no K/V row moves (a chain's accepted rows are the first `count_now`; a tree's
+        # next round re-runs its path where this one's re-run path ended: a gather per layer
+        # costs more launches than the rows). Recurrent layers: the states after the chain's
+        # accepted rows (a tree round's chain is its re-run path: it commits the last round's)
+        payloads = {i: keys[i] for i in scans}
+        states = replay_prefix(payloads, count if tree else count_now)
+        for i, (conv, state) in states.items():
+            keys[i], values[i] = conv, state
+        if tree:
             logits = logits[m:][path]
             rows = None if rows is None else rows[m:][path]
             bound += most
@@ -173,17 +171,9 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             return (choice[count_now - 1].reshape(1), rows, count_now, dev_start + count,
                     drafted.tokens[path[:most]]), \
                 (logits, choice, count_now, payloads, states, shape, most)
-        choice = mx.argmax(logits, axis=-1).astype(mx.uint32)
-        count = mx.sum(mx.cumprod((drafted == choice[:-1]).astype(mx.int32))) + 1
         bound += T
-        # commit: the root and the accepted chain are the rows before dev_start + count, and the
-        # recurrent states those rows leave
-        payloads = {i: keys[i] for i in scans}
-        states = replay_prefix(payloads, count)
-        for i, (conv, state) in states.items():
-            keys[i], values[i] = conv, state
-        return (choice[count - 1].reshape(1), rows, count, dev_start + count), \
-            (logits, choice, count, payloads, states, (T, T - 1, T - 1), T)
+        return (choice[count_now - 1].reshape(1), rows, count_now, dev_start + count_now), \
+            (logits, choice, count_now, payloads, states, (T, T - 1, T - 1), T)
 
     more = getattr(drafter, "queue_more", None)
     delivered, accepted, handed, everything, failed = 0, 0, False, [], False
