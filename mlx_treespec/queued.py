@@ -3,10 +3,10 @@
 The round loop (loop.py) syncs once a round: the host walks what the target verified and only
 then builds the next round, so the device idles while Python works and Python idles while the
 device does. A draft made from device values alone (a drafter's `ahead`: DFlash's chain, or
-DDTree's tree built on the device; a head's chain, or its one-lane tree) needs nothing of the host: for a chain the walk is a prefix
-match (`cumprod(chain == the target's choices)`), the commit moves a device offset (a chain's
-accepted rows are a prefix of the verify's), and the next draft reads the verify's captured rows
-with the accepted count as a device scalar. So round r + 1 is queued before the host reads
+DDTree's tree built on the device; a head's chain, or its one-lane tree) needs nothing of the
+host: for a chain the walk is a prefix match (`cumprod(chain == the target's choices)`), the
+commit moves a device offset (a chain's accepted rows are a prefix of the verify's), and the
+next draft reads the verify's captured rows with the accepted count as a device scalar. So round r + 1 is queued before the host reads
 round r's tokens, as mlx-lm's generate_step queues the next token before it reads this one.
 
 A tree (`ahead` returns a Draft whose layout lives on the device) is walked on the device too:
