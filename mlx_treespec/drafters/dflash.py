@@ -36,7 +36,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from ..builders import best_first_tree
 from ..draft import Draft, Layout
 from ..tree import MAX_NODES, chain_parents, preorder, relabel
-from ..verify import layer_span, width_step
+from ..verify import grown, layer_span
 from . import GatedMLP, dequantize_linears, target_io
 from ..device_tree import best_first
 
@@ -266,24 +266,16 @@ class DFlashDrafter:
         self._entry = 0  # the context rows when the rounds under way began to queue
 
     def _room(self, rows):
-        """Grow every layer's buffers (a multiple of `width_step()`: each width is a trace of
-        the block forward) to hold `rows` rows."""
-        cap = 0 if self.keys is None else self.keys[0].shape[2]
-        if rows <= cap:
-            return
-        step = width_step()
-        new = -(-rows // step) * step
-        m = self.bound.model
-        at = m.layers[0].self_attn
-        dtype = m.norm.weight.dtype
-        shape = (1, at.n_kv, new - cap, at.head_dim)
-        # one array per layer and buffer: rows are written in place
+        """Grow every layer's buffers (`verify.grown`: a multiple of `width_step()`, each width
+        a trace of the block forward) to hold `rows` rows."""
         if self.keys is None:
-            self.keys = [mx.zeros(shape, dtype) for _ in m.layers]
-            self.values = [mx.zeros(shape, dtype) for _ in m.layers]
-        else:
-            self.keys = [mx.concatenate([k, mx.zeros(shape, dtype)], axis=2) for k in self.keys]
-            self.values = [mx.concatenate([v, mx.zeros(shape, dtype)], axis=2) for v in self.values]
+            m = self.bound.model
+            at = m.layers[0].self_attn
+            empty = mx.zeros((1, at.n_kv, 0, at.head_dim), m.norm.weight.dtype)
+            self.keys, self.values = [empty] * len(m.layers), [empty] * len(m.layers)
+        # (one array per layer and buffer once grown: rows are written in place)
+        self.keys = [grown(k, rows) for k in self.keys]
+        self.values = [grown(v, rows) for v in self.values]
 
     def _write_context(self, feats, sync=True):
         """Project context features and write their K/V after the held context (no block);
