@@ -6,8 +6,9 @@ device does. A draft made from device values alone (a drafter's `ahead`: DFlash'
 DDTree's tree built on the device; a head's chain, or its one-lane tree) needs nothing of the
 host: for a chain the walk is a prefix match (`cumprod(chain == the target's choices)`), the
 commit moves a device offset (a chain's accepted rows are a prefix of the verify's), and the
-next draft reads the verify's captured rows with the accepted count as a device scalar. So round r + 1 is queued before the host reads
-round r's tokens, as mlx-lm's generate_step queues the next token before it reads this one.
+next draft reads the verify's captured rows with the accepted count as a device scalar. So round
+r + 1 is queued before the host reads round r's tokens, as mlx-lm's generate_step queues the
+next token before it reads this one.
 
 A tree (`ahead` returns a Draft whose layout lives on the device) is walked on the device too:
 a node is accepted where it and its ancestors agree with the target, the deepest accepted node

@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from ..draft import Draft, Layout
 from ..verify import grown, install, whole_buffer_forward
-from .model import ModelDrafter, one_lane_parents, runners_up
+from .model import ModelDrafter, keeps_every_sibling, one_lane_parents, runners_up
 
 __all__ = ["HeadDrafter"]
 
@@ -123,7 +123,7 @@ class HeadDrafter(ModelDrafter):
     @property
     def queues_trees(self):
         """`ahead` drafts trees: one lane whose siblings all stay (a fixed layout)."""
-        return self.topk > 1 and self.lanes == 1 and self.budget >= self.depth * self.topk
+        return self.topk > 1 and keeps_every_sibling(self.topk, self.lanes, self.depth, self.budget)
 
     def chain_ahead(self, root, rows, count, path=None):
         """A chain of `depth` head steps from device values alone: `root` (mx uint32 [1]), the

@@ -88,6 +88,12 @@ def one_lane_parents(S, K):
     return np.concatenate([spine, leaves])
 
 
+def keeps_every_sibling(topk, lanes, depth, budget):
+    """Whether a tree of this shape is the fixed one-lane layout (`one_lane_parents`): one lane
+    whose budget keeps every candidate, so nothing is ranked (a chain too: topk 1)."""
+    return lanes == 1 and budget >= depth * topk
+
+
 def runners_up(logits, chain, K):
     """The one-lane tree's leaves: each step's best K - 1 tokens but its spine token (logits
     [S, V], chain [S]: the spine is its step's argmax), step by step, mx uint32 [S * (K - 1)]."""
@@ -101,7 +107,7 @@ def model_probe_parents(topk, lanes, depth, budget):
     else the EAGLE-2 tree a fairly confident drafter of this shape builds."""
     if topk == 1:
         return chain_parents(depth + 1)
-    if lanes == 1 and budget >= depth * topk:
+    if keeps_every_sibling(topk, lanes, depth, budget):
         return one_lane_parents(depth, topk)
     from ..probe import representative_tree_parents
 
@@ -177,7 +183,7 @@ class ModelDrafter:
             logits = self._forward(rnd, pending, np.arange(p) - 1)[-1:]
             if self.lanes == 1:
                 rows, toks = self._spine(logits, rnd, depth)
-                if budget >= depth * self.topk:  # every candidate stays: nothing to rank
+                if keeps_every_sibling(self.topk, 1, depth, budget):  # nothing to rank
                     return self._spine_and_siblings(pending[-1:], rows, toks, rnd, budget)
                 return self._ranked_siblings(pending[-1:], rows, toks, rnd, budget)
             return self._tree(pending[-1:], logits, rnd, depth, budget)
