@@ -72,10 +72,30 @@ def _rope_call(self, x, offset=0, **kwargs):
         return super(type(self), self).__call__(x, offset=offset, **kwargs)
     B, H, L, D = x.shape
     if B == 1:  # (1, H, L, D) -> (L, H, 1, D) is a swap of two axes, no reshape copy
-        return super(type(self), self).__call__(x.swapaxes(0, 2), offset=positions, **kwargs).swapaxes(0, 2)
+        return _rope_rows(self, x.swapaxes(0, 2), positions, kwargs).swapaxes(0, 2)
     rows = x.transpose(2, 0, 1, 3).reshape(L * B, H, 1, D)
-    out = super(type(self), self).__call__(rows, offset=mx.repeat(positions, B), **kwargs)
+    out = _rope_rows(self, rows, mx.repeat(positions, B), kwargs)
     return out.reshape(L, B, H, -1).transpose(1, 2, 0, 3)
+
+
+def rope_rows_per_call(dims, heads):
+    """The most rows (one position each) one rope call takes. MLX's CUDA rope kernel (0.32)
+    launches 2^10 threads a block, dims / 2 of them in x and rows x ceil(heads / 4) in z: under
+    32 rotary dims (a partial rotary at a small head dim: the demo hybrid's 16) the block's z
+    passes CUDA's 64 from 128 rows x ceil(heads / 4) on, and the launch fails."""
+    return None if dims >= 32 else max(1, 64 // -(-heads // 4))
+
+
+def _rope_rows(rope, rows, offsets, kwargs):
+    """The rope of `rows` [n, H, 1, D] at per-row positions `offsets`, in pieces of at most
+    `rope_rows_per_call` rows (each row's rotation is its own: the same values)."""
+    call = super(type(rope), rope).__call__
+    n, H, _, D = rows.shape
+    most = rope_rows_per_call(getattr(rope, "dims", D), H)
+    if most is None or n <= most:
+        return call(rows, offset=offsets, **kwargs)
+    return mx.concatenate([call(rows[i : i + most], offset=offsets[i : i + most], **kwargs)
+                           for i in range(0, n, most)])
 
 
 def _gdn_call(self, inputs, mask=None, cache=None):

@@ -9,6 +9,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import tiny
 from test_heads import make_eagle3, make_mtp
 from mlx_treespec import RoundStats, make_drafter, tree_generate_step
+from mlx_treespec.draft import Draft
 from mlx_treespec.drafters.head import HeadDrafter
 
 N = 48
@@ -205,3 +206,32 @@ def test_queued_head_rounds_draft_what_the_round_loop_drafts(tmp_path, monkeypat
     for pos, raw in queued.raw:
         if pos in by_position:
             assert raw[: len(by_position[pos])] == by_position[pos], pos
+
+
+@pytest.mark.parametrize("kind", ["mtp-qwen3_5_tied", "eagle3-safeailab"])
+def test_queued_chain_after_slots_pile_up_is_the_round_loops(tmp_path, kind):
+    # rounds the head did not draft (an adaptive drafter's lookup rounds) pile its pending slots
+    # up; queued rounds then start (`requeue`): the slots past a round's worth go in as prefill
+    # does, the compiled chain sees a round's slot count only (one trace), and the chain is the
+    # one the round loop drafts from the same slots
+    family, name = kind.split("-", 1)
+    head, _ = (make_mtp(tmp_path, name)[:2] if family == "mtp" else make_eagle3(tmp_path, name)[:2])
+    rng = np.random.default_rng(3)
+    width = head.fc.weight.shape[1] if family == "eagle3" else head.args.hidden_size  # (EAGLE-3: n target layers)
+    rows = lambda n: mx.array(rng.normal(size=(n, width)).astype(np.float32))
+    prompt = rng.integers(0, tiny.VOCAB, 12).tolist()
+    hidden, piles = rows(len(prompt) - 1), [(rng.integers(0, tiny.VOCAB, 3).tolist(), rows(3)) for _ in range(3)]
+    loop, queued = HeadDrafter(head, topk=1, depth=4), HeadDrafter(head, topk=1, depth=4)
+    for d in (loop, queued):
+        d.prefill(prompt, hidden)
+        for emitted, h in piles:
+            d.commit(Draft.root_only(emitted[0]), [0], emitted, h)
+    assert len(queued.pending) == 10 > queued.depth + 1
+    root = loop.pending[-1]
+    want = np.array(loop.draft(root, 4).tokens[1:]).tolist()
+    slot_counts = []
+    chain_fn = queued._chain_fn
+    queued._chain_fn = lambda trees: (lambda tokens, *a: slot_counts.append(tokens.shape[0]) or chain_fn(trees)(tokens, *a))
+    got = np.array(queued.chain_ahead(mx.array([root], mx.uint32), None, None)).tolist()
+    assert slot_counts == [queued.depth + 1]
+    assert got == want

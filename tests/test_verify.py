@@ -93,3 +93,38 @@ def test_cached_array_is_a_copy_keyed_by_value():
     assert not np.array(first)[0, 1]
     assert cached_array(a) is not first and np.array(cached_array(a))[0, 1]
     assert cached_array(np.zeros(2, np.int32)) is not cached_array(np.zeros(2, np.int64))
+
+
+def test_rope_of_many_rows_goes_in_pieces_of_the_same_values(monkeypatch):
+    # MLX's CUDA rope kernel fails to launch 128+ rows x ceil(heads / 4) under 32 rotary dims
+    # (verify.rope_rows_per_call); a tree forward's per-token rope goes in pieces there, each
+    # row rotated as one-token decoding rotates it (CPU, bitwise)
+    import mlx.nn as nn
+    from mlx_treespec import verify
+
+    assert [verify.rope_rows_per_call(d, h) for d, h in ((16, 4), (16, 16), (24, 2), (16, 256))] == [64, 16, 64, 1]
+    assert verify.rope_rows_per_call(32, 64) is None
+    calls = []
+    base = nn.RoPE.__call__
+    monkeypatch.setattr(nn.RoPE, "__call__", lambda self, x, offset=0: calls.append(x.shape[0]) or base(self, x, offset))
+
+    class Attn(nn.Module):
+        def __init__(self, dims):
+            super().__init__()
+            self.rope = nn.RoPE(dims, base=10000.0)
+
+    x = mx.random.normal((1, 4, 150, 64), key=mx.random.key(0))
+    positions = mx.arange(150, dtype=mx.int32) + 7
+    for dims, pieces in ((16, [64, 64, 22]), (64, [150])):
+        m = Attn(dims)
+        verify.install(m)
+        calls.clear()
+        verify._CTX.positions = positions
+        try:
+            got = m.rope(x)
+        finally:
+            verify._CTX.positions = None
+        assert calls == pieces
+        want = mx.concatenate([mx.fast.rope(x[:, :, i : i + 1], dims, traditional=False, base=10000.0, scale=1.0,
+                                            offset=7 + i) for i in range(150)], axis=2)
+        assert mx.array_equal(got, want).item()

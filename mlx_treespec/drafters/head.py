@@ -63,17 +63,21 @@ class HeadDrafter(ModelDrafter):
         prompt = [int(t) for t in prompt]
         rows = self._target_rows(hidden) if hidden.shape[0] else hidden
         body = len(prompt) - 2  # slots 0 .. n-3 go in now
-        for i in range(0, max(body, 0), self.prefill_step_size):
-            j = min(i + self.prefill_step_size, body)
-            self._set_hidden(rows[i:j], first=True)
-            self.model(mx.array(prompt[i + 1 : j + 1])[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
+        self._first_pass(prompt[1 : body + 1], rows[: max(body, 0)])
         # pending: the last slot (the prompt's last token over the target's row n-2); a one-token
         # prompt has no row: its first draft has nothing to continue from
         if len(prompt) >= 2:
             self.pending, self.pending_hidden = prompt[-1:], rows[-1:]
         else:
             self.pending, self.pending_hidden = prompt[-1:], None
+
+    def _first_pass(self, tokens, rows):
+        """Slots (token t over the target's row t) into the head's cache, prefill_step_size at a time."""
+        for i in range(0, len(tokens), self.prefill_step_size):
+            j = min(i + self.prefill_step_size, len(tokens))
+            self._set_hidden(rows[i:j], first=True)
+            self.model(mx.array(tokens[i:j])[None], cache=self.cache)
+            mx.eval([c.state for c in self.cache])
 
     def _set_hidden(self, rows, first):
         self.model.pending_hidden = rows
@@ -148,14 +152,20 @@ class HeadDrafter(ModelDrafter):
         trees = self.topk > 1
         if q is None:  # the host's pending slots (the last is the root's); none: a one-token prompt
             n = 0 if self.pending_hidden is None else len(self.pending)
+            if n > self.depth + 1:
+                # slots piled up in rounds the head did not draft (an adaptive drafter's lookup
+                # rounds): all but a round's worth go in as prefill does, so the compiled
+                # function sees one slot count (each new count was a trace and a compile)
+                k = n - self.depth - 1
+                self._first_pass(self.pending[:k], self.pending_hidden[:k])
+                self.pending, self.pending_hidden, n = self.pending[k:], self.pending_hidden[k:], self.depth + 1
             q = self._queued = dict(L0=mx.array(c.offset, mx.int32), bound=c.offset, entry=c.offset + n)
             if n == 0:
                 # (no row to continue from: any guess is exact)
                 chain = mx.zeros((self.depth,), mx.uint32)
                 q.update(prev=mx.concatenate([root.reshape(1).astype(mx.uint32), chain]), last=None)
                 return chain, (mx.zeros((self.depth, self.topk)) if trees else None)
-            # padded to a round's slot count (or a power of two past it): one trace for both
-            P = self.depth + 1 if n <= self.depth + 1 else 1 << (n - 1).bit_length()
+            P = self.depth + 1  # padded to a round's slot count: one trace for both
             tokens = mx.array(self.pending + [0] * (P - n), mx.uint32)
             slot_rows = mx.pad(self.pending_hidden, ((0, P - n), (0, 0)))
             count = mx.array(n, mx.int32)
