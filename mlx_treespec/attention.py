@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import mlx.core as mx
 
+from .tree import ancestors_of
+
 __all__ = ["tree_attention", "usable", "splits_for"]
 
 ROWS = 64  # query rows per block (4 warps of 16: the mma fragments' rows)
@@ -41,6 +43,19 @@ MIN_WIDTH = 8192
 def splits_for(width):
     """Blocks the key columns of a buffer `width` wide are split over (the one rule)."""
     return max(1, min(MAX_SPLITS, width // SPLIT_KEYS))
+
+
+def kernel_backend():
+    """'metal' or 'cuda' when the default device is a GPU of that backend, else None: where the
+    kernels (tree attention, the GatedDeltaNet scan, the device tree's build and walk) may run."""
+    if mx.default_device() != mx.gpu:
+        return None
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return None
 
 
 def kernel_text(name):
@@ -206,8 +221,7 @@ def usable(dtype, head_dim):
 
 
 def _backend_is_cuda():
-    cuda = getattr(mx, "cuda", None)
-    return mx.default_device() == mx.gpu and cuda is not None and cuda.is_available()
+    return kernel_backend() == "cuda"
 
 
 def _agrees(dtype, D, B=1, Hkv=2, G=3, R=13, hist=506, W=1024):
@@ -218,10 +232,7 @@ def _agrees(dtype, D, B=1, Hkv=2, G=3, R=13, hist=506, W=1024):
     q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)
                for s in ((B, Hkv * G, R, D), (B, Hkv, W, D), (B, Hkv, W, D)))
     parents = np.concatenate([[-1], rng.integers(-1, np.arange(1, R))])
-    seen = np.eye(R, dtype=bool)
-    for i in range(R):  # a random tree's ancestor rows
-        if parents[i] >= 0:
-            seen[i] |= seen[parents[i]]
+    seen = ancestors_of(parents)  # a random tree's ancestor rows
     visible = np.zeros((R, W), bool)
     visible[:, :hist] = True
     visible[:, hist:hist + R] = seen

@@ -16,20 +16,11 @@ import heapq
 
 import numpy as np
 
-from .tree import MAX_NODES, DraftTree, as_int_array, check_token
-
-
-def _check_count(value, name: str, low: int, high: int | None = None) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < low or (high is not None and value > high):
-        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound}, got {value}")
-    return int(value)
+from .tree import MAX_NODES, DraftTree, as_int_array, check_int, check_token
 
 
 def _check_budget(budget) -> int:
-    return _check_count(budget, "budget (draft nodes, excluding the root)", 0, MAX_NODES - 1)
+    return check_int(budget, "budget (draft nodes, excluding the root)", 0, MAX_NODES - 1)
 
 
 def _as_float_array(values, name: str) -> np.ndarray:
@@ -90,7 +81,7 @@ class Eagle2Builder:
 
     def __init__(self, root_token, topk, budget):
         self.root_token = check_token(root_token)
-        self.topk = _check_count(topk, "topk", 1)
+        self.topk = check_int(topk, "topk", 1)
         self.budget = _check_budget(budget)
         self.num_steps = 0
         empty_int = np.zeros(0, dtype=np.int64)
@@ -301,18 +292,14 @@ def best_first_tree(root_token, logprobs, budget, topk=None) -> DraftTree:
     """
     root_token = check_token(root_token)
     budget = _check_budget(budget)
-    logprobs = np.asarray(logprobs)
-    if logprobs.dtype.kind not in "iuf":
-        raise ValueError(f"logprobs must hold real log-probabilities, got dtype {logprobs.dtype}")
-    if logprobs.dtype.kind != "f":
-        logprobs = logprobs.astype(np.float64)
+    logprobs = _as_float_array(logprobs, "logprobs")
     if logprobs.ndim != 2:
         raise ValueError(
             f"logprobs must be [depth, vocab] (one row of marginals per draft position), "
             f"got shape {logprobs.shape}"
         )
     if topk is not None:
-        topk = _check_count(topk, "topk", 1)
+        topk = check_int(topk, "topk", 1)
     depth, vocab = logprobs.shape
     if vocab == 0 and depth > 0:
         raise ValueError("logprobs has an empty vocabulary axis; need at least one token per position")
@@ -355,7 +342,7 @@ def best_first_tree(root_token, logprobs, budget, topk=None) -> DraftTree:
 def _check_branching(branching) -> tuple[int, ...]:
     branching = tuple(branching)
     for d, b in enumerate(branching):
-        _check_count(b, f"branching[{d}] (children per node at depth {d + 1})", 1)
+        check_int(b, f"branching[{d}] (children per node at depth {d + 1})", 1)
     return tuple(int(b) for b in branching)
 
 

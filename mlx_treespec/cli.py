@@ -33,12 +33,9 @@ DEMO_DRAFTERS = {("demo", "model"): "demo-drafter", ("demo-target", "model"): "d
 def resolve_model_path(name):
     """A shipped demo name, or a local mlx-lm folder, or a Hugging Face repo id."""
     if name in DEMO_MODELS:
-        from .demo import __file__ as demo_init
+        from .demo import demo_path
 
-        path = os.path.join(os.path.dirname(demo_init), DEMO_MODELS[name])
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise FileNotFoundError(f"the shipped demo model {name!r} is missing at {path}: reinstall mlx-treespec")
-        return path
+        return demo_path(DEMO_MODELS[name])
     expanded = os.path.expanduser(name)
     if os.path.isdir(expanded):
         if not os.path.isfile(os.path.join(expanded, "config.json")):
@@ -75,7 +72,6 @@ def _load(path, adapter_path=None, tokenizer_config=None, shard=None):
 
 def _sharded(path, adapter_path, tokenizer_config, shard):
     """The target split over the processes of an `mlx.launch` (mlx-lm's `sharded_load`)."""
-    import mlx.core as mx
     from mlx_lm.utils import sharded_load
 
     group = mx.distributed.init()
@@ -192,10 +188,11 @@ def setup_arg_parser():
     return p
 
 
-def _spec(args, has_draft_model):
-    return DraftSpec.from_options(args.drafter, args.draft_block_size, args.tree_topk, args.tree_depth,
-                                  args.tree_budget, args.tree_lanes, args.draft_lookup,
-                                  args.draft_lookup_trust, has_draft_model=has_draft_model)
+def _draft_options(args):
+    """The draft shape flags, as DraftSpec.from_options and make_drafter take them."""
+    return dict(draft_block_size=args.draft_block_size, tree_topk=args.tree_topk, tree_depth=args.tree_depth,
+                tree_budget=args.tree_budget, tree_lanes=args.tree_lanes, draft_lookup=args.draft_lookup,
+                draft_lookup_trust=args.draft_lookup_trust)
 
 
 def _read_prompt(args):
@@ -216,7 +213,7 @@ def _read_prompt(args):
 
 
 def _run(args):
-    from .generate import check_vocab, generate, make_drafter
+    from .generate import generate, make_drafter
 
     if args.max_tokens == 0:
         raise ValueError("--max-tokens must be non-zero (use -1 for no limit)")
@@ -249,9 +246,9 @@ def _run(args):
     if draft_name is None:
         draft_name = args.model if kind == "mtp" else DEMO_DRAFTERS.get((args.model, kind))
     args.drafter = args.drafter or (kind if kind == "dflash" else None)
-    spec = _spec(args, has_draft_model=draft_name is not None)  # bad options fail before loading
-    if spec.needs_draft_model and draft_name is None:
-        raise ValueError(f"--drafter {spec.drafter} needs --draft-model")
+    spec = DraftSpec.from_options(args.drafter, has_draft_model=draft_name is not None,
+                                  **_draft_options(args))  # bad options fail before loading
+    spec.check_draft_model(draft_name)
     if args.draft_model is not None and not spec.needs_draft_model:
         raise ValueError(f"--drafter {spec.drafter} drafts without a model: drop --draft-model")
     model_path = resolve_model_path(args.model)
@@ -274,11 +271,10 @@ def _run(args):
         tokenizer.add_eos_token(token)
     draft_model = None
     if draft_path is not None and spec.drafter == "model":
-        draft_model = _load(draft_path)[0]
-        check_vocab(model, draft_model)
+        draft_model = _load(draft_path)[0]  # (make_drafter checks its vocabulary)
     elif draft_path is not None:
         draft_model = draft_path  # a DFlash or head folder: bound to the target by make_drafter
-    drafter = make_drafter(draft_model, target=model, **_options(args, spec))
+    drafter = make_drafter(draft_model, target=model, drafter=spec.drafter, **_draft_options(args))
     if args.shard is not None:  # the processes agree before the probe's collectives (launch.py)
         from .launch import agree, drafter_digest, model_digest
 
@@ -383,13 +379,6 @@ def _read_prompt_cache(args):
         raise ValueError(f"{args.prompt_cache_file} names no model in its metadata: make it with "
                          "mlx_lm.cache_prompt or --save-prompt-cache")
     return cache, metadata
-
-
-def _options(args, spec):
-    """The spec's options as make_drafter takes them (the spec is already checked)."""
-    return dict(drafter=spec.drafter, draft_block_size=args.draft_block_size, tree_topk=args.tree_topk,
-                tree_depth=args.tree_depth, tree_budget=args.tree_budget, tree_lanes=args.tree_lanes,
-                draft_lookup=args.draft_lookup, draft_lookup_trust=args.draft_lookup_trust)
 
 
 def _probe(args, model, drafter):

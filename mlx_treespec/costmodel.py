@@ -1,7 +1,7 @@
 """Cost model: verify and draft cost curves, fitted, and tok/s projections per arm.
 
 - `time_verify(model, Ts)`: ms of one `TreeRound.forward` of a chain of T nodes over a prefilled
-  cache (mx.eval'd, median of a few; the round is dropped with `commit([])`, so the cache state is
+  cache (mx.eval'd, median of a few; the round is dropped with `abort()`, so the cache state is
   the same for every measurement).
 - `time_draft(model, lanes)`: ms of one drafter step forwarding `lanes` sibling nodes (one chain
   step when lanes == 1), the way `ModelDrafter` expands its lanes.

@@ -15,6 +15,7 @@ import warnings
 import numpy as np
 import mlx.core as mx
 
+from .attention import kernel_backend, kernel_text
 from .tree import ancestors_of, depths_of
 
 __all__ = ["best_first", "walk", "ddtree_ops", "walk_ops", "prefixes"]
@@ -95,13 +96,6 @@ def walk_ops(choice, tokens, parents, depths, visible):
 
 
 @functools.lru_cache(maxsize=None)
-def _body(name):
-    from .attention import kernel_text
-
-    return kernel_text(name)
-
-
-@functools.lru_cache(maxsize=None)
 def _kernel(backend, which):
     """The build or walk kernel of a backend ('metal', 'cuda')."""
     name, inputs, outputs = {
@@ -109,7 +103,7 @@ def _kernel(backend, which):
         "walk": ("tree_walk", ["choice", "tokens", "parents"], ["count", "path", "emitted"]),
     }[which]
     make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
-    return make(name=name, input_names=inputs, output_names=outputs, source=_body(name + ".inc"),
+    return make(name=name, input_names=inputs, output_names=outputs, source=kernel_text(name + ".inc"),
                 header=_HEADER[backend])
 
 
@@ -132,8 +126,6 @@ def run_walk(backend, choice, tokens, parents, **kw):
 
 
 def _backend():
-    from .gdn import kernel_backend
-
     return kernel_backend()
 
 
@@ -181,16 +173,12 @@ def _build_fn(D, V, K, N, backend):
             parents = np.array(got[1])
             if _paths(got[0], parents) == _paths(want[0], want[1]) and \
                     np.array_equal(np.array(got[2]), depths_of(parents.astype(np.int64))) and \
-                    np.array_equal(np.array(got[3]), _ancestors(parents)):
+                    np.array_equal(np.array(got[3]), ancestors_of(parents)):
                 return _compile(kern)
             _warn("DDTree build", ValueError("its tree differs from the MLX-ops build"))
         except Exception as e:  # a build failure surfaces at eval time
             _warn("DDTree build", e)
     return _compile(ops)
-
-
-def _ancestors(parents):
-    return ancestors_of(parents.astype(np.int64))
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,7 +197,7 @@ def _walk_fn(T, backend):
                 tokens = rng.integers(0, 3, T).astype(np.uint32)
                 choice = rng.integers(0, 3, T).astype(np.uint32)
                 args = (mx.array(choice), mx.array(tokens), mx.array(parents.astype(np.int32)),
-                        mx.array(depths_of(parents).astype(np.int32)), mx.array(_ancestors(parents)))
+                        mx.array(depths_of(parents).astype(np.int32)), mx.array(ancestors_of(parents)))
                 c0, p0, e0 = kern(*args)
                 c1, p1, e1 = walk_ops(*args)
                 n = c1.item()

@@ -24,13 +24,13 @@ from __future__ import annotations
 import functools
 import heapq
 import warnings
-from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from .attention import kernel_backend, kernel_text
 from .tree import chain_parents, depths_of, preorder, root_path
 from .tree import check_parents as _check_parents
 
@@ -70,7 +70,6 @@ __all__ = [
     "TreePlan",
     "tree_plan",
     "chain_parents",
-    "tree_depths",
     "tree_levels",
     "root_path",
     "dfs_order",
@@ -111,14 +110,9 @@ def check_parents(parents, n: Optional[int] = None) -> np.ndarray:
     return _check_parents(parents, n)
 
 
-def tree_depths(parents) -> np.ndarray:
-    """Depth of every node; a node with parent -1 has depth 0."""
-    return depths_of(check_parents(parents))
-
-
 def tree_levels(parents) -> List[np.ndarray]:
     """Node indices grouped by depth (ascending inside a level)."""
-    d = tree_depths(parents)
+    d = depths_of(check_parents(parents))
     if d.size == 0:
         return []
     return [np.nonzero(d == k)[0] for k in range(int(d.max()) + 1)]
@@ -296,10 +290,7 @@ class TreePlan:
 
 def tree_plan(parents, n: Optional[int] = None) -> TreePlan:
     """``parents`` as a :class:`TreePlan` (returned as is if it already is one)."""
-    if isinstance(parents, TreePlan):
-        check_parents(parents, n)
-        return parents
-    if isinstance(parents, DevicePlan):
+    if isinstance(parents, (TreePlan, DevicePlan)):
         if n is not None and parents.size != n:
             raise ValueError(f"tree plan has {parents.size} nodes, expected {n}")
         return parents
@@ -388,6 +379,9 @@ def tree_gated_delta_ops(
     plan = tree_plan(parents, T)
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    if (repeat_factor := Hv // Hk) > 1:
+        q = mx.repeat(q, repeat_factor, -2)
+        k = mx.repeat(k, repeat_factor, -2)
     if isinstance(plan, DevicePlan):
         return _device_tree_gated_delta_ops(q, k, v, g, beta, state, plan, return_states)
     if T == 0:
@@ -395,9 +389,6 @@ def tree_gated_delta_ops(
         extra = {None: None, "last": state, "all": mx.zeros((B, 0, Hv, Dv, Dk), state.dtype)}
         return y, extra[return_states]
 
-    if (repeat_factor := Hv // Hk) > 1:
-        q = mx.repeat(q, repeat_factor, -2)
-        k = mx.repeat(k, repeat_factor, -2)
 
     per_level, inv = plan.ops_tables()
 
@@ -435,11 +426,8 @@ def _device_tree_gated_delta_ops(q, k, v, g, beta, state, plan, return_states):
     """`tree_gated_delta_ops` over a :class:`DevicePlan`: node by node in index order (parents
     first), each from its parent's state gathered at a device index; the same step per node,
     so the same values (bitwise on CPU)."""
-    B, T, Hk, Dk = q.shape
+    B, T = q.shape[:2]
     Hv, Dv = v.shape[-2:]
-    if (repeat_factor := Hv // Hk) > 1:
-        q = mx.repeat(q, repeat_factor, -2)
-        k = mx.repeat(k, repeat_factor, -2)
     states = state[None]  # [1 + nodes so far, B, Hv, Dv, Dk]: the committed state first
     ys = []
     for t in range(T):
@@ -505,14 +493,7 @@ __device__ __forceinline__ float ts_warp_sum(float x) {
 @functools.lru_cache(maxsize=None)
 def kernel_body() -> str:
     """Text of metal_kernels/gdn_tree.inc (the kernel body shared by both backends)."""
-    here = Path(__file__).resolve().parent
-    for cand in (
-        here / "metal_kernels" / "gdn_tree.inc",  # installed: mlx_treespec.metal_kernels
-        here.parent / "metal_kernels" / "gdn_tree.inc",  # source checkout
-    ):
-        if cand.is_file():
-            return cand.read_text()
-    raise FileNotFoundError("metal_kernels/gdn_tree.inc not found next to mlx_treespec")
+    return kernel_text("gdn_tree.inc")
 
 
 def kernel_source(backend: str) -> str:
@@ -606,18 +587,6 @@ def run_tree_kernel(
             raise ValueError("every node's state is kept for a DevicePlan only")
         return y, mx.swapaxes(_scratch.reshape(B, Hv, T, Dv, Dk), 1, 2)
     return y, (final if store_final else None)
-
-
-def kernel_backend() -> Optional[str]:
-    """'metal' or 'cuda' when the default device is a GPU of that backend, else None."""
-    if mx.default_device() != mx.gpu:
-        return None
-    if mx.metal.is_available():
-        return "metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and cuda.is_available():
-        return "cuda"
-    return None
 
 
 _variant_status: Dict[tuple, bool] = {}

@@ -25,13 +25,12 @@ from .cache import cache_kind, committed_offset, restore, snapshot
 from .draft import check_drafter
 from .launch import agree, drafter_digest, in_launch, model_digest
 from .sampling import make_node_sampler
-from .spec import check_int
 from .support import require_tree_support
-from .tree import MAX_NODES, DraftTree
+from .tree import MAX_NODES, DraftTree, check_int
 from .adaptive import PlainStretch, QueueAhead
 from .queued import can_queue, queued_rounds
 from .verify import TreeRound, cached_array, capturing, check_capture, rows_are_steps
-from .walk import greedy_walk
+from .walk import cut_at_stop, greedy_walk
 
 DEFAULT_QUANTIZED_KV_START = 5000
 
@@ -152,17 +151,12 @@ def vocab_size(model):
 
 def check_prompt(prompt, vocab=None):
     """The prompt as a list of Python ints, or a one-line error naming the fix."""
-    if isinstance(prompt, mx.array):
+    if isinstance(prompt, (mx.array, np.ndarray)):
         if prompt.ndim != 1:
             raise ValueError(f"the prompt must be a 1-D array of token ids, got shape {prompt.shape}: "
                              "pass one sequence (prompt[0] for a batch of one)")
-        if not mx.issubdtype(prompt.dtype, mx.integer):
+        if isinstance(prompt, mx.array) and not mx.issubdtype(prompt.dtype, mx.integer):
             raise ValueError(f"prompt token ids must be integers, got {prompt.dtype}: pass token ids, not floats")
-        prompt = prompt.tolist()
-    elif isinstance(prompt, np.ndarray):
-        if prompt.ndim != 1:
-            raise ValueError(f"the prompt must be a 1-D array of token ids, got shape {prompt.shape}: "
-                             "pass one sequence (prompt[0] for a batch of one)")
         prompt = prompt.tolist()
     elif isinstance(prompt, (str, bytes)):
         raise ValueError("the prompt is text: encode it with the tokenizer (or use stream_generate)")
@@ -280,8 +274,6 @@ def tree_generate_step(
     max_tokens = check_int(max_tokens, "max_tokens", -1)
     if max_tokens == 0:
         raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
-    if max_tokens < -1:
-        raise ValueError(f"max_tokens must be positive, or -1 for no limit, got {max_tokens}")
     for name, value, low in (("top_k", top_k, 0), ("seed", seed, None), ("kv_group_size", kv_group_size, 1),
                              ("quantized_kv_start", quantized_kv_start, 0),
                              ("prefill_step_size", prefill_step_size, 1), ("min_tokens_to_keep", min_tokens_to_keep, 1)):
@@ -572,11 +564,7 @@ def _walk(draft, chosen, room, stop_tokens):
     tree = DraftTree(np.array(draft.tokens).astype(np.int64), draft.layout.host_parents())
     path, emitted = greedy_walk(tree, np.array(chosen).astype(np.int64),
                                 max_emit=None if room == float("inf") else int(room))
-    emitted = [int(t) for t in emitted]
-    for i, t in enumerate(emitted):
-        if t in stop_tokens:
-            emitted = emitted[: i + 1]
-            break
+    emitted = cut_at_stop([int(t) for t in emitted], stop_tokens)
     return tree, path[: len(emitted)], emitted
 
 

@@ -14,25 +14,15 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from .tree import DraftTree
+from .tree import DraftTree, check_int
 
 
 def _check_offset(offset) -> int:
-    if isinstance(offset, (bool, np.bool_)) or not isinstance(offset, (int, np.integer)):
-        raise ValueError(f"offset (number of cached tokens) must be an int, got {offset!r}")
-    if offset < 0:
-        raise ValueError(f"offset (number of cached tokens) must be >= 0, got {offset}")
-    return int(offset)
+    return check_int(offset, "offset (number of cached tokens)", 0)
 
 
 def _check_window(window) -> int | None:
-    if window is None:
-        return None
-    if isinstance(window, (bool, np.bool_)) or not isinstance(window, (int, np.integer)):
-        raise ValueError(f"window must be an int or None, got {window!r}")
-    if window < 1:
-        raise ValueError(f"window must be >= 1 (a query always sees itself), got {window}")
-    return int(window)
+    return None if window is None else check_int(window, "window", 1)  # (a query always sees itself)
 
 
 def _check_float_dtype(dtype) -> None:

@@ -198,10 +198,6 @@ def _vocab_size(model):
     return int(model(mx.array([[0]]))[0, -1].shape[-1])
 
 
-def _states(caches):
-    return [c.state for c in caches]
-
-
 def _decode_tree(model, committed, tokens, parents):
     """One-token decoding of every node from a copy of the cache after its parent."""
     n = len(parents)
@@ -213,7 +209,7 @@ def _decode_tree(model, committed, tokens, parents):
         p = int(parents[i])
         c = copy.deepcopy(committed if p < 0 else after[p])
         logits = model(mx.array([[int(tokens[i])]]), cache=c)[0, -1]
-        mx.eval(logits, _states(c))
+        mx.eval(logits, [x.state for x in c])
         out.append(logits)
         if has_children[i]:
             after[i] = c
@@ -275,7 +271,7 @@ def probe_exactness(model, tree_parents_list, n_inputs=3, history=32, seed=0,
             committed = make_prompt_cache(model)
             if len(hist) > 1:
                 model(mx.array(hist[:-1])[None], cache=committed)
-                mx.eval(_states(committed))
+                mx.eval([c.state for c in committed])
             root = hist[-1]
             for j in todo:
                 parents = topologies[j]

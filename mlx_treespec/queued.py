@@ -1,50 +1,16 @@
 """Rounds queued ahead: chain and tree rounds with no host sync between them.
 
-The round loop (loop.py) syncs once a round: the host walks what the target verified and only
-then builds the next round, so the device idles while Python works and Python idles while the
-device does. A draft made from device values alone (a drafter's `ahead`: DFlash's chain, or
-DDTree's tree built on the device; a head's chain, or its one-lane tree) needs nothing of the
-host: for a chain the walk is a prefix match (`cumprod(chain == the target's choices)`), the
-commit moves a device offset (a chain's accepted rows are a prefix of the verify's), and the
-next draft reads the verify's captured rows with the accepted count as a device scalar. So round
-r + 1 is queued before the host reads round r's tokens, as mlx-lm's generate_step queues the
-next token before it reads this one.
-
-A tree (`ahead` returns a Draft whose layout lives on the device) is walked on the device too:
-a node is accepted where it and its ancestors agree with the target, the deepest accepted node
-ends the path (device_tree.walk: one kernel thread on a GPU); the host reads the target's
-choices along the path. No K/V row moves: the next round's forward re-runs the accepted path
-as a chain at the committed offset, where one-token decoding writes those rows, and hangs its
-tree from the path's end (the round loop's rule, "re-run instead of move": a gather per layer
-costs more launches than the rows, and verify cost is flat in rows).
-
-Exact as the loop's rounds: the verify is the same whole-buffer forward
-(`verify.compiled_forward`, checked bitwise against its eager twin); rows past the committed
-offset are masked and overwritten by the next round. Stopping (the tokens left, a stop token,
-the consumer) is decided on the host one round late. The round queued past the end writes
-rows past the committed offset, which are dead, and for a tree it is also the round whose re-run
-writes the last accepted path's rows, so the caches end as one-token decoding leaves them.
-
-A hybrid's recurrent layers (GatedDeltaNet) scan the round's rows over device parents
-(`gdn.DevicePlan`: the scan keeps every node's state), so a commit is a read at the accepted
-count (`replay_prefix`) and needs no host value and no second scan. A chain round scans its
-chain from the committed states and commits the state after its accepted rows. A tree round
-scans the re-run path as a chain from the committed states and the tree from the path's
-accepted end, and commits the state after the re-run path's accepted rows, so a tree round
-commits the previous round's path and the host's states lag a round (`trees`). The host keeps,
-per recurrent layer, the states that match the rows it has read (`settled`), and writes those
-at the end.
-
-Where it runs (`can_queue`): greedy decoding, plain KV caches (not quantized, not rotating) and
-GatedDeltaNet states, whole-buffer attention (GPUs: `verify.pad_keys_default`), a drafter
-with `ahead`. Elsewhere the round loop runs. A drafter may also offer `queue_more(emitted, ms)`,
-asked after every round with the tokens it emitted and its wall ms: False hands the generation
-back to the round loop at that round's end (an adaptive drafter whose queued rounds lose to
-plain decoding or to its host drafter), and `handed_back(start,
-tokens)` tells it where the round loop starts (the context rows, the tokens emitted queued).
-The round loop may hand the generation back here (an adaptive drafter's `QueueAhead`): the
-caches then hold every token but the root, and the drafter's `requeue(root)` replaces its
-prefill.
+The round loop (loop.py) syncs once a round: the host walks what the target verified before it
+builds the next round, so the device idles while Python works. A draft made from device values
+alone (a drafter's `ahead`) needs nothing of the host, so round r + 1 is queued before the host
+reads round r's tokens, as mlx-lm's generate_step queues the next token before it reads this
+one: a chain's walk is a prefix match, a tree's runs on the device (device_tree.walk), and the
+next round re-runs a tree's accepted path instead of moving K/V rows. A hybrid's recurrent
+layers keep every row's state (`gdn.DevicePlan`) and commit by a read at the accepted count.
+Stopping is decided on the host one round late; rows past the committed offset are dead.
+The contract, where it runs (`can_queue`) and the hand-over to and from the round loop
+(`queue_more`, `handed_back`, `requeue`): docs/design.md, "Chains queued ahead" and "Trees
+queued ahead".
 """
 import time
 
@@ -56,6 +22,7 @@ from .cache import cache_kind
 from .device_tree import walk
 from .draft import Draft
 from .verify import compiled_forward, grown, kernel_fits, whole_buffer_forward
+from .walk import cut_at_stop
 
 __all__ = ["can_queue", "queued_rounds"]
 
@@ -199,12 +166,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             accepted = count.item() - 1
             emitted = np.array(choice)[: accepted + 1].tolist()
             toc = time.perf_counter()
-            if max_tokens >= 0:
-                emitted = emitted[: max_tokens - n]
-            for i, t in enumerate(emitted):
-                if t in stop_tokens:
-                    emitted = emitted[: i + 1]
-                    break
+            emitted = cut_at_stop(emitted if max_tokens < 0 else emitted[: max_tokens - n], stop_tokens)
             nodes, depth, budget = shape
             stats.record(accepted=accepted, emitted=len(emitted), nodes=nodes, depth=depth, held=0,
                          budget=budget, requested_depth=depth, draft_ms=0.0,

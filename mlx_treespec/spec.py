@@ -20,11 +20,9 @@ Arm grammar:
     ... +lookupN[@T]       (after chain or tree) a prompt-lookup chain of N nodes under the same
                            root; with T, rounds whose lookup matched T tokens draft with it alone
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-import numpy as np
-
-from .tree import MAX_NODES, chain_parents
+from .tree import MAX_NODES, chain_parents, check_int
 
 __all__ = ["DraftSpec", "check_int", "DEFAULT_TREE", "DRAFTERS"]
 
@@ -40,17 +38,6 @@ MAX_TOPK = 16
 MAX_TRUST = 4  # the lookup's longest n-gram
 DRAFTERS = ("model", "lookup", "suffix", "dflash", "mtp", "eagle3", "none")
 HEADS = ("mtp", "eagle3")  # one-layer heads over the target's hidden states: a draft model's shapes
-
-
-def check_int(value, name, low=None, high=None):
-    """An int option (numpy integers accepted); bools, floats and strings refused by name."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    value = int(value)
-    if low is not None and value < low or high is not None and value > high:
-        span = f"{low}..{high}" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be in {span}, got {value}")
-    return value
 
 
 def _opt(value, name, low, high):
@@ -165,8 +152,6 @@ class DraftSpec:
     @classmethod
     def adaptive_over(cls, drafter):
         """Adaptive drafting over `drafter`'s default shape (and prompt lookup)."""
-        from dataclasses import replace
-
         if drafter in ("lookup", "suffix"):
             fixed = cls.from_options(drafter, tree_budget=DEFAULT_FREE_BUDGET, tree_depth=DEFAULT_DEPTH)
         elif drafter == "dflash":  # the budget is picked per round, up to DDTree's default
@@ -298,8 +283,6 @@ class DraftSpec:
             return None
         self.check_draft_model(draft_model)
         if self.adaptive:
-            from dataclasses import replace
-
             from .adaptive import AdaptiveDrafter, ModelKey
             from .costmodel import costs_at, startup_costs
             from .drafters.lookup import LookupDrafter

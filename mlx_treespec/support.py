@@ -81,21 +81,6 @@ def _model_type(model):
     return getattr(model, "model_type", None) or getattr(args, "model_type", None)
 
 
-def _gdn_ready():
-    try:
-        from . import gdn  # noqa: F401
-
-        return hasattr(gdn, "gdn_layer_tree_forward")
-    except ImportError:
-        return False
-
-
-def _gdn_forkable(layer):
-    from .gdn import forkable
-
-    return forkable(layer)
-
-
 def _is_attention(module):
     name = type(module).__name__.lower()
     return "attention" in name or "attn" in name
@@ -142,10 +127,10 @@ def tree_support(model) -> List[Blocker]:
                                            "of a tree its own position", positions=True))
             if has_gdn:
                 has_any_gdn = True
+                from .gdn import forkable
+
                 gdn = [m for _, m in layer.named_modules() if {c.__name__ for c in type(m).__mro__} & GDN_CLASSES]
-                if not _gdn_ready():
-                    blockers.append(Blocker(i, "GatedDeltaNet recurrence: tree-forking scan not available"))
-                elif not all(_gdn_forkable(m) for m in gdn):
+                if not all(forkable(m) for m in gdn):
                     blockers.append(Blocker(i, f"a GatedDeltaNet variant ({type(gdn[0]).__module__.rsplit('.', 1)[-1]}'s: "
                                                "separate q/k/v projections and convolutions) with no tree forward here"))
             elif not ropes and not attention:
@@ -178,7 +163,7 @@ def tree_support(model) -> List[Blocker]:
         kind = cache_kind(c)
         if kind is None:
             blockers.append(Blocker(i, f"cache type {type(c).__name__} has no tree implementation"))
-        elif kind == "arrays" and not (has_any_gdn and _gdn_ready()):
+        elif kind == "arrays" and not has_any_gdn:
             if not any(b.layer == i for b in blockers):
                 blockers.append(Blocker(i, "recurrent state (ArraysCache) of a layer with no "
                                            "tree-forking implementation"))

@@ -57,13 +57,25 @@ def as_int_array(values, name: str, dtype=np.int64) -> np.ndarray:
     return array.astype(dtype)
 
 
+def check_int(value, name, low=None, high=None) -> int:
+    """An integer argument (numpy integers accepted); bools, floats and strings refused by name:
+    the library's one rule for integer options and arguments."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if low is not None and value < low or high is not None and value > high:
+        span = f"in {low}..{high}" if low is not None and high is not None else \
+            f">= {low}" if high is None else f"<= {high}"
+        raise ValueError(f"{name} must be {span}, got {value}")
+    return value
+
+
 def check_token(token, name: str = "root_token") -> int:
-    """Validate one token id (a Python or numpy integer, not bool, >= 0)."""
-    if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)):
-        raise ValueError(f"{name} must be an int token id, got {token!r}")
+    """One token id (an integer >= 0)."""
+    token = check_int(token, name)
     if token < 0:
         raise ValueError(f"{name} must be a non-negative token id, got {token}")
-    return int(token)
+    return token
 
 
 class DraftTree:
@@ -206,8 +218,7 @@ class DraftTree:
     def _check_node(self, i, name: str = "node") -> int:
         # Negative indices are refused rather than wrapped: -1 means "no
         # parent" in this library, so wrapping it to the last node hides bugs.
-        if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer)):
-            raise ValueError(f"{name} must be an int node index, got {i!r}")
+        i = check_int(i, f"{name} (a node index)")
         if not 0 <= i < self.size:
             raise ValueError(
                 f"{name} {i} is out of range for a tree of {self.size} nodes "

@@ -120,8 +120,6 @@ def _mla_call(self, x, mask=None, cache=None):
     same steps as mlx-lm's one-token branch, for any number of rows."""
     if _CTX.positions is None:
         return super(type(self), self).__call__(x, mask=mask, cache=cache)
-    from mlx_lm.models.base import scaled_dot_product_attention
-
     B, L, _ = x.shape
     q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
     q_nope, q_pe = mx.split(q.reshape(B, L, self.num_heads, self.q_head_dim).transpose(0, 2, 1, 3),
@@ -135,7 +133,7 @@ def _mla_call(self, x, mask=None, cache=None):
     if mask is not None:  # the round's mask: boolean (CPU) or additive (GPU)
         low = mx.array(mx.finfo(scores.dtype).min, scores.dtype)
         scores = mx.where(mask, scores, low) if mask.dtype == mx.bool_ else scores + mask.astype(scores.dtype)
-    out = scaled_dot_product_attention(self.embed_q(q_nope), latent, latent, cache=cache, scale=self.scale,
+    out = _BASE_SDPA(self.embed_q(q_nope), latent, latent, cache=cache, scale=self.scale,
                                        mask=scores)
     return self.o_proj(self.unembed_out(out).transpose(0, 2, 1, 3).reshape(B, L, -1))
 

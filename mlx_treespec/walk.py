@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .tree import DraftTree, as_int_array
+from .tree import DraftTree, as_int_array, check_int
 
 
 def greedy_walk(tree: DraftTree, target_tokens, max_emit=None):
@@ -32,10 +32,7 @@ def greedy_walk(tree: DraftTree, target_tokens, max_emit=None):
         )
     target = as_int_array(target, "target_tokens")
     if max_emit is not None:
-        if isinstance(max_emit, (bool, np.bool_)) or not isinstance(max_emit, (int, np.integer)):
-            raise ValueError(f"max_emit must be an int or None, got {max_emit!r}")
-        if max_emit < 0:
-            raise ValueError(f"max_emit must be >= 0, got {max_emit}")
+        max_emit = check_int(max_emit, "max_emit", 0)
 
     tokens, parents = tree.tokens, tree.parents
     # agrees[i]: the whole path to node i is the target's choices (parents come first; plain
@@ -50,3 +47,12 @@ def greedy_walk(tree: DraftTree, target_tokens, max_emit=None):
     if max_emit is not None:
         emitted = emitted[:max_emit]
     return path, emitted
+
+
+def cut_at_stop(emitted, stop_tokens):
+    """The emission up to and including its first stop token (the round loop's and the queued
+    rounds' one rule: a round's commit keeps exactly what it emitted)."""
+    for i, t in enumerate(emitted):
+        if t in stop_tokens:
+            return emitted[: i + 1]
+    return emitted

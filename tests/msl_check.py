@@ -817,7 +817,7 @@ def emulate_single_thread(body_name, template, inputs, outputs):
         d = tempfile.mkdtemp(prefix="tree_emu_")
         atexit.register(shutil.rmtree, d, True)
         with open(os.path.join(d, "body.inc"), "w") as f:
-            f.write(device_tree._body(body_name))
+            f.write(device_tree.kernel_text(body_name))
         params = [f"const {_C_TYPES[a.dtype.name]}* {n}" for n, a in inputs] + \
             [f"{_C_TYPES[np.dtype(t).name]}* {n}" for n, t, _ in outputs]
         consts = "".join(f"  constexpr int {n} = {v};\n" for n, v in template.items())
@@ -878,8 +878,8 @@ def device_tree_cuda_sources() -> List[Tuple[str, str]]:
     return [
         cuda_kernel_source("ddtree_build", [("lp", mx.float32), ("ids", mx.uint32), ("root", mx.uint32)],
                            [("tokens", mx.uint32), ("parents", mx.int32), ("depths", mx.int32), ("anc", mx.bool_)],
-                           [("D", 15), ("K", 31), ("N", 31)], h, device_tree._body("ddtree_build.inc")),
+                           [("D", 15), ("K", 31), ("N", 31)], h, device_tree.kernel_text("ddtree_build.inc")),
         cuda_kernel_source("tree_walk", [("choice", mx.uint32), ("tokens", mx.uint32), ("parents", mx.int32)],
                            [("count", mx.int32), ("path", mx.int32), ("emitted", mx.uint32)],
-                           [("T", 32)], h, device_tree._body("tree_walk.inc")),
+                           [("T", 32)], h, device_tree.kernel_text("tree_walk.inc")),
     ]

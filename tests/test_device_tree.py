@@ -122,7 +122,7 @@ def test_metal_kernels_compile():
     sources = msl_check.traced_metal_sources(msl_check.trace_device_tree_metal)
     assert len(sources) == 2
     for (_, src), body in zip(sources, ("ddtree_build.inc", "tree_walk.inc")):
-        assert device_tree._body(body) in src
+        assert device_tree.kernel_text(body) in src
     ok, err = msl_check.check_metal([s for _, s in sources])
     assert ok, err
     assert not msl_check.check_metal(sources[1][1].replace("path[k--] = i;", "path[k--] = i"))[0]

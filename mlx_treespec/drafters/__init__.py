@@ -9,9 +9,10 @@
 import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
 
 from ..draft import Draft, Layout
-from ..spec import check_int
+from ..tree import check_int
 from ..tree import MAX_NODES
 
 
@@ -63,10 +64,6 @@ def dequantize_linears(module):
     A drafter ships quantized (small) and runs as float: its numerics are the quantized
     weights', and MLX's CPU matmul over quantized weights is ~10x slower at draft sizes than a
     float one. The dtype is the module's norms' (the unquantized parameters')."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_unflatten
-
     swaps = []
     for path, m in module.named_modules():
         if isinstance(m, nn.QuantizedLinear):
@@ -77,7 +74,7 @@ def dequantize_linears(module):
                 lin.bias = m.bias
             swaps.append((path, lin))
     if swaps:
-        floats = [v.dtype for _, v in __import__("mlx.utils").utils.tree_flatten(module.parameters())
+        floats = [v.dtype for _, v in tree_flatten(module.parameters())
                   if mx.issubdtype(v.dtype, mx.floating)]
         module.update_modules(tree_unflatten(swaps))
         for _, lin in swaps:
@@ -91,8 +88,6 @@ def target_io(target):
     model is `target.language_model` where there is one (qwen3_5, VLM wrappers), else the
     model itself; lm_head is its `lm_head`, or the embedding as a linear map when tied."""
     lm = getattr(target, "language_model", None)
-    import mlx.nn as nn
-
     lm = lm if isinstance(lm, nn.Module) else target
     inner = getattr(lm, "model", None)
     embed = getattr(inner, "embed_tokens", None) if inner is not None else None

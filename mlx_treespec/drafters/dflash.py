@@ -36,7 +36,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from ..builders import best_first_tree
 from ..draft import Draft, Layout
 from ..tree import MAX_NODES, chain_parents, preorder, relabel
-from ..verify import grown, layer_span
+from ..verify import check_capture, grown
 from . import GatedMLP, dequantize_linears, target_io
 from ..device_tree import best_first
 
@@ -192,17 +192,13 @@ def bind_dflash(drafter, target):
     V, H = embed.weight.shape[0], model.config["hidden_size"]
     t_args = getattr(target, "args", None)
     t_hidden = getattr(t_args, "hidden_size", None) or (getattr(t_args, "text_config", None) or {}).get("hidden_size")
-    n_layers = layer_span(target)[2]
     if t_hidden is not None and t_hidden != H:
         raise ValueError(f"the DFlash drafter has hidden size {H}, the target {t_hidden}: use a drafter "
                          "trained for this target")
     if model.config.get("vocab_size") not in (None, V):
         raise ValueError(f"the DFlash drafter's vocabulary ({model.config['vocab_size']}) differs from the "
                          f"target's ({V}): use a drafter trained for this target")
-    bad = [i for i in model.target_layer_ids if not 0 <= i < n_layers]
-    if bad:
-        raise ValueError(f"the DFlash drafter reads target layers {bad}, but the target has {n_layers} "
-                         f"(0..{n_layers - 1}): use a drafter trained for this target")
+    check_capture(target, model.target_layer_ids)
     if not 0 <= int(model.mask_token_id) < V:
         raise ValueError(f"the DFlash mask token {model.mask_token_id} is outside the target's vocabulary "
                          f"(0..{V - 1}): fix dflash_config.mask_token_id")

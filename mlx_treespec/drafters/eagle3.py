@@ -43,16 +43,13 @@ import os
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .mtp import _one_line, load_checked, quantize_like, read_tensors, step_rows, target_io
+from .mtp import HeadModule, _one_line, load_checked, quantize_like, read_tensors, step_rows, target_io
+from ..verify import layer_span
 from . import GatedMLP, dequantize_linears
 
 __all__ = ["Eagle3Head", "load_eagle3", "default_capture"]
-
-_STATE = ("pending_hidden", "pending_first", "out_hidden", "_embed", "_gather", "config", "capture")
-
 
 def default_capture(num_layers):
     """SafeAILab's aux layers: the outputs after 2, L//2 and L-3 layers (0-based indices)."""
@@ -109,11 +106,13 @@ class _MidLayer(nn.Module):
         self.mlp = GatedMLP(H, c["intermediate_size"], bias=c.get("mlp_bias", False))
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(HeadModule):
     """The head from a normalised config dict `c` (see `_config`): hidden_size, heads, head_dim,
     intermediate_size, rms_norm_eps, rope_theta, rope_scaling, vocab_size (the target's),
     draft_vocab_size, target_hidden_size, n_aux, and the flags norm_before_residual,
     norm_before_fc, fc_norm, norm_output, qk_norm."""
+
+    STATE = ("pending_hidden", "pending_first", "out_hidden", "_embed", "_gather", "config", "capture")
 
     def __init__(self, c, capture):
         super().__init__()
@@ -138,12 +137,6 @@ class Eagle3Head(nn.Module):
         self._embed = None
         self._gather = None  # set_vocab_map: identity until a d2t is given
 
-    def __setattr__(self, key, value):
-        if key in _STATE:  # per-call state and the target's modules: not this head's parameters
-            object.__setattr__(self, key, value)
-        else:
-            super().__setattr__(key, value)
-
     def set_vocab_map(self, d2t):
         """d2t (int [Vd]): target id of draft id i is i + d2t[i]; None: the identity (Vd == V)."""
         if d2t is None:
@@ -164,9 +157,6 @@ class Eagle3Head(nn.Module):
             _, embed, _ = target_io(target)
         self._embed = embed
         return self
-
-    def make_cache(self):
-        return [KVCache()]
 
     def to_target_vocab(self, logits):
         """Draft-vocab logits [..., Vd] -> target-vocab logits [..., V], -inf off the draft vocab."""
@@ -276,7 +266,7 @@ def load_eagle3(folder, target_model, capture=None):
     args, embed, _ = target_io(target_model)
     t_hidden = int(getattr(args, "hidden_size", 0) or embed.weight.shape[-1])
     t_vocab = int(getattr(args, "vocab_size", 0) or embed.weight.shape[0])
-    n_layers = len(list(getattr(target_model, "layers", [])))
+    n_layers = layer_span(target_model)[2]  # (the whole model's depth, pipelined or not)
     if c["target_hidden_size"] != t_hidden:
         _fail(folder, f"made for a target of hidden size {c['target_hidden_size']}, this target has {t_hidden}: "
                       "use a head trained for this target")

@@ -36,6 +36,7 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from . import dequantize_linears, target_io  # noqa: F401 (eagle3.py imports it from here)
@@ -137,7 +138,7 @@ def quantize_like(module, weights, config, prefix=""):
 
 def load_checked(module, weights, what):
     """module.load_weights(strict), its errors as one line naming `what`."""
-    have = {k for k, _ in _flat(module.parameters())}
+    have = {k for k, _ in tree_flatten(module.parameters())}
     missing = sorted(have - set(weights))
     extra = sorted(set(weights) - have)
     if missing or extra:
@@ -153,15 +154,23 @@ def load_checked(module, weights, what):
         raise ValueError(_one_line(f"{what}: {e}")) from None
 
 
-def _flat(params):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(params)
-
-
 # ---------------------------------------------------------------------------------------------
 
-_STATE = ("pending_hidden", "out_hidden", "_embed", "_lm_head", "_final_norm", "capture")
+class HeadModule(nn.Module):
+    """A drafting head's module (MTPHead, Eagle3Head): the attributes named in STATE are per-call
+    state and the target's modules, kept out of the head's parameters; one KV cache."""
+
+    STATE = ()
+
+    def __setattr__(self, key, value):
+        if key in self.STATE:
+            object.__setattr__(self, key, value)
+        else:
+            super().__setattr__(key, value)
+
+    def make_cache(self):
+        return [KVCache()]
+
 
 _FAMILIES = {  # mlx-lm module of the text model -> its decoder layer class
     "mlx_lm.models.qwen3_5": "DecoderLayer",
@@ -180,12 +189,14 @@ def _family(target):
     return args, embed, head, sys.modules[module], _FAMILIES[module]
 
 
-class MTPHead(nn.Module):
+class MTPHead(HeadModule):
     """One MTP layer for `target` (an mlx-lm qwen3_5 / qwen3_5_moe / qwen3_next model), built
     from the target's text config and bound to its embedding and lm_head; see the module
     docstring. `mlp`: "dense" (intermediate size `intermediate_size`, default the target's) or
     "moe" (mlx-lm's sparse MoE block from the target's MoE fields). Weights are random until
     loaded (`load_mtp` does both)."""
+
+    STATE = ("pending_hidden", "out_hidden", "_embed", "_lm_head", "_final_norm", "capture")
 
     def __init__(self, target, mlp="dense", intermediate_size=None, hidden_kind="post"):
         super().__init__()
@@ -222,12 +233,6 @@ class MTPHead(nn.Module):
         self._lm_head = None
         self.bind(target)
 
-    def __setattr__(self, key, value):
-        if key in _STATE:  # per-call state, not parameters
-            object.__setattr__(self, key, value)
-        else:
-            super().__setattr__(key, value)
-
     def bind(self, target):
         """Use `target`'s embedding and lm_head (tied: the embedding as a linear map)."""
         _, embed, head = target_io(target)
@@ -249,14 +254,11 @@ class MTPHead(nn.Module):
         (w, not 1 + w); quantized leaves as they are (`.scales` / `.biases`). Experts stay in
         mlx-lm's stacked `switch_mlp.*` form, which `load_mtp` reads too."""
         out = {}
-        for k, v in _flat(self.parameters()):
+        for k, v in tree_flatten(self.parameters()):
             if v.ndim == 1 and mx.issubdtype(v.dtype, mx.floating) and _is_norm(k):
                 v = v - mx.array(1.0, v.dtype)
             out["mtp." + k] = v
         return out
-
-    def make_cache(self):
-        return [KVCache()]
 
     def __call__(self, inputs, cache=None, hidden=None):
         if self._embed is None:
