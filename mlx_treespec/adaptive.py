@@ -46,13 +46,12 @@ SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # (tokens / ms: not an EWMA, whose few hard rounds ended a generation's queueing for good; not the
 # whole generation, which late on would never move) is below QUEUED_LOSS x plain decoding's, the
 # adaptive rounds take over. Not at 1.0: plain's rate is the start-up fit's, taken in quiet
-# conditions. On the H200 an EWMA over 8 rounds handed back where the chain ran 1.1-2.2x faster
-# than what followed (bench/RESULTS.md, "The retrained hybrid DFlash head"). The bar is the
+# conditions. An EWMA handed back where the chain was faster than what followed (bench/RESULTS.md,
+# "The retrained hybrid DFlash head"). The bar is the
 # better of plain's rate and the host's over the same tokens (`_shadow`), once the host's shadow
 # rounds cover at least half the window's tokens. A hand-back is not for good: the primary's
-# arm queues again when chosen (`QueueAhead`), so the decision comes early (on the H200 4 beat
-# 8 on all three demo sets: bench/RESULTS.md, "The default comes back to queued rounds"; 8
-# without the way back did not pay clearly over 16: "The default, three runs of each prompt")
+# arm queues again when chosen (`QueueAhead`), so the decision comes early (bench/RESULTS.md,
+# "The default comes back to queued rounds" and "The default, three runs of each prompt")
 QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 4, 32, 0.8
 
 
