@@ -389,7 +389,6 @@ def tree_gated_delta_ops(
         extra = {None: None, "last": state, "all": mx.zeros((B, 0, Hv, Dv, Dk), state.dtype)}
         return y, extra[return_states]
 
-
     per_level, inv = plan.ops_tables()
 
     ys, states = [], []

@@ -133,8 +133,7 @@ def _mla_call(self, x, mask=None, cache=None):
     if mask is not None:  # the round's mask: boolean (CPU) or additive (GPU)
         low = mx.array(mx.finfo(scores.dtype).min, scores.dtype)
         scores = mx.where(mask, scores, low) if mask.dtype == mx.bool_ else scores + mask.astype(scores.dtype)
-    out = _BASE_SDPA(self.embed_q(q_nope), latent, latent, cache=cache, scale=self.scale,
-                                       mask=scores)
+    out = _BASE_SDPA(self.embed_q(q_nope), latent, latent, cache=cache, scale=self.scale, mask=scores)
     return self.o_proj(self.unembed_out(out).transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 
@@ -461,9 +460,10 @@ def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False):
     `scans`: the indices of recurrent layers (a hybrid's GatedDeltaNet), whose "buffers" are
     their committed conv and recurrent states; the tokens are a chain, or the tree of the
     optional last input `parents` (mx int32 [T]: a tree built on the device, or a queued chain
-    whose commit reads every row's kept state, `gdn.DevicePlan`), and such a layer gives out its scan's payload (and None) for the commit (a compiled forward
-    gives out the payload's host entries, its parents and kernel flag, as they were traced:
-    they depend on the row count only; a device tree's parents are an input, given back).
+    whose commit reads every row's kept state, `gdn.DevicePlan`), and such a layer gives out
+    its scan's payload (and None) for the commit (a compiled forward gives out the payload's
+    host entries, its parents and kernel flag, as they were traced: they depend on the row
+    count only; a device tree's parents are an input, given back).
     `kernel`: attention runs the tree-attention kernel (`kernel_fits`)."""
 
     def forward(tokens, positions, mask, start, keys, values, parents=None):

@@ -12,8 +12,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..draft import Draft, Layout
-from ..tree import check_int
-from ..tree import MAX_NODES
+from ..tree import MAX_NODES, check_int
 
 
 class GatedMLP(nn.Module):

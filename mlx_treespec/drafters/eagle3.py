@@ -51,6 +51,7 @@ from . import GatedMLP, dequantize_linears
 
 __all__ = ["Eagle3Head", "load_eagle3", "default_capture"]
 
+
 def default_capture(num_layers):
     """SafeAILab's aux layers: the outputs after 2, L//2 and L-3 layers (0-based indices)."""
     L = num_layers
