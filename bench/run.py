@@ -8,6 +8,8 @@
     python bench/run.py long --config bench/configs/qwen3_8b.json --contexts 1024,8192,32768 --q-bits 0,4
     python bench/run.py pieces --target demo --history 300 --repeats 30   # a DDTree round's pieces
     python bench/run.py comm --target demo-hybrid --arms plain,dflash:7,ddtree:12 --n 4   # sharded: collectives
+    python bench/run.py bound --target demo --arms eagle3 --prompts unseen --n 8 --max-tokens 128 --depth 12
+        # a head's best static tree of N nodes, with hindsight, against its chain of N (CPU, exact)
     python bench/run.py paths      # verify paths on this device (tiny models: latent attention, hybrid drafters)
     python bench/run.py unseen-prompts        # (re)writes bench/unseen_prompts.json.gz
 
@@ -22,6 +24,7 @@ bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and devic
 --out names another place.
 """
 import argparse
+import collections
 import gzip
 import json
 import random
@@ -319,6 +322,109 @@ def run_acceptance(args):
         if args.ratio:
             a, b = args.ratio.split("/")
             md.append(f"\n{a} / {b} = {chainlike[a] / chainlike[b]:.3f}")
+        md.append("")
+    write(args, report, md)
+
+
+def head_ranks(target, head, kind, prompt, max_tokens, depth, cap=8):
+    """Per position of the target's greedy continuation of `prompt` (rounds may start there): the
+    rank of the target's next token at each of `depth` head steps drafted along the target's own
+    tokens (each step over its parent's output hidden, as a chain that matched so far), capped
+    at `cap` (`cap`: no tree node of rank below cap holds it)."""
+    from mlx_lm.generate import generate_step
+    from mlx_treespec.verify import capturing
+
+    s = list(prompt) + [int(t) for t, _ in generate_step(mx.array(prompt), target, max_tokens=max_tokens)]
+    with capturing(target, head.capture) as cap_:
+        target(mx.array(s)[None])
+        rows = cap_.hidden()
+    rows = head.target_hidden(rows) if kind == "mtp" else rows
+    flag = (lambda first: dict(first=first)) if kind == "eagle3" else (lambda first: {})
+    cache = head.make_cache()
+    logits = head(mx.array(s[1:])[None], cache=cache, hidden=rows[:-1][None], **flag(True))[0]
+    hidden, K, V = head.out_hidden[0], cache[0].keys, cache[0].values  # slot t predicts s[t + 2]
+    out = []
+    for t in range(len(prompt) - 2, len(s) - depth - 2):
+        c = head.make_cache()[0]
+        c.keys, c.values, c.offset = K[:, :, : t + 1], V[:, :, : t + 1], t + 1
+        lg, h, ranks = logits[t], hidden[t : t + 1], []
+        for d in range(1, depth + 1):
+            true = s[t + 1 + d]
+            ranks.append(min(int(mx.sum(lg > lg[true]).item()), cap))
+            if d < depth:
+                lg = head(mx.array([[true]]), cache=[c], hidden=h[None], **flag(False))[0, 0]
+                h = head.out_hidden[0]
+        out.append(tuple(ranks))
+    return out
+
+
+def rank_rounds(per_prompt, tree):
+    """Rounds as the loop runs them over each prompt's rank sequences (`head_ranks`), drafting the
+    rank-space `tree` (a set of rank prefixes: the chain is {(0,), (0, 0), ...}): each round
+    accepts its longest prefix in the tree and the next starts after the tokens it emitted.
+    -> (emitted per verify, the rank sequences the rounds started at)."""
+    emitted, starts = 0, []
+    for seqs in per_prompt:
+        t = 0
+        while t < len(seqs):
+            r, a = seqs[t], 0
+            while a < len(r) and r[: a + 1] in tree:
+                a += 1
+            starts.append(r)
+            emitted += a + 1
+            t += a + 1
+    return emitted / max(len(starts), 1), starts
+
+
+def best_rank_tree(starts, n, cap):
+    """The n rank prefixes most often accepted at these round starts, prefix-closed (a child is
+    never accepted more often than its parent; ties go to the shallower, then lower ranks)."""
+    count = collections.Counter(r[:d] for r in starts for d in range(1, len(r) + 1) if r[d - 1] < cap)
+    tree = set()
+    for k in sorted(count, key=lambda k: (-count[k], len(k), k)):
+        if len(tree) == n:
+            break
+        if all(k[:d] in tree for d in range(1, len(k))):
+            tree.add(k)
+    return tree
+
+
+def run_bound(args):
+    """A head's best static tree of N nodes, chosen with hindsight, against its chain of N (CPU,
+    exact: teacher-forced head steps and the target's greedy text; rounds simulated as the loop
+    runs them). `--arms mtp` or `eagle3`; `--nodes-list` the Ns; `--depth` the deepest step."""
+    target, tok = load_target(args.target)
+    kind = args.arms
+    head = Arms(target, args.target, [], head_names=dict(mtp=args.mtp, eagle3=args.eagle3)).head(kind)
+    cap = 8
+    report = dict(meta=run_meta(section=args.section, target=args.target, arms=[kind],
+                                max_tokens=args.max_tokens), sets={})
+    md = [f"# {args.section}: the {kind} head on {args.target} (commit {_commit(report['meta'])})", "",
+          f"`python bench/run.py {' '.join(sys.argv[1:])}`", ""]
+    for pset in args.prompts.split(","):
+        prompts = encode_prompts(tok, load_prompts(pset)[: args.n])
+        per_prompt = []
+        for i, p in enumerate(prompts):
+            per_prompt.append(head_ranks(target, head, kind, p, args.max_tokens, args.depth, cap))
+            log(f"{pset} prompt {i}: {len(per_prompt[-1])} positions")
+        rows = []
+        for n in [int(x) for x in args.nodes_list.split(",")]:
+            chain, starts = rank_rounds(per_prompt, {(0,) * d for d in range(1, min(n, args.depth) + 1)})
+            best = chain
+            for _ in range(3):  # refit to the starts the tree's own rounds reach
+                tree = best_rank_tree(starts, n, cap)
+                emitted, starts = rank_rounds(per_prompt, tree)
+                best = max(best, emitted)
+            rows.append(dict(nodes=n, chain=chain, chain_nodes=min(n, args.depth), tree=best))
+        first = [r[0] for seqs in per_prompt for r in seqs]
+        top1 = sum(x == 0 for x in first) / max(len(first), 1)
+        report["sets"][pset] = dict(prompts=len(prompts), positions=len(first), step1_top1=top1, rows=rows)
+        md += [f"## {pset} ({len(prompts)} x {args.max_tokens} tokens; {len(first)} positions; "
+               f"step-1 top-1 {top1:.3f})", "",
+               "| nodes N | chain of N: emitted per verify | best static tree of N, hindsight | tree / chain |",
+               "|---|---|---|---|"]
+        md += [f"| {r['nodes']} | {r['chain']:.3f}{'' if r['chain_nodes'] == r['nodes'] else ' (of %d)' % r['chain_nodes']} "
+               f"| {r['tree']:.3f} | {r['tree'] / r['chain']:.3f}x |" for r in rows]
         md.append("")
     write(args, report, md)
 
@@ -1128,7 +1234,7 @@ def _json(o):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "comm", "comm-rank",
-                                       "paths", "unseen-prompts"])
+                                       "paths", "bound", "unseen-prompts"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
     p.add_argument("--target", default="demo")
     p.add_argument("--draft-model", default=None, help="draft model(s), comma separated: an arm ending in /di "
@@ -1155,6 +1261,8 @@ def main(argv=None):
     p.add_argument("--history", type=int, default=512)
     p.add_argument("--contexts", default="1024,8192,32768", help="long: committed tokens before the verify")
     p.add_argument("--nodes", type=int, default=32, help="long: tree nodes (and causal tokens) per forward")
+    p.add_argument("--nodes-list", default="2,3,5,8,10,12,15,20,30,45", help="bound: tree sizes")
+    p.add_argument("--depth", type=int, default=12, help="bound: the deepest head step")
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--overhead-ms", type=float, default=0.5)
     p.add_argument("--rounds", action="store_true",
@@ -1168,7 +1276,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.section = args.section or args.command
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
-     "pieces": run_pieces, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
+     "pieces": run_pieces, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
      "unseen-prompts": make_unseen_prompts}[args.command](args)
 
 

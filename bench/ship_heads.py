@@ -49,14 +49,25 @@ def ship_dflash(src, dst, bits, group_size):
 
 
 def ship_eagle3(src, dst, bits, group_size):
-    """The SafeAILab layout again (fc, midlayer.*, norm, lm_head, d2t, t2d), quantized."""
+    """The SafeAILab layout again (fc, midlayer.*, norm, lm_head, d2t, t2d), quantized. An lm_head
+    that is the target's own (trained frozen, over the whole vocab) is not shipped: the loader
+    binds the target's."""
     from mlx_lm import load
 
+    from mlx_treespec.drafters import target_io
     from mlx_treespec.drafters.eagle3 import load_eagle3
 
     target = load(str(ROOT / "mlx_treespec" / "demo" / "target"))[0]
-    head = load_eagle3(src, target)
     raw = mx.load(str(Path(src) / "model.safetensors"))
+    _, _, lm = target_io(target)
+    W = raw.get("lm_head.weight")
+    if W is not None and W.shape[0] == target.args.vocab_size:
+        mine = lm(mx.eye(W.shape[1], dtype=mx.float32)).T.astype(W.dtype)
+        if mx.array_equal(W, mine).item():
+            src = _without(src, "lm_head.weight")
+            raw = mx.load(str(Path(src) / "model.safetensors"))
+            print("eagle3_target: its lm_head is the target's: not shipped")
+    head = load_eagle3(src, target)
     config = json.loads((Path(src) / "config.json").read_text())
     if bits:
         weights = quantized_weights(head, bits, group_size)
@@ -65,6 +76,19 @@ def ship_eagle3(src, dst, bits, group_size):
         weights = dict(tree_flatten(head.parameters()))
     weights.update({k: raw[k] for k in ("d2t", "t2d")})
     return _write(dst, weights, config, src)
+
+
+def _without(src, name):
+    """A copy of the head folder `src` without tensor `name` (in a temporary folder)."""
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="ship_"))
+    for f in Path(src).iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    mx.save_safetensors(str(out / "model.safetensors"),
+                        {k: v for k, v in mx.load(str(Path(src) / "model.safetensors")).items() if k != name})
+    return out
 
 
 def ship_mtp(src, hybrid_folder, bits, group_size):

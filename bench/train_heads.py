@@ -25,7 +25,8 @@ by ``--deadline-seconds`` of wall time counted from the start, it
    * ``dflash_hybrid``: the same for the hybrid;
    * ``mtp_post`` / ``mtp_pre``: a Qwen3.5 MTP head for the hybrid, fed the hybrid's last
      hidden after / before its final norm (both kept; the log marks the better one);
-   * ``eagle3_target``: an EAGLE-3 head for the target (draft vocab 1024);
+   * ``eagle3_target``: an EAGLE-3 head for the target (draft vocab: the whole target vocab,
+     through the target's own lm_head, frozen; six unrolled steps);
    * ``drafter_hybrid``: not a head but a 2-layer Qwen3.5 LM (one linear-attention layer, one
      full-attention layer, warm-started from the hybrid's layers 0 and 3) drafting for the
      hybrid as an ordinary draft model; it reads tokens only, exported as an mlx-lm folder;
@@ -117,7 +118,7 @@ HEADS = {
         "hidden_size": 384, "num_hidden_layers": 1, "num_attention_heads": 6,
         "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 1024,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None,
-        "vocab_size": VOCAB, "draft_vocab_size": 1024, "target_hidden_size": 384,
+        "vocab_size": VOCAB, "draft_vocab_size": VOCAB, "target_hidden_size": 384,
         "eagle_aux_hidden_state_layer_ids": [1, 3, 4], "max_position_embeddings": 2048,
         "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": False,
         "torch_dtype": "float16",
@@ -142,7 +143,8 @@ TRAIN = {
     "mtp_pre": dict(kind="mtp", source="hybrid", features=["layer7"], lr=1e-3, bs=32,
                     unroll=3, decay=0.6, init="hybrid_layer_7"),
     "eagle3_target": dict(kind="eagle3", source="target", features=["layer1", "layer3", "layer4"],
-                          lr=1e-3, bs=32, unroll=3, decay=0.8, init="lm_head_from_embedding"),
+                          lr=1e-3, bs=32, unroll=6, decay=0.8, init="lm_head_from_embedding",
+                          frozen_lm_head=True),  # the target's own lm_head (not shipped: the loader binds it)
     # next-token CE (generated labels weight 1, prompt text prompt_weight) + kl x KL to the
     # frozen hybrid's logits, computed on the fly in the worker (the data keeps no logits)
     "drafter_hybrid": dict(kind="drafter", source="hybrid", features=[], lr=1e-3, bs=32,
@@ -993,6 +995,8 @@ def train_head(name, data, opts, log):
     if kind == "eagle3":
         model.set_draft_vocab(data["draft_vocab"])
     _init_head(name, spec, model)
+    if spec.get("frozen_lm_head"):
+        model.lm_head.weight.requires_grad_(False)
     model.to(device).train()
     # the drafter's KL target: the frozen hybrid, run here (the data carries no logits)
     teacher = load_frozen(spec["source"], device) if kind == "drafter" and spec.get("kl") else None
@@ -1006,8 +1010,8 @@ def train_head(name, data, opts, log):
         t2d_index = torch.full((VOCAB,), -1, dtype=torch.long, device=device)
         t2d_index[model.draft_ids()] = torch.arange(cfg["draft_vocab_size"], device=device)
 
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     lr, tc = spec["lr"], TRAIN_COMMON
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc["weight_decay"]},
                              {"params": no_decay, "weight_decay": 0.0}],

@@ -130,3 +130,31 @@ def test_derived_prompt_sets():
     assert len(editing) == len(unseen) and editing[0].startswith(unseen[0] + "\n\n")
     total = sum(len(t) + 2 for t in unseen + heldout + unseen) - 2
     assert len(long) == 4 and len(long[0]) == total and long[0].startswith(unseen[0]) and heldout[0] in long[0]
+
+
+def test_rank_rounds_and_the_best_static_tree():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from run import best_rank_tree, rank_rounds
+
+    # one prompt, 8 round-start positions: the head's second choice is right at depth 1 half the time
+    seqs = [(0, 0), (1, 0), (0, 0), (1, 0), (0, 5), (1, 5), (5, 0), (0, 0)]
+    chain = {(0,), (0, 0)}
+    emitted, starts = rank_rounds([seqs], chain)
+    # rounds start at 0 (accepts 2: emits 3), 3 (rank 1: emits 1), 4 (emits 2), 6 (emits 1), 7 (emits 3)
+    assert starts == [seqs[0], seqs[3], seqs[4], seqs[6], seqs[7]]
+    assert emitted == (3 + 1 + 2 + 1 + 3) / 5
+    tree = best_rank_tree(starts, 2, cap=8)
+    assert tree == {(0,), (0, 0)}  # (0,) at 3 starts, (0, 0) at 2, (1,) at 1
+    wide = best_rank_tree([(1, 0), (1, 0), (0, 3)], 2, cap=8)
+    assert wide == {(1,), (1, 0)}  # prefix-closed: (1, 0) only under (1,)
+    assert best_rank_tree([(8, 0)], 3, cap=8) == set()  # rank cap: no node holds it
+    emitted, _ = rank_rounds([[(1, 0), (1, 0), (0, 0)]], {(1,), (1, 0)})
+    assert emitted == 3.0  # the first round emits 3 and ends the prompt
+
+
+def test_bound_section_tiny(tmp_path):
+    text = run(["bound", "--target", "demo", "--arms", "eagle3", "--prompts", "unseen", "--n", "1",
+                "--max-tokens", "12", "--depth", "3", "--nodes-list", "2,6", "--out", str(tmp_path / "b")])
+    assert "| 2 |" in text and "(of 3)" in text
+    rows = read_json(tmp_path / "b.json.gz")["sets"]["unseen"]["rows"]
+    assert [r["nodes"] for r in rows] == [2, 6] and all(r["tree"] >= r["chain"] >= 1.0 for r in rows)

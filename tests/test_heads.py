@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 import tiny
+from mlx_treespec.drafters import target_io
 from mlx_treespec.drafters.eagle3 import load_eagle3
 from mlx_treespec.drafters.mtp import NO_MTP, load_mtp
 from mlx_treespec.verify import TreeRound, is_tree_module
@@ -563,6 +564,38 @@ def test_eagle3_capture_reads_the_named_layers(tmp_path):
         outs.append(h)
     want = mx.concatenate([outs[i][0] for i in head.capture], axis=-1)
     close(feats, want, tol=1e-5)
+
+
+def test_eagle3_over_the_whole_vocab_drafts_through_the_target_lm_head(tmp_path):
+    # a head over the whole target vocab (d2t all zero) with no lm_head of its own: EAGLE-1/2's way,
+    # the target's lm_head; with its own copy of that lm_head it computes the same logits, and an
+    # identity d2t map scatters nothing
+    target = tiny.build(EAGLE_TARGET)
+    rng = np.random.default_rng(3)
+    tensors, _ = eagle3_tensors(rng)
+    V = tiny.VOCAB
+    tensors.update(d2t=mx.zeros((V,), mx.int64), t2d=mx.ones((V,), mx.bool_))
+    _, _, lm = target_io(target)
+    own = dict(tensors, **{"lm_head.weight": lm(mx.eye(H)).T})  # the target's lm_head as a matrix
+    tied = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    config = safeailab_config(draft_vocab_size=V)
+    a = load_eagle3(str(save_folder(tmp_path / "own", config, own)), target)
+    b = load_eagle3(str(save_folder(tmp_path / "tied", config, tied)), target)
+    assert a._gather is None and "lm_head" in a and "lm_head" not in b
+    tokens = mx.array(rng.integers(0, V, (1, 5)).astype(np.uint32))
+    feats = _normal(rng, 1, 5, 3 * H, std=1.0)
+    la, lb = (h(tokens, cache=h.make_cache(), hidden=feats, first=True) for h in (a, b))
+    assert la.shape == lb.shape == (1, 5, V)
+    np.testing.assert_allclose(np.array(la), np.array(lb), rtol=1e-5, atol=1e-5)
+
+    def prefill(cache):
+        b(mx.array(rng.integers(0, V, (1, 6)).astype(np.uint32)), cache=cache,
+          hidden=_normal(rng, 1, 6, 3 * H, std=1.0), first=True)
+
+    check_tree_exact(b, prefill, {"first": False}, H)
+    narrow = {k: v for k, v in eagle3_tensors(rng)[0].items() if k != "lm_head.weight"}
+    _one_line_error(lambda: load_eagle3(str(save_folder(tmp_path / "narrow", safeailab_config(), narrow)), target),
+                    "no lm_head.weight, and a draft vocab of 40")
 
 
 def test_eagle3_loader_errors(tmp_path):

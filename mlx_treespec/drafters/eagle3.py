@@ -26,6 +26,8 @@ Layouts read by `load_eagle3`:
   config under `transformer_layer_config`, and the flags `norm_before_residual`,
   `norm_before_fc` (`input_norm` over the concatenated features), `fc_norm` (`fc_norm.{i}` per
   feature) and `norm_output`; a qwen3 layer config adds q_norm / k_norm. One draft layer only.
+- A head over the whole target vocab (`draft_vocab_size` = the target's, `d2t` all zero, or
+  none) may ship no `lm_head`: it then drafts through the target's lm_head, as EAGLE-1/2 heads do.
 - The token embedding is the target's; a checkpoint's own `embed_tokens` is used only where it
   may differ (speculators' `embed_requires_grad`, or a head narrower than the target).
 
@@ -113,7 +115,8 @@ class Eagle3Head(HeadModule):
     draft_vocab_size, target_hidden_size, n_aux, and the flags norm_before_residual,
     norm_before_fc, fc_norm, norm_output, qk_norm."""
 
-    STATE = ("pending_hidden", "pending_first", "out_hidden", "_embed", "_gather", "config", "capture")
+    STATE = ("pending_hidden", "pending_first", "out_hidden", "_embed", "_gather", "_target_head", "config",
+             "capture")
 
     def __init__(self, c, capture):
         super().__init__()
@@ -136,10 +139,15 @@ class Eagle3Head(HeadModule):
         self.pending_first = None
         self.out_hidden = None
         self._embed = None
+        self._target_head = None  # bind(): the target's lm_head, for a head without its own
         self._gather = None  # set_vocab_map: identity until a d2t is given
 
     def set_vocab_map(self, d2t):
-        """d2t (int [Vd]): target id of draft id i is i + d2t[i]; None: the identity (Vd == V)."""
+        """d2t (int [Vd]): target id of draft id i is i + d2t[i]; None: the identity (Vd == V).
+        An identity map (a head over the whole target vocab) is None too: each step then skips
+        the scatter to target ids (a concatenate and a gather of V columns a step)."""
+        if d2t is not None and self.draft_vocab_size == self.vocab_size and not mx.any(d2t).item():
+            d2t = None
         if d2t is None:
             if self.draft_vocab_size != self.vocab_size:
                 raise ValueError(f"draft vocab {self.draft_vocab_size} != target vocab {self.vocab_size} "
@@ -154,9 +162,8 @@ class Eagle3Head(HeadModule):
 
     def bind(self, target, embed=None):
         """Use `target`'s embedding (or `embed`, an embedding module the checkpoint ships)."""
-        if embed is None:
-            _, embed, _ = target_io(target)
-        self._embed = embed
+        _, target_embed, self._target_head = target_io(target)
+        self._embed = target_embed if embed is None else embed
         return self
 
     def to_target_vocab(self, logits):
@@ -194,6 +201,8 @@ class Eagle3Head(HeadModule):
         out = z + m.mlp(m.post_attention_layernorm(z))
         normed = self.norm(out)
         self.out_hidden = normed if self.norm_output else out
+        if "lm_head" not in self:  # (EAGLE-1/2's way: a head over the whole target vocab)
+            return self._target_head(normed)
         return self.to_target_vocab(self.lm_head(normed))
 
 
@@ -345,6 +354,11 @@ def load_eagle3(folder, target_model, capture=None):
         _fail(folder, f"draft_vocab_size {Vd} != the target vocab {t_vocab} and there is no d2t map")
 
     head = Eagle3Head(c, capture)
+    if not any(k.startswith("lm_head.") for k in weights):  # drafts through the target's lm_head
+        if Vd != t_vocab or c["hidden_size"] != t_hidden:
+            _fail(folder, f"no lm_head.weight, and a draft vocab of {Vd} at width {c['hidden_size']} (the target: "
+                          f"{t_vocab} at {t_hidden}): pass a head with its lm_head")
+        del head["lm_head"]
     quantize_like(head, weights, raw)
     load_checked(head, weights, f"EAGLE-3 head {folder}")
     dequantize_linears(head)  # shipped small, run as float (see drafters.dequantize_linears)
