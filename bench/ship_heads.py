@@ -60,12 +60,11 @@ def ship_eagle3(src, dst, bits, group_size):
     target = load(str(ROOT / "mlx_treespec" / "demo" / "target"))[0]
     raw = mx.load(str(Path(src) / "model.safetensors"))
     _, _, lm = target_io(target)
-    W = raw.get("lm_head.weight")
+    W, tmp = raw.get("lm_head.weight"), None
     if W is not None and W.shape[0] == target.args.vocab_size:
         mine = lm(mx.eye(W.shape[1], dtype=mx.float32)).T.astype(W.dtype)
         if mx.array_equal(W, mine).item():
-            src = _without(src, "lm_head.weight")
-            raw = mx.load(str(Path(src) / "model.safetensors"))
+            src = tmp = _without(src, "lm_head.weight")
             print("eagle3_target: its lm_head is the target's: not shipped")
     head = load_eagle3(src, target)
     config = json.loads((Path(src) / "config.json").read_text())
@@ -75,7 +74,10 @@ def ship_eagle3(src, dst, bits, group_size):
     else:
         weights = dict(tree_flatten(head.parameters()))
     weights.update({k: raw[k] for k in ("d2t", "t2d")})
-    return _write(dst, weights, config, src)
+    size = _write(dst, weights, config, src)
+    if tmp is not None:
+        shutil.rmtree(tmp)
+    return size
 
 
 def _without(src, name):
