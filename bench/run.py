@@ -344,7 +344,7 @@ def head_ranks(target, head, kind, prompt, max_tokens, depth, cap=8):
     logits = head(mx.array(s[1:])[None], cache=cache, hidden=rows[:-1][None], **flag(True))[0]
     hidden, K, V = head.out_hidden[0], cache[0].keys, cache[0].values  # slot t predicts s[t + 2]
     out = []
-    for t in range(len(prompt) - 2, len(s) - depth - 2):
+    for t in range(max(len(prompt) - 2, 0), len(s) - depth - 1):  # (depth `depth` reads s[t + 1 + depth])
         c = head.make_cache()[0]
         c.keys, c.values, c.offset = K[:, :, : t + 1], V[:, :, : t + 1], t + 1
         lg, h, ranks = logits[t], hidden[t : t + 1], []
@@ -395,6 +395,8 @@ def run_bound(args):
     runs them). `--arms mtp` or `eagle3`; `--nodes-list` the Ns; `--depth` the deepest step."""
     target, tok = load_target(args.target)
     kind = args.arms
+    if kind not in ("mtp", "eagle3"):
+        raise SystemExit(f"bound: --arms names one head, mtp or eagle3, got {kind!r}")
     head = Arms(target, args.target, [], head_names=dict(mtp=args.mtp, eagle3=args.eagle3)).head(kind)
     cap = 8
     report = dict(meta=run_meta(section=args.section, target=args.target, arms=[kind],

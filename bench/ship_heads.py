@@ -66,18 +66,19 @@ def ship_eagle3(src, dst, bits, group_size):
         if mx.array_equal(W, mine).item():
             src = tmp = _without(src, "lm_head.weight")
             print("eagle3_target: its lm_head is the target's: not shipped")
-    head = load_eagle3(src, target)
-    config = json.loads((Path(src) / "config.json").read_text())
-    if bits:
-        weights = quantized_weights(head, bits, group_size)
-        config["quantization"] = dict(group_size=group_size, bits=bits)
-    else:
-        weights = dict(tree_flatten(head.parameters()))
-    weights.update({k: raw[k] for k in ("d2t", "t2d")})
-    size = _write(dst, weights, config, src)
-    if tmp is not None:
-        shutil.rmtree(tmp)
-    return size
+    try:
+        head = load_eagle3(src, target)
+        config = json.loads((Path(src) / "config.json").read_text())
+        if bits:
+            weights = quantized_weights(head, bits, group_size)
+            config["quantization"] = dict(group_size=group_size, bits=bits)
+        else:
+            weights = dict(tree_flatten(head.parameters()))
+        weights.update({k: raw[k] for k in ("d2t", "t2d")})
+        return _write(dst, weights, config, src)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp)
 
 
 def _without(src, name):

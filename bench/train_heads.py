@@ -1075,6 +1075,7 @@ def train_head(name, data, opts, log):
     res = dict(
         kind=kind, source=spec["source"], features=spec["features"], init=spec["init"],
         parameters=sum(p.numel() for p in model.parameters()),
+        trained_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         steps=step, batch_sequences=bs, lr_peak=lr, warmup_steps=warmup,
         schedule="linear warmup (steps), cosine to min_lr_frac x peak over the wall-clock budget",
         **{k: v for k, v in tc.items() if k != "warmup_steps"},

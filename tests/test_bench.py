@@ -156,5 +156,34 @@ def test_bound_section_tiny(tmp_path):
     text = run(["bound", "--target", "demo", "--arms", "eagle3", "--prompts", "unseen", "--n", "1",
                 "--max-tokens", "12", "--depth", "3", "--nodes-list", "2,6", "--out", str(tmp_path / "b")])
     assert "| 2 |" in text and "(of 3)" in text
-    rows = read_json(tmp_path / "b.json.gz")["sets"]["unseen"]["rows"]
-    assert [r["nodes"] for r in rows] == [2, 6] and all(r["tree"] >= r["chain"] >= 1.0 for r in rows)
+    data = read_json(tmp_path / "b.json.gz")["sets"]["unseen"]
+    assert data["positions"] == 12 - 3 + 1  # round starts: the prompt's last token, then each generated one with 3 after it
+    assert [(r["nodes"], r["chain_nodes"]) for r in data["rows"]] == [(2, 2), (6, 3)]
+
+
+def test_head_ranks_are_a_fresh_head_pass_over_each_prefix():
+    # each position's ranks, against the head run afresh over that prefix alone (its own first
+    # pass, then one step over its output hidden): the sliced cache and the token / row indices
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_treespec.verify import capturing
+    from run import Arms, head_ranks, load_target
+
+    target, tok = load_target("demo")
+    head = Arms(target, "demo", []).head("eagle3")
+    prompt, depth, n = tok.encode("def parse(text):\n    return"), 2, 6
+    ranks = head_ranks(target, head, "eagle3", prompt, n, depth)
+    s = prompt + [int(t) for t, _ in generate_step(mx.array(prompt), target, max_tokens=n)]
+    starts = range(len(prompt) - 2, len(s) - depth - 1)  # every start whose `depth` tokens exist
+    assert len(ranks) == len(starts)
+    with capturing(target, head.capture) as cap:
+        target(mx.array(s)[None])
+        rows = cap.hidden()
+    for r, t in zip(ranks, starts):
+        cache = head.make_cache()
+        lg = head(mx.array(s[1 : t + 2])[None], cache=cache, hidden=rows[: t + 1][None], first=True)[0, -1]
+        want = [int(mx.sum(lg > lg[s[t + 2]]).item())]
+        lg = head(mx.array([[s[t + 2]]]), cache=cache, hidden=head.out_hidden[:, -1:], first=False)[0, 0]
+        want.append(int(mx.sum(lg > lg[s[t + 3]]).item()))
+        assert list(r) == [min(x, 8) for x in want], t
