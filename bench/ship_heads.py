@@ -29,9 +29,12 @@ sys.path.insert(0, str(ROOT))
 DFLASH = {"dflash_target": "dflash", "dflash_hybrid": "hybrid_dflash"}
 
 
-def quantized_weights(model, bits, group_size):
-    nn.quantize(model, group_size=group_size, bits=bits)
-    mx.eval(model.parameters())
+def shipped_weights(model, config, bits, group_size):
+    """The model's weights, quantized (and the config's `quantization` entry set) where `bits`."""
+    if bits:
+        nn.quantize(model, group_size=group_size, bits=bits)
+        mx.eval(model.parameters())
+        config["quantization"] = dict(group_size=group_size, bits=bits)
     return dict(tree_flatten(model.parameters()))
 
 
@@ -40,12 +43,7 @@ def ship_dflash(src, dst, bits, group_size):
 
     model = load_dflash(src)
     config = json.loads((Path(src) / "config.json").read_text())
-    if bits:
-        weights = quantized_weights(model, bits, group_size)
-        config["quantization"] = dict(group_size=group_size, bits=bits)
-    else:
-        weights = dict(tree_flatten(model.parameters()))
-    return _write(dst, weights, config, src)
+    return _write(dst, shipped_weights(model, config, bits, group_size), config, src)
 
 
 def ship_eagle3(src, dst, bits, group_size):
@@ -69,11 +67,7 @@ def ship_eagle3(src, dst, bits, group_size):
     try:
         head = load_eagle3(src, target)
         config = json.loads((Path(src) / "config.json").read_text())
-        if bits:
-            weights = quantized_weights(head, bits, group_size)
-            config["quantization"] = dict(group_size=group_size, bits=bits)
-        else:
-            weights = dict(tree_flatten(head.parameters()))
+        weights = shipped_weights(head, config, bits, group_size)
         weights.update({k: raw[k] for k in ("d2t", "t2d")})
         return _write(dst, weights, config, src)
     finally:
