@@ -447,6 +447,8 @@ def run_proj(args):
     family = args.family
     prefix = {"dflash": ("dflash", "ddtree"), "mtp": ("mtp-",), "eagle3": ("eagle3-",)}[family]
     arms = {a: t for a, t in tau.items() if a.startswith(prefix) and t}
+    if args.arms is not None:  # only these of the acceptance file's arms
+        arms = {a: t for a, t in arms.items() if a in args.arms.split(",")}
     cfg = costmodel.load_config(args.config)
     head_cfg = json.loads(Path(args.head_config).read_text()) if args.head_config else None
     report = dict(meta=run_meta(section=args.section, acceptance=args.acceptance, prompt_set=pset,
@@ -455,12 +457,20 @@ def run_proj(args):
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
           f"Acceptance (emitted per verify) measured on the demo pair, {pset} prompts, from "
           f"{args.acceptance}; round costs timed here with random weights: **projections**.", ""]
-    for q in [None if b in ("0", "") else int(b) for b in args.q_bits.split(",")]:
-        label = args.dtype + (f", {q}-bit" if q else "")
-        target = costmodel.build_from_config(cfg, args.dtype, q)
-        plain = costmodel.time_plain(target, history=args.history, tokens=64)
-        verify = costmodel.time_verify(target, Ts=(8, 16, 32, 64), history=args.history)
-        draft_cost = _draft_cost(family, target, cfg, head_cfg, args, q)
+    variants = [(q, dq) for q in _bits_list(args.q_bits)
+                for dq in ([q] if args.draft_q_bits == "same" else _bits_list(args.draft_q_bits))]
+    built_for = "nothing yet"
+    for q, dq in variants:
+        label = args.dtype + (f", {q}-bit" if q else "") + (
+            "" if dq == q else f"; drafter {f'{dq}-bit' if dq else args.dtype}")
+        if built_for != q:  # the target is built (and its plain and verify timed) once per q
+            target = None
+            mx.clear_cache()
+            target, built_for = costmodel.build_from_config(cfg, args.dtype, q), q
+            plain_first = costmodel.time_plain(target, history=args.history, tokens=64)
+            verify = costmodel.time_verify(target, Ts=(8, 16, 32, 64), history=args.history)
+        plain = plain_first
+        draft_cost = _draft_cost(family, target, cfg, head_cfg, args, dq)
         rounds = args.rounds
         if rounds:  # every arm's rounds and plain decoding timed in turn, --round-reps times
             plains = [plain]
@@ -495,9 +505,13 @@ def run_proj(args):
                f"\nround = draft + verify (T = the next timed row count) + {args.overhead_ms:.2f} ms host "
                "overhead per round", ""]
         report["variants"].append(out)
-        del target
         mx.clear_cache()
     write(args, report, md)
+
+
+def _bits_list(text):
+    """'0,4' -> [None, 4]: a comma list of quantization bits, 0 (or empty) for none."""
+    return [None if b in ("0", "") else int(b) for b in text.split(",")]
 
 
 def proj_from_costs(args, tau, pset):
@@ -768,7 +782,7 @@ def run_long(args):
         targets.append(("demo target", lambda: load_target("demo")[0]))
     else:
         cfg = costmodel.load_config(args.config)
-        for q in [None if b in ("0", "") else int(b) for b in args.q_bits.split(",")]:
+        for q in _bits_list(args.q_bits):
             targets.append((f"{Path(args.config).stem} {args.dtype}" + (f" {q}-bit" if q else ""),
                             lambda q=q: costmodel.build_from_config(cfg, args.dtype, q)))
     for label, build in targets:
@@ -1244,7 +1258,8 @@ def main(argv=None):
     p.add_argument("--dflash", default=None, help="a DFlash drafter folder (default: the demo target's)")
     p.add_argument("--mtp", default=None, help="a folder with the target's mtp.* weights (default: the target's)")
     p.add_argument("--eagle3", default=None, help="an EAGLE-3 folder (default: the demo target's)")
-    p.add_argument("--arms", default="plain,chain:7,tree:3:8")
+    p.add_argument("--arms", default=None, help="default plain,chain:7,tree:3:8; proj: which of the "
+                   "acceptance file's arms (default: all of the family's)")
     p.add_argument("--prompts", default="unseen,heldout", help="prompt sets or files, comma separated")
     p.add_argument("--n", "--prompts-per-set", dest="n", type=int, default=20, help="prompts per set")
     p.add_argument("--max-tokens", type=int, default=256)
@@ -1259,6 +1274,8 @@ def main(argv=None):
                    help="proj: the drafter's config (DFlash or EAGLE-3 JSON; MTP: built from the target's)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--q-bits", default="0,4")
+    p.add_argument("--draft-q-bits", default="same",
+                   help="proj: the drafter's bits, a comma list (0: unquantized, in --dtype); 'same': the target's")
     p.add_argument("--costs", default=None, help="proj: round costs measured elsewhere (JSON) instead of timing here")
     p.add_argument("--history", type=int, default=512)
     p.add_argument("--contexts", default="1024,8192,32768", help="long: committed tokens before the verify")
@@ -1277,6 +1294,8 @@ def main(argv=None):
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     args.section = args.section or args.command
+    if args.arms is None and args.command != "proj":
+        args.arms = "plain,chain:7,tree:3:8"
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
      "pieces": run_pieces, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
      "unseen-prompts": make_unseen_prompts}[args.command](args)

@@ -138,10 +138,11 @@ TRAIN = {
                           lr=1e-3, bs=32, anchors=48, gamma=7.0, init="target_layers_6_7"),
     "dflash_hybrid": dict(kind="dflash", source="hybrid", features=["layer1", "layer3", "layer5", "layer7"],
                           lr=1.5e-3, bs=32, anchors=48, gamma=7.0, init="random"),
+    # six unrolled steps (run 6; run 1 had three): its chains ran 10-16 steps deep
     "mtp_post": dict(kind="mtp", source="hybrid", features=["post_norm"], lr=1e-3, bs=32,
-                     unroll=3, decay=0.6, init="hybrid_layer_7"),
+                     unroll=6, decay=0.8, init="hybrid_layer_7"),
     "mtp_pre": dict(kind="mtp", source="hybrid", features=["layer7"], lr=1e-3, bs=32,
-                    unroll=3, decay=0.6, init="hybrid_layer_7"),
+                    unroll=6, decay=0.8, init="hybrid_layer_7"),
     "eagle3_target": dict(kind="eagle3", source="target", features=["layer1", "layer3", "layer4"],
                           lr=1e-3, bs=32, unroll=6, decay=0.8, init="lm_head_from_embedding",
                           frozen_lm_head=True),  # the target's own lm_head (not shipped: the loader binds it)

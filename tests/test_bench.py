@@ -100,6 +100,14 @@ def test_proj_section_tiny(tmp_path):
         for r in rows:  # x plain = emitted per verify x plain ms / round ms (stored at 5 digits)
             want_x = r["tau"] * data["variants"][0]["plain_ms"] / r["round_ms"]
             assert abs(r["x_plain"] - want_x) <= 1e-4 * want_x
+    # --draft-q-bits: the drafter quantized apart from the target, one variant each, one target
+    run(["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "dflash", "--config",
+         str(tmp_path / "qwen3.json"), "--head-config", str(tmp_path / "dflash.json"), "--q-bits", "0",
+         "--draft-q-bits", "0,8", "--dtype", "float32", "--history", "32", "--arms", "ddtree:12",
+         "--out", str(tmp_path / "dq")])
+    vs = read_json(tmp_path / "dq.json.gz")["variants"]
+    assert [v["variant"] for v in vs] == ["float32", "float32; drafter 8-bit"]
+    assert vs[0]["plain_ms"] == vs[1]["plain_ms"] and all([r["arm"] for r in v["arms"]] == ["ddtree:12"] for v in vs)
     # --rounds: each arm's whole rounds timed, the arms and plain decoding in turn (an ARM/sync
     # arm through the round loop; on CPU no round queues), and a queued tree round's own pieces
     run(["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "dflash", "--config",
