@@ -448,6 +448,10 @@ def run_proj(args):
     prefix = {"dflash": ("dflash", "ddtree"), "mtp": ("mtp-",), "eagle3": ("eagle3-",)}[family]
     arms = {a: t for a, t in tau.items() if a.startswith(prefix) and t}
     if args.arms is not None:  # only these of the acceptance file's arms
+        missing = [a for a in args.arms.split(",") if a not in arms]
+        if missing:
+            raise SystemExit(f"--arms {','.join(missing)}: not {family} arms of {args.acceptance} "
+                             f"(it has {', '.join(arms) or 'none'})")
         arms = {a: t for a, t in arms.items() if a in args.arms.split(",")}
     cfg = costmodel.load_config(args.config)
     head_cfg = json.loads(Path(args.head_config).read_text()) if args.head_config else None
@@ -481,7 +485,8 @@ def run_proj(args):
                     draft_cost["round_ms"](*_sync_arm(a))
             plain = statistics.median(plains)
             draft_cost["timed"]["plain_ms"] = plains
-        out = dict(variant=label, plain_ms=plain, verify_ms=verify, draft=draft_cost["timed"], arms=[])
+        out = dict(variant=label, target_bits=q, drafter_bits=draft_cost["bits"], plain_ms=plain, verify_ms=verify,
+                   draft=draft_cost["timed"], arms=[])
         md += [f"## {label}: plain {plain:.2f} ms/token; verify T=8/16/32/64 "
                + "/".join(f"{verify[T]:.2f}" for T in (8, 16, 32, 64)) + " ms; " + draft_cost["text"], "",
                f"| arm | emitted/verify (measured) | draft ms | round ms ({'timed' if rounds else 'projected'}) "
@@ -580,11 +585,11 @@ def _draft_cost(family, target, cfg, head_cfg, args, q):
         bound = bind_dflash(drafter, target)
         ms = time_dflash(bound, target, history=args.history)
         if not args.rounds:
-            return dict(timed=dict(forward_ms=ms), text=f"DFlash draft forward {ms:.2f} ms",
+            return dict(bits=q, timed=dict(forward_ms=ms), text=f"DFlash draft forward {ms:.2f} ms",
                         per_arm=lambda spec: ms)
         timed, round_ms = _round_timer(bound, target, args)
         pieces = time_tree_pieces(cfg["vocab_size"], bound.model.block_size - 1)
-        return dict(timed=dict(forward_ms=ms, round_ms=timed, tree_pieces_ms=pieces), per_arm=lambda spec: ms,
+        return dict(bits=q, timed=dict(forward_ms=ms, round_ms=timed, tree_pieces_ms=pieces), per_arm=lambda spec: ms,
                     round_ms=round_ms,
                     text=f"DFlash draft forward {ms:.2f} ms; a queued tree round's own pieces, each synced: "
                     + ", ".join(f"{k} {v:.2f}" for k, v in pieces.items())
@@ -608,9 +613,9 @@ def _draft_cost(family, target, cfg, head_cfg, args, q):
 
     text = "head step (1/2/4 rows) " + "/".join(f"{step[L]:.2f}" for L in (1, 2, 4)) + " ms"
     if not args.rounds:
-        return dict(timed=dict(step_ms=step), text=text, per_arm=per_arm)
+        return dict(bits=q, timed=dict(step_ms=step), text=text, per_arm=per_arm)
     timed, round_ms = _round_timer(head, target, args)
-    return dict(timed=dict(step_ms=step, round_ms=timed), per_arm=per_arm, round_ms=round_ms,
+    return dict(bits=q, timed=dict(step_ms=step, round_ms=timed), per_arm=per_arm, round_ms=round_ms,
                 text=text + "; round ms: whole rounds timed (--rounds)")
 
 

@@ -24,7 +24,8 @@ by ``--deadline-seconds`` of wall time counted from the start, it
    * ``dflash_target``: DFlash block drafter (2 layers, block 16) for the target;
    * ``dflash_hybrid``: the same for the hybrid;
    * ``mtp_post`` / ``mtp_pre``: a Qwen3.5 MTP head for the hybrid, fed the hybrid's last
-     hidden after / before its final norm (both kept; the log marks the better one);
+     hidden after / before its final norm (both kept; the log marks the better one); six
+     unrolled steps;
    * ``eagle3_target``: an EAGLE-3 head for the target (draft vocab: the whole target vocab,
      through the target's own lm_head, frozen; six unrolled steps);
    * ``drafter_hybrid``: not a head but a 2-layer Qwen3.5 LM (one linear-attention layer, one
@@ -1065,8 +1066,8 @@ def train_head(name, data, opts, log):
     elif kind == "drafter":
         metrics = eval_drafter(model, ev, ev_opts["chain_steps"], ev_opts["seq_chunk"], autocast)
     else:
-        metrics = eval_chain(model, kind, ev, embed, feat_fn, ev_opts["chain_steps"], spec["unroll"],
-                             ev_opts["seq_chunk"], autocast)
+        steps = max(ev_opts["chain_steps"], spec["unroll"])  # every trained step is scored
+        metrics = eval_chain(model, kind, ev, embed, feat_fn, steps, spec["unroll"], ev_opts["seq_chunk"], autocast)
     eval_s = time.time() - te
     folder = Path(opts["stage"]) / name
     model.float().cpu()
@@ -1402,7 +1403,8 @@ def main():
     if mtp:
         best = max(mtp, key=mtp.get)
         logd["mtp_choice"] = dict(better=best, mtp_hidden=HEADS[best]["mtp_hidden"],
-                                  criterion="held-out teacher-forced mean accepted length, 3-step chain",
+                                  criterion="held-out teacher-forced mean accepted length, "
+                                            f"{TRAIN[best]['unroll']}-step chain",
                                   mean_accepted=mtp)
         log(f"MTP: {best} is better ({mtp})")
     done = [n for n in names if logd["heads"][n].get("status") == "ok" and (stage / n).is_dir()]
