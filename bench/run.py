@@ -16,7 +16,8 @@
 Arms use mlx_treespec.spec's grammar (plain, chain:K, tree:K:S[:B[:L]], lookup:B:D,
 suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselines:
 `mlx-plain` (generate_step) and `mlx-chain:K` (speculative_generate_step); an arm ending in /dI
-drafts with the I-th of the --draft-model list, /sync without queued rounds, auto:dflash/chains
+drafts with the I-th folder its drafter's option names (--draft-model, --dflash, --mtp and --eagle3
+take comma lists: two heads in one interleaved run), /sync without queued rounds, auto:dflash/chains
 queueing the primary's chains instead of its trees (suffixes in that order: ARM[/dI][/sync]).
  Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
@@ -68,41 +69,41 @@ class Arms:
         self.target, self.target_name = target, target_name
         self.texts = texts
         demo = DEMO_DRAFTERS.get(target_name, {})
-        # --draft-model may name several draft models; an arm ending in /di drafts with the i-th (from 1)
-        self._draft_names = (draft_name or demo.get("model") or "").split(",")
-        self._drafts = {}
-        self._dflash_name = dflash_name or demo.get("dflash")
-        self._head_names = {k: (head_names or {}).get(k) or demo.get(k) for k in ("mtp", "eagle3")}
-        self._dflash = None
-        self._heads = {}
+        # each drafter option may name several folders, comma separated: an arm ending in /dI
+        # drafts with the I-th (from 1) of its drafter's list (chain:4/d2, mtp-chain:10/d2)
+        names = dict(model=draft_name, dflash=dflash_name, **(head_names or {}))
+        self._names = {k: (names.get(k) or demo.get(k) or "").split(",") for k in ("model", "dflash", "mtp", "eagle3")}
+        self._drafters = {}
         self._load = load
 
-    def draft_model(self, which=1):
-        if which not in self._drafts:
-            if not self._draft_names[0] or which > len(self._draft_names):
-                raise SystemExit(f"a draft-model arm (@{which}) needs --draft-model naming {which} model(s)")
-            self._drafts[which] = self._load(resolve_model_path(self._draft_names[which - 1]))[0]
-        return self._drafts[which]
+    def _folder(self, kind, which):
+        """The which-th folder given for this drafter kind (the CLI option: --KIND or --draft-model)."""
+        names = self._names[kind]
+        if not names[0] or which > len(names):
+            option = "--draft-model" if kind == "model" else f"--{kind}"
+            raise SystemExit(f"a {kind} arm (/d{which}) needs {option} naming {which} folder(s)")
+        return resolve_model_path(names[which - 1])
 
-    def dflash(self):
-        if self._dflash is None:
+    def draft_model(self, which=1):
+        if ("model", which) not in self._drafters:
+            self._drafters["model", which] = self._load(self._folder("model", which))[0]
+        return self._drafters["model", which]
+
+    def dflash(self, which=1):
+        if ("dflash", which) not in self._drafters:
             from mlx_treespec.drafters.dflash import bind_dflash
 
-            if not self._dflash_name:
-                raise SystemExit("a dflash/ddtree arm needs --dflash")
-            self._dflash = bind_dflash(resolve_model_path(self._dflash_name), self.target)
-        return self._dflash
+            self._drafters["dflash", which] = bind_dflash(self._folder("dflash", which), self.target)
+        return self._drafters["dflash", which]
 
-    def head(self, kind):
-        if kind not in self._heads:
+    def head(self, kind, which=1):
+        if (kind, which) not in self._drafters:
             from mlx_treespec.drafters.eagle3 import load_eagle3
             from mlx_treespec.drafters.mtp import load_mtp
 
-            name = self._head_names[kind]
-            if not name:
-                raise SystemExit(f"a {kind} arm needs --{kind}")
-            self._heads[kind] = (load_mtp if kind == "mtp" else load_eagle3)(resolve_model_path(name), self.target)
-        return self._heads[kind]
+            load = load_mtp if kind == "mtp" else load_eagle3
+            self._drafters[kind, which] = load(self._folder(kind, which), self.target)
+        return self._drafters[kind, which]
 
     def runner(self, arm):
         from mlx_lm.generate import generate_step, speculative_generate_step
@@ -123,9 +124,9 @@ class Arms:
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
         arm, which = arm.rsplit("/d", 1) if "/d" in arm and arm.rsplit("/d", 1)[1].isdigit() else (arm, 1)
-        spec = DraftSpec.parse(arm)
-        source = {"model": lambda: self.draft_model(int(which)), "dflash": self.dflash, "mtp": lambda: self.head("mtp"),
-                  "eagle3": lambda: self.head("eagle3")}.get(spec.drafter)
+        spec, which = DraftSpec.parse(arm), int(which)
+        source = {"model": lambda: self.draft_model(which), "dflash": lambda: self.dflash(which),
+                  "mtp": lambda: self.head("mtp", which), "eagle3": lambda: self.head("eagle3", which)}.get(spec.drafter)
         make = (lambda: spec.build(source(), target=self.target)) if source else \
             (lambda: spec.build(None, target=self.target))
         if unqueued:  # "ARM/sync": the same drafter through the round loop (one host sync a round)
@@ -1260,9 +1261,12 @@ def main(argv=None):
     p.add_argument("--target", default="demo")
     p.add_argument("--draft-model", default=None, help="draft model(s), comma separated: an arm ending in /di "
                                                             "drafts with the i-th (chain:4/d2)")
-    p.add_argument("--dflash", default=None, help="a DFlash drafter folder (default: the demo target's)")
-    p.add_argument("--mtp", default=None, help="a folder with the target's mtp.* weights (default: the target's)")
-    p.add_argument("--eagle3", default=None, help="an EAGLE-3 folder (default: the demo target's)")
+    p.add_argument("--dflash", default=None, help="DFlash drafter folder(s), comma separated as --draft-model "
+                                                       "(default: the demo target's)")
+    p.add_argument("--mtp", default=None, help="folder(s) with the target's mtp.* weights, comma separated as "
+                                                    "--draft-model (default: the target's)")
+    p.add_argument("--eagle3", default=None, help="EAGLE-3 folder(s), comma separated as --draft-model "
+                                                       "(default: the demo target's)")
     p.add_argument("--arms", default=None, help="default plain,chain:7,tree:3:8; proj: which of the "
                    "acceptance file's arms (default: all of the family's)")
     p.add_argument("--prompts", default="unseen,heldout", help="prompt sets or files, comma separated")

@@ -67,6 +67,26 @@ def test_acceptance_section_tiny(tmp_path):
     assert all(r["identical"] == "1/1" for r in data["sets"]["unseen"]["arms"])
 
 
+def test_an_arm_picks_its_drafters_folder(tmp_path):
+    # --mtp A,B: arm/d2 drafts with B (here a head of zeros, which drafts token 0 every step)
+    import shutil
+
+    import mlx.core as mx
+
+    from mlx_treespec.demo import demo_path
+
+    zero = tmp_path / "zero_head"
+    shutil.copytree(demo_path("hybrid"), zero, symlinks=False)
+    head = mx.load(str(zero / "model-mtp.safetensors"))
+    mx.save_safetensors(str(zero / "model-mtp.safetensors"), {k: mx.zeros_like(v) for k, v in head.items()})
+    run(["acceptance", "--target", "demo-hybrid", "--mtp", f"demo-hybrid,{zero}", "--arms",
+         "mtp-chain:4,mtp-chain:4/d2", "--prompts", "unseen", "--n", "1", "--max-tokens", "16",
+         "--out", str(tmp_path / "acc")])
+    arms = {r["arm"]: r for r in read_json(tmp_path / "acc.json.gz")["sets"]["unseen"]["arms"]}
+    assert arms["mtp-chain:4"]["emitted_per_verify"] > 2 > arms["mtp-chain:4/d2"]["emitted_per_verify"]
+    assert all(r["identical"] == "1/1" for r in arms.values())
+
+
 def test_proj_section_tiny(tmp_path):
     # the projection arithmetic over tiny random shapes, for each drafter family
     sys.path.insert(0, os.path.join(ROOT, "tests"))
