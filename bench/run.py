@@ -449,11 +449,12 @@ def run_proj(args):
     prefix = {"dflash": ("dflash", "ddtree"), "mtp": ("mtp-",), "eagle3": ("eagle3-",)}[family]
     arms = {a: t for a, t in tau.items() if a.startswith(prefix) and t}
     if args.arms is not None:  # only these of the acceptance file's arms
-        missing = [a for a in args.arms.split(",") if a not in arms]
+        wanted = args.arms.split(",")
+        missing = [a for a in wanted if a not in arms]
         if missing:
             raise SystemExit(f"--arms {','.join(missing)}: not {family} arms of {args.acceptance} "
                              f"(it has {', '.join(arms) or 'none'})")
-        arms = {a: t for a, t in arms.items() if a in args.arms.split(",")}
+        arms = {a: t for a, t in arms.items() if a in wanted}
     cfg = costmodel.load_config(args.config)
     head_cfg = json.loads(Path(args.head_config).read_text()) if args.head_config else None
     report = dict(meta=run_meta(section=args.section, acceptance=args.acceptance, prompt_set=pset,

@@ -128,10 +128,10 @@ def test_proj_section_tiny(tmp_path):
     vs = read_json(tmp_path / "dq.json.gz")["variants"]
     assert [v["variant"] for v in vs] == ["float32", "float32; drafter 8-bit"]
     assert [(v["target_bits"], v["drafter_bits"]) for v in vs] == [(None, None), (None, 8)]
+    assert vs[0]["plain_ms"] == vs[1]["plain_ms"] and all([r["arm"] for r in v["arms"]] == ["ddtree:12"] for v in vs)
     bad = subprocess.run([sys.executable, "bench/run.py", "proj", "--acceptance", str(tmp_path / "acc.json"),
                           "--family", "dflash", "--arms", "ddtree:99"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "--arms ddtree:99: not dflash arms of" in bad.stderr
-    assert vs[0]["plain_ms"] == vs[1]["plain_ms"] and all([r["arm"] for r in v["arms"]] == ["ddtree:12"] for v in vs)
     # --rounds: each arm's whole rounds timed, the arms and plain decoding in turn (an ARM/sync
     # arm through the round loop; on CPU no round queues), and a queued tree round's own pieces
     run(["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "dflash", "--config",
