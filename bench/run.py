@@ -179,8 +179,10 @@ def load_target(name):
 
 def run_loop(args):
     """Every arm on every prompt of each set, interleaved; tok/s against mlx-lm's plain loop."""
-    target, tok = load_target(args.target)
     names = ["mlx-plain"] + [a for a in args.arms.split(",") if a and a != "mlx-plain"]
+    if args.versus is not None and args.versus not in names:
+        sys.exit(f"--versus {args.versus} is not one of --arms: pass one of {','.join(names)}")
+    target, tok = load_target(args.target)
     report = dict(meta=run_meta(section=args.section, target=args.target, arms=names,
                                 max_tokens=args.max_tokens), sets={})
     md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
@@ -212,9 +214,7 @@ def run_loop(args):
         rows = summarize_arms(names, runs, outputs)
         ran = len({r["prompt"] for r in runs["mlx-plain"]})
         report["sets"][pset] = dict(prompts=ran, runs=len(runs["mlx-plain"]), arms=rows)
-        md += [f"## {pset} prompts ({ran} x {args.max_tokens} tokens, {len(runs['mlx-plain'])} runs an arm, temp 0)",
-               "", "x plain and tok/s: per prompt, its runs pooled; per-round columns: medians over runs; "
-               "identical: runs.", "", table(rows), ""]
+        md += set_table(pset, ran, args.max_tokens, len(runs["mlx-plain"]), rows, args.versus)
         write(args, report, md)  # after each set: a run cut short keeps what it measured
 
 
@@ -271,17 +271,50 @@ def _f(s, fmt="{:.2f}", spread_=True):
     return fmt.format(s)
 
 
-def table(rows):
-    lines = ["| arm | x plain (median, min-max) | tok/s | emitted/verify (pooled) | nodes/round | "
+def x_versus(rows, versus):
+    """Each arm's tok/s over `versus`'s on the same prompt (each prompt's runs pooled, as
+    `pooled_tok_s`), spread over the prompts: arms against each other without the noise of a
+    third arm's timings in between."""
+    base = pooled_tok_s(next(r for r in rows if r["arm"] == versus)["runs"])
+    return {r["arm"]: spread([v / base[p] for p, v in sorted(pooled_tok_s(r["runs"]).items()) if base.get(p)])
+            for r in rows}
+
+
+def table(rows, versus=None):
+    against = x_versus(rows, versus) if versus else {}
+    extra = f" x {versus} (median, min-max) |" if versus else ""
+    lines = ["| arm | x plain (median, min-max) |" + extra + " tok/s | emitted/verify (pooled) | nodes/round | "
              "draft forwards/round | round ms | identical to plain | rounds by drafter |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if versus else "")]
     for r in rows:
         used = ", ".join(f"{k} {v}" for k, v in sorted((r.get("used") or {}).items())) or "-"
-        lines.append(f"| {r['arm']} | {_f(r['x_plain'])} | {_f(r['tok_s'], '{:.1f}')} | "
+        cell = f" {_f(against[r['arm']])} |" if versus else ""
+        lines.append(f"| {r['arm']} | {_f(r['x_plain'])} |{cell} {_f(r['tok_s'], '{:.1f}')} | "
                      f"{_f(r['pooled_emitted_per_verify'])} | {_f(r['nodes'], spread_=False)} | "
                      f"{_f(r['draft_forwards'], spread_=False)} | {_f(r['round_ms'], spread_=False)} | "
                      f"{r['identical']} | {used} |")
     return "\n".join(lines)
+
+
+def set_table(pset, prompts, max_tokens, runs, rows, versus=None):
+    """A loop set's markdown: its heading, how to read it, its table."""
+    return [f"## {pset} prompts ({prompts} x {max_tokens} tokens, {runs} runs an arm, temp 0)", "",
+            "x plain" + (f", x {versus}" if versus else "") + " and tok/s: per prompt, its runs pooled; "
+            "per-round columns: medians over runs; identical: runs.", "", table(rows, versus), ""]
+
+
+def run_table(args):
+    """A loop's JSON (--from) as its markdown again, with --versus's column where given."""
+    if args.source is None:
+        sys.exit("table needs --from FILE: a loop's .json or .json.gz")
+    report = read_json(args.source)
+    md = [f"# {report['meta']['section']} (from {Path(args.source).name})", ""]
+    for pset, s in report["sets"].items():
+        names = [r["arm"] for r in s["arms"]]
+        if args.versus is not None and args.versus not in names:
+            sys.exit(f"--versus {args.versus} is not an arm of {args.source}: pass one of {','.join(names)}")
+        md += set_table(pset, s["prompts"], report["meta"]["max_tokens"], s["runs"], s["arms"], args.versus)
+    print("\n".join(md))
 
 
 def run_acceptance(args):
@@ -1257,7 +1290,7 @@ def _json(o):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "comm", "comm-rank",
-                                       "paths", "bound", "unseen-prompts"])
+                                       "paths", "bound", "unseen-prompts", "table"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
     p.add_argument("--target", default="demo")
     p.add_argument("--draft-model", default=None, help="draft model(s), comma separated: an arm ending in /di "
@@ -1275,6 +1308,9 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=1, help="loop: runs of each prompt per arm (pooled per prompt)")
     p.add_argument("--seconds", type=float, default=None, help="loop: start no prompt after this (all sets)")
+    p.add_argument("--versus", default=None, help="loop, table: a column of each arm's tok/s over this arm's, "
+                                                   "per prompt")
+    p.add_argument("--from", dest="source", default=None, help="table: a loop's JSON")
     p.add_argument("--ratio", default=None, help="acceptance: print A/B of two arms' emitted per verify")
     p.add_argument("--acceptance", default=None, help="proj: a loop or acceptance JSON")
     p.add_argument("--prompt-set", default=None, help="proj: which set of that JSON")
@@ -1308,7 +1344,7 @@ def main(argv=None):
         args.arms = "plain,chain:7,tree:3:8"
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
      "pieces": run_pieces, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
-     "unseen-prompts": make_unseen_prompts}[args.command](args)
+     "unseen-prompts": make_unseen_prompts, "table": run_table}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -179,7 +179,7 @@ def setup_arg_parser():
     t.add_argument("--draft-lookup", type=int, default=None,
                    help="also hang a prompt-lookup chain of up to this many tokens from the root "
                         "(continuations of the text's last n-gram seen earlier; nodes the draft "
-                        "model does not spend a step on), 0..62")
+                        f"model does not spend a step on), 0..{MAX_NODES - 2}")
     t.add_argument("--draft-lookup-trust", type=int, default=None,
                    help="with --draft-lookup: a round whose lookup matched this many tokens or "
                         "more (1..4) drafts with the lookup alone, skipping the draft model")

@@ -224,7 +224,7 @@ def _prefill(model, caches, prompt, step, quantize, progress, capture):
 
 
 def _depth_cap(caches, room, kv_bits, quantized_kv_start):
-    """How deep this round's tree may be: the tokens left, the 64-node limit, the quantization
+    """How deep this round's tree may be: the tokens left, `MAX_NODES`, the quantization
     boundary (a node must see the cache precision plain decoding would: mlx-lm quantizes once a
     step ends at `quantized_kv_start` or beyond), and the rotating window (a round's nodes must
     fit the window that plain decoding would keep)."""

@@ -30,7 +30,7 @@ def test_loop_section_tiny(tmp_path):
     # (one prompt a set, few tokens: the shipped 8-bit draft model runs ~20x slower than float on CPU)
     arms = "plain,mlx-chain:2,chain:2+lookup4@2,lookup:8:4,dflash:7,ddtree:12"
     text = run(["loop", "--arms", arms, "--prompts", "unseen,heldout", "--n", "1", "--max-tokens", "8",
-                "--out", str(tmp_path / "loop")])
+                "--versus", "dflash:7", "--out", str(tmp_path / "loop")])
     assert "## unseen prompts" in text and "## heldout prompts" in text
     data = read_json(tmp_path / "loop.json.gz")
     assert data["meta"]["commit"] and data["meta"]["mlx"] and data["meta"]["device"] == "cpu"
@@ -45,6 +45,26 @@ def test_loop_section_tiny(tmp_path):
         # the slowest round: at least the mean, and one of the run's
         assert run0["slowest_round"]["ms"] >= run0["round_ms"] and 0 <= run0["slowest_round"]["index"] < run0["rounds"]
     assert (tmp_path / "loop.md").read_text().startswith("# loop: demo")
+    # --versus: each arm's tok/s over that arm's on the same prompt, in the loop's table and in
+    # `table`'s rendering of the saved run against another arm
+    rows = {r["arm"]: r for r in data["sets"]["unseen"]["arms"]}
+
+    def tok_s(arm):
+        (r,) = rows[arm]["runs"]
+        return (r["tokens"] - 1) / r["decode_s"]
+
+    def cell(md, arm):
+        line = next(x for x in md.splitlines() if x.startswith(f"| {arm} |"))
+        return float(line.split("|")[3].split()[0])
+
+    unseen = text.split("## heldout")[0]
+    assert "x dflash:7 (median, min-max)" in unseen and cell(unseen, "dflash:7") == 1.0
+    assert cell(unseen, "ddtree:12") == pytest.approx(tok_s("ddtree:12") / tok_s("dflash:7"), abs=0.006)
+    again = run(["table", "--from", str(tmp_path / "loop.json.gz"), "--versus", "ddtree:12"]).split("## heldout")[0]
+    assert cell(again, "dflash:7") == pytest.approx(tok_s("dflash:7") / tok_s("ddtree:12"), abs=0.006)
+    bad = subprocess.run([sys.executable, "bench/run.py", "table", "--from", str(tmp_path / "loop.json.gz"),
+                          "--versus", "chain:9"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--versus chain:9 is not an arm" in bad.stderr
 
 
 def test_comm_section_tiny(tmp_path):

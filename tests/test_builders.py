@@ -491,8 +491,8 @@ def test_static_tree_tokens_follow_the_table(branching):
 @pytest.mark.parametrize(
     "args, message",
     [
-        ((0, (8, 8)), "more than MAX_NODES"),
-        ((0, (64,)), "more than MAX_NODES"),
+        ((0, (16, 16)), "more than MAX_NODES"),
+        ((0, (MAX_NODES,)), "more than MAX_NODES"),
         ((0, (2, 0)), "branching\\[1\\]"),
         ((0, (2, 1.5)), "branching\\[1\\]"),
     ],

@@ -124,11 +124,11 @@ def test_sampled_equals_plain_sampled(pairs, base, trust):
         assert out == ref
 
 
-def test_lookup_fills_only_what_is_left_of_64_nodes(pairs):
+def test_lookup_fills_only_what_is_left_of_max_nodes(pairs):
     _, draft = pairs("qwen3")
-    d = make_drafter(draft, tree_topk=4, tree_lanes=1, tree_depth=12, tree_budget=48, draft_lookup=40)
+    d = make_drafter(draft, tree_topk=8, tree_lanes=8, tree_depth=12, tree_budget=MAX_NODES - 16, draft_lookup=40)
     d.prefill(repetitive_prompt() * 3)
-    out = d.draft(d.extra.index.tokens[-1], 63)
+    out = d.draft(d.extra.index.tokens[-1], MAX_NODES - 1)
     assert out.size == MAX_NODES
     tree = DraftTree(np.array(out.tokens).astype(np.int64), out.layout.host_parents())
     assert tree.size == MAX_NODES
@@ -143,8 +143,8 @@ def test_bad_options_are_refused(pairs):
 
     for kw, words in [(dict(draft_model=None, draft_lookup=4), "give --draft-model"),
                       (dict(draft_model=draft, drafter=LookupDrafter(), draft_lookup=4), "not --drafter"),
-                      (dict(draft_model=draft, draft_lookup=63), "0..62"),
-                      (dict(draft_model=draft, draft_lookup=-1), "0..62"),
+                      (dict(draft_model=draft, draft_lookup=MAX_NODES - 1), f"0..{MAX_NODES - 2}"),
+                      (dict(draft_model=draft, draft_lookup=-1), f"0..{MAX_NODES - 2}"),
                       (dict(draft_model=draft, draft_lookup_trust=2), "needs --draft-lookup"),
                       (dict(draft_model=draft, draft_lookup=8, draft_lookup_trust=5), "0..4")]:
         with pytest.raises(ValueError, match=words):

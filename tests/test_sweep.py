@@ -226,7 +226,7 @@ def test_arms_grid_and_specs():
     assert merged == Arm(DraftSpec("model", topk=1, lanes=1, depth=6, budget=6, lookup=8, trust=3))
     assert merged.series == "tree + lookup" and merged.requested_nodes == 15 and merged.name == "tree-k1-d6-b6+lu8@3"
     assert len(merged.topology()) == 15 and merged.topology()[7] == 0  # the lookup's first node: a root child
-    wide = parse_arm("tree:4:8:32:1+lookup40")
+    wide = parse_arm(f"tree:4:8:32:1+lookup{MAX_NODES - 2}")
     assert wide.requested_nodes == MAX_NODES and len(wide.topology()) == MAX_NODES
     for bad in ("chain:6+lookup0", "chain:6+lookup8@5", "lookup:8:4+lookup4", "chain:6+suffix4"):
         with pytest.raises(SystemExit):

@@ -156,7 +156,7 @@ def test_max_nodes_tree_is_allowed_and_infinite_scores_are_allowed():
     "tokens, parents, scores, message",
     [
         ([], [], None, "at least the root"),
-        (list(range(MAX_NODES + 1)), list(range(-1, MAX_NODES)), None, "more than MAX_NODES=64"),
+        (list(range(MAX_NODES + 1)), list(range(-1, MAX_NODES)), None, f"more than MAX_NODES={MAX_NODES}"),
         ([1, 2, 3], [-1, 0], None, "lengths differ"),
         ([1, 2, 3], [0, 0, 0], None, "parents[0] must be -1"),
         ([1, 2, 3], [-1, 0, 5], None, "node 2 has forward parent 5"),
