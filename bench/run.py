@@ -18,9 +18,7 @@ suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselin
 `mlx-plain` (generate_step) and `mlx-chain:K` (speculative_generate_step); an arm ending in /dI
 drafts with the I-th folder its drafter's option names (--draft-model, --dflash, --mtp and --eagle3
 take comma lists: two heads in one interleaved run), /sync without queued rounds, auto:dflash/chains
-queueing the primary's chains instead of its trees, auto:dflash/bN a primary of N nodes whose
-queued rounds verify all N (the default before `bdab658`: N = 31; suffixes in that order:
-ARM[/dI][/sync]).
+queueing the primary's chains instead of its trees (suffixes in that order: ARM[/dI][/sync]).
  Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
@@ -124,7 +122,6 @@ class Arms:
         makes one (an adaptive one starts from the target's start-up costs, measured at the
         warm-up and then read from disk)."""
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
-        arm, fixed = arm.rsplit("/b", 1) if "/b" in arm and arm.rsplit("/b", 1)[1].isdigit() else (arm, None)
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
         arm, which = arm.rsplit("/d", 1) if "/d" in arm and arm.rsplit("/d", 1)[1].isdigit() else (arm, 1)
         spec, which = DraftSpec.parse(arm), int(which)
@@ -136,8 +133,6 @@ class Arms:
             return lambda: Unqueued(make())
         if chains:  # "auto:KIND/chains": the adaptive drafter queueing its primary's chains
             return lambda: ChainsQueued.of(make())
-        if fixed is not None:  # "auto:dflash/bN": its primary N nodes, queued rounds all N
-            return lambda: FixedQueuedBudget.of(make(), int(fixed))
         return make
 
 
@@ -163,22 +158,6 @@ class ChainsQueued:
         if not getattr(drafter, "queues_trees", False) or not hasattr(drafter, "queue_more"):
             raise ValueError("ARM/chains takes an adaptive arm over a tree-drafting primary (auto:dflash)")
         drafter.__class__ = type("ChainsQueued" + type(drafter).__name__, (type(drafter),), {"queues_trees": False})
-        return drafter
-
-
-class FixedQueuedBudget:
-    """An adaptive drafter over DDTree whose primary drafts `budget` nodes and whose queued
-    rounds verify all of them (no `queued_tree` choice): the default before `bdab658` at 31."""
-
-    @staticmethod
-    def of(drafter, budget):
-        from mlx_treespec.drafters.dflash import DFlashDrafter
-
-        if not isinstance(getattr(drafter, "primary", None), DFlashDrafter) or drafter.primary.topk == 1:
-            raise ValueError("ARM/bN takes an adaptive arm over DDTree (auto:dflash)")
-        drafter.primary = DFlashDrafter(drafter.primary.bound, budget=budget)
-        drafter.__class__ = type("FixedQueuedBudget" + type(drafter).__name__, (type(drafter),),
-                                 {"queued_tree": lambda self, scores, path, ms: None})
         return drafter
 
 

@@ -6,7 +6,6 @@ import statistics
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -240,22 +239,3 @@ def test_head_ranks_are_a_fresh_head_pass_over_each_prefix():
         lg = head(mx.array([[s[t + 2]]]), cache=cache, hidden=head.out_hidden[:, -1:], first=False)[0, 0]
         want.append(int(mx.sum(lg > lg[s[t + 3]]).item()))
         assert list(r) == [min(x, 8) for x in want], t
-
-
-def test_the_fixed_queued_budget_arm():
-    # auto:dflash/bN: the adaptive drafter over a primary of N nodes whose queued rounds verify
-    # all N (no choice among QUEUED_BUDGETS): the A/B arm of the queued budget rule
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from run import Arms, load_target
-    from mlx_treespec.adaptive import AdaptiveDrafter
-
-    target, _ = load_target("demo")
-    arms = Arms(target, "demo", [])
-    d = arms.maker("auto:dflash/b31")()
-    assert isinstance(d, AdaptiveDrafter) and d.primary.budget == d.primary.queued_budget == 31
-    d.queued_tree(np.zeros(32), np.arange(3), 5.0)  # learns nothing, chooses nothing
-    assert d.primary.queued_budget == 31 and d.learned.queued_gain is None
-    default = arms.maker("auto:dflash")()
-    assert default.primary.budget == 127 and type(default).queued_tree is AdaptiveDrafter.queued_tree
-    with pytest.raises(ValueError, match="auto:dflash"):
-        arms.maker("dflash:7/b31")()
