@@ -742,7 +742,7 @@ def time_tree_pieces(vocab, depth, budget=31, repeats=15, seed=0):
     return {"top-k": timed(lambda: mx.take_along_axis(lp, mx.argpartition(-lp, kth=K - 1, axis=-1)[:, :K], axis=-1)),
             "top-k in two stages": timed(two_stage),
             "build": timed(lambda: device_tree.best_first(root, lp, budget, budget)),
-            "walk": timed(lambda: device_tree.walk(choice, *tree[:4]))}
+            "walk": timed(lambda: device_tree.walk(choice, *tree[:2], *tree[2:]))}
 
 
 def time_head(head, history=256, rows=1, repeats=5, warmup=2, seed=0):

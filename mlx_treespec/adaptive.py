@@ -53,11 +53,6 @@ SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # arm queues again when chosen (`QueueAhead`), so the decision comes early (bench/RESULTS.md,
 # "The default comes back to queued rounds" and "The default, three runs of each prompt")
 QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 4, 32, 0.8
-# The DDTree budgets queued rounds choose among (`queued_tree`), each a compiled verify shape: the
-# tree is built at the primary's budget, the largest, and cut to the best first b (a best-first
-# tree's first b nodes are its tree of b). Where a verify's rows cost little, trees past 64 nodes
-# kept gaining (bench/RESULTS.md, "DDTree past 64 nodes")
-QUEUED_BUDGETS = (15, 31, 63, 127)
 
 
 @dataclass(frozen=True)
@@ -132,9 +127,6 @@ class Learned:
         self.rates = {"primary": Rate(), "plain": Rate(plain_ms), **{("host", m): Rate() for m in range(MATCHES + 1)}}
         self.calibration = Calibration()
         self.overhead = None  # EWMA of a DFlash round's ms beyond its verify's
-        # queued DDTree rounds: EWMAs of the expected emitted by budget (1 + the calibrated
-        # probabilities of the best-first nodes, summed) and of a round's ms beyond its verify's
-        self.queued_gain, self.queued_overhead = None, None
         self.plain_at = plain_ms  # the plain ms per token the plain rate stands at (repricing scales it)
 
 
@@ -421,37 +413,6 @@ class AdaptiveDrafter:
         if read is not None:
             read(emitted)
 
-    def queued_tree(self, scores, path, ms):
-        """A queued DDTree round, read (queued.py): `scores` the log-probabilities of every node
-        built, best first (root first), `path` the accepted nodes (root first), `ms` its wall
-        time. The nodes it verified calibrate the drafter's probabilities, as a round-loop DFlash
-        round's do; every node built adds to the expected-emitted curve; the next rounds verify
-        the budget of QUEUED_BUDGETS (up to the primary's) with the most expected tokens per ms:
-        the curve over the round's ms beyond its verify's plus the verify fit's ms of its rows
-        (the re-run path, the root, the nodes)."""
-        p = np.exp(np.asarray(scores, np.float64)[1:])
-        used = min(int(self.primary.queued_budget), len(p))
-        accepted = np.zeros(used, bool)
-        nodes = np.asarray(path, np.int64)[1:]
-        accepted[nodes[(nodes >= 1) & (nodes <= used)] - 1] = True
-        self.calibration.update(p[:used], accepted)
-        gain = 1.0 + np.cumsum(self.calibration(p))
-        learned = self.learned
-        if learned.queued_gain is None or len(learned.queued_gain) != len(gain):
-            learned.queued_gain = gain
-        else:
-            learned.queued_gain += ALPHA * (gain - learned.queued_gain)
-        if self.costs is None or callable(self.costs):
-            return
-        replay = self.primary.depth + 1  # the rows a tree round re-runs (queued.py)
-        extra = max(ms - float(self.verify_ms([replay + used + 1])[0]), 0.0)
-        usual = learned.queued_overhead
-        if usual is None or extra <= SPIKE * usual:  # (a new shape's trace: not what it costs)
-            learned.queued_overhead = extra if usual is None else usual + ALPHA * (extra - usual)
-        sizes = [b for b in QUEUED_BUDGETS if b < len(p)] + [len(p)]
-        ms_of = learned.queued_overhead + self.verify_ms(replay + np.array(sizes) + 1)
-        self.primary.queued_budget = sizes[int(np.argmax(learned.queued_gain[np.array(sizes) - 1] / ms_of))]
-
     def queue_more(self, tokens, ms):
         """After each queued round (`tokens`: what it emitted, the last the next root; `ms`: its
         wall time): whether queueing goes on. Its rate over the last QUEUED_WINDOW booked rounds
@@ -635,8 +596,7 @@ class AdaptiveDrafter:
         fit, rows = self.costs[1], self.verify_rows
         table = getattr(self, "_verify_table", None)
         if table is None or table[0] is not fit or table[1] is not rows:
-            # (a queued tree round's rows: a re-run path and a tree, each at most MAX_NODES)
-            table = self._verify_table = (fit, rows, np.array([fit(rows(n)) for n in range(2 * MAX_NODES + 1)]))
+            table = self._verify_table = (fit, rows, np.array([fit(rows(n)) for n in range(MAX_NODES + 1)]))
         return table[2][np.atleast_1d(np.asarray(nodes, np.int64))]
 
     def choose_budget(self, probs):

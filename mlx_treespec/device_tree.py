@@ -37,10 +37,8 @@ def prefixes(D, K):
 def ddtree_ops(root, logprobs, budget, topk):
     """DDTree's tree (`builders.best_first_tree`'s node set) in MLX ops: root mx uint32 [1],
     logprobs [D, V] float32 (position k's marginals, k = 1..D). Returns (tokens, parents,
-    depths, ancestor-or-self rows, scores) of the root and `budget` nodes (fewer where the top
-    `topk` of D positions make fewer prefixes), best first: scores never rise and parents come
-    first, so the first b + 1 nodes are the tree of budget b (the build kernel's pop order,
-    up to the order of equal scores).
+    depths, ancestor-or-self rows) of the root and `budget` nodes (fewer where the top `topk`
+    of D positions make fewer prefixes), numbered as `keep_best` does.
 
     Why it is the same set: a prefix scores no more than its parent, so each of the `budget`
     best prefixes of depth d extends one of the `budget` best of depth d - 1. A beam of
@@ -76,25 +74,9 @@ def ddtree_ops(root, logprobs, budget, topk):
         bases = cached_array(np.array(first[:-2], np.int32))  # where depth d's candidates start
         tokens = mx.concatenate([tokens, ids.reshape(-1)[at * K + pick % K]])
         parents = mx.concatenate([parents, bases[at - 1] + pick // K])
-    scores = mx.concatenate(scores)
-    sel, tree_parents, tree_depths, tree_tokens, anc = keep_best(
-        root, tokens, scores, parents, np.concatenate(depths), min(budget, first[-1]))
-    return best_first_order(tree_tokens, tree_parents, tree_depths, anc,
-                            mx.concatenate([mx.zeros((1,), mx.float32), scores[sel]]))
-
-
-def best_first_order(tokens, parents, depths, anc, scores):
-    """A tree renumbered best first: by score, higher first, then by depth (a child may score
-    what its parent does, where a log-probability clamps at 0, and must follow it)."""
-    n = scores.shape[0]
-    rank = (scores[None, :] > scores[:, None]).sum(axis=1)  # how many nodes score higher
-    perm = mx.argsort(rank * (n + 1) + depths)
-    new_of = mx.zeros((n,), mx.int32)
-    new_of[perm] = mx.arange(n, dtype=mx.int32)
-    moved = parents[perm]
-    parents = mx.where(moved < 0, -1, new_of[mx.maximum(moved, 0)]).astype(mx.int32)
-    anc = mx.take(mx.take(anc, perm, axis=0), perm, axis=1)
-    return tokens[perm], parents, depths[perm], anc, scores[perm]
+    _, tree_parents, tree_depths, tree_tokens, anc = keep_best(
+        root, tokens, mx.concatenate(scores), parents, np.concatenate(depths), min(budget, first[-1]))
+    return tree_tokens, tree_parents, tree_depths, anc
 
 
 def walk_ops(choice, tokens, parents, depths, visible):
@@ -117,7 +99,7 @@ def walk_ops(choice, tokens, parents, depths, visible):
 def _kernel(backend, which):
     """The build or walk kernel of a backend ('metal', 'cuda')."""
     name, inputs, outputs = {
-        "build": ("ddtree_build", ["lp", "ids", "root"], ["tokens", "parents", "depths", "anc", "scores"]),
+        "build": ("ddtree_build", ["lp", "ids", "root"], ["tokens", "parents", "depths", "anc"]),
         "walk": ("tree_walk", ["choice", "tokens", "parents"], ["count", "path", "emitted"]),
     }[which]
     make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
@@ -131,8 +113,8 @@ def run_build(backend, lp, ids, root, N, **kw):
     T = N + 1
     return _kernel(backend, "build")(
         inputs=[lp, ids, root], template=[("D", D), ("K", K), ("N", N)], grid=(1, 1, 1),
-        threadgroup=(1, 1, 1), output_shapes=[(T,), (T,), (T,), (T, T), (T,)],
-        output_dtypes=[mx.uint32, mx.int32, mx.int32, mx.bool_, mx.float32], **kw)
+        threadgroup=(1, 1, 1), output_shapes=[(T,), (T,), (T,), (T, T)],
+        output_dtypes=[mx.uint32, mx.int32, mx.int32, mx.bool_], **kw)
 
 
 def run_walk(backend, choice, tokens, parents, **kw):
@@ -191,8 +173,7 @@ def _build_fn(D, V, K, N, backend):
             parents = np.array(got[1])
             if _paths(got[0], parents) == _paths(want[0], want[1]) and \
                     np.array_equal(np.array(got[2]), depths_of(parents.astype(np.int64))) and \
-                    np.array_equal(np.array(got[3]), ancestors_of(parents)) and \
-                    np.allclose(np.array(got[4]), np.array(want[4]), rtol=1e-5, atol=1e-5):
+                    np.array_equal(np.array(got[3]), ancestors_of(parents)):
                 return _compile(kern)
             _warn("DDTree build", ValueError("its tree differs from the MLX-ops build"))
         except Exception as e:  # a build failure surfaces at eval time
@@ -231,8 +212,7 @@ def _walk_fn(T, backend):
 
 
 def best_first(root, logprobs, budget, topk):
-    """DDTree's tree from device values alone (`ddtree_ops`' contract: best first, with each
-    node's score): one kernel on a GPU."""
+    """DDTree's tree from device values alone (`ddtree_ops`' contract): one kernel on a GPU."""
     D, V = logprobs.shape
     D = min(D, budget)
     K = min(topk, budget, V)

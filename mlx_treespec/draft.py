@@ -101,7 +101,6 @@ class Draft:
     depth: int = 0
     forwards: int = 0
     source: str = ""
-    scores: Any = None  # where a drafter scores its nodes (queued DDTree: every node built, best first)
 
     @property
     def size(self) -> int:

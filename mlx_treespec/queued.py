@@ -138,13 +138,12 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             shape = (drafted.tokens.shape[0], drafted.depth, drafted.budget)
             return (choice[count_now - 1].reshape(1), rows, count_now, dev_start + count,
                     drafted.tokens[path[:most]]), \
-                (logits, choice, count_now, payloads, states, shape, (drafted.scores, path), most)
+                (logits, choice, count_now, payloads, states, shape, most)
         bound += T
         return (choice[count_now - 1].reshape(1), rows, count_now, dev_start + count_now), \
-            (logits, choice, count_now, payloads, states, (T, T - 1, T - 1), None, T)
+            (logits, choice, count_now, payloads, states, (T, T - 1, T - 1), T)
 
     more = getattr(drafter, "queue_more", None)
-    learn = getattr(drafter, "queued_tree", None)  # a tree round's node scores and path, read
     delivered, accepted, handed, everything, failed = 0, 0, False, [], False
     trees = False  # the rounds are trees (their recurrent states lag a round: see `settled`)
     try:  # (from the first call: an error anywhere still lands the pending root)
@@ -160,7 +159,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         read = getattr(drafter, "queued_read", None)
         first = n  # tokens emitted before this stretch of queued rounds
         while True:
-            logits, choice, count, payloads, states, shape, scored, _ = out
+            logits, choice, count, payloads, states, shape, _ = out
             nxt, out = queue(*nxt)  # round r + 1, queued before round r is read
             mx.async_eval(out[1], out[2])
             ts = time.perf_counter()
@@ -190,8 +189,6 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             bound = start + out[-1]  # (round r + 1 is under way: it may commit this many)
             if read is not None:
                 read(n - first)
-            if learn is not None and scored is not None and scored[0] is not None:
-                learn(np.array(scored[0]), np.array(scored[1])[: accepted + 1], ms)
             if more is not None and not more(emitted, ms):
                 handed = True
                 break

@@ -154,10 +154,8 @@ class DraftSpec:
         """Adaptive drafting over `drafter`'s default shape (and prompt lookup)."""
         if drafter in ("lookup", "suffix"):
             fixed = cls.from_options(drafter, tree_budget=DEFAULT_FREE_BUDGET, tree_depth=DEFAULT_DEPTH)
-        elif drafter == "dflash":  # the budget is picked per round (queued rounds: among QUEUED_BUDGETS)
-            from .adaptive import QUEUED_BUDGETS
-
-            fixed = cls("dflash", topk=0, depth=0, budget=QUEUED_BUDGETS[-1])
+        elif drafter == "dflash":  # the budget is picked per round, up to DDTree's default
+            fixed = cls("dflash", topk=0, depth=0, budget=0)  # (0: the drafter's, resolved when built)
         else:
             fixed = cls.from_options(drafter, tree_topk=DEFAULT_TREE["topk"], tree_lanes=DEFAULT_TREE["lanes"],
                                      tree_depth=DEFAULT_TREE["depth"])

@@ -877,8 +877,7 @@ def device_tree_cuda_sources() -> List[Tuple[str, str]]:
     h = device_tree._HEADER["cuda"]
     return [
         cuda_kernel_source("ddtree_build", [("lp", mx.float32), ("ids", mx.uint32), ("root", mx.uint32)],
-                           [("tokens", mx.uint32), ("parents", mx.int32), ("depths", mx.int32), ("anc", mx.bool_),
-                            ("scores", mx.float32)],
+                           [("tokens", mx.uint32), ("parents", mx.int32), ("depths", mx.int32), ("anc", mx.bool_)],
                            [("D", 15), ("K", 31), ("N", 31)], h, device_tree.kernel_text("ddtree_build.inc")),
         cuda_kernel_source("tree_walk", [("choice", mx.uint32), ("tokens", mx.uint32), ("parents", mx.int32)],
                            [("count", mx.int32), ("path", mx.int32), ("emitted", mx.uint32)],

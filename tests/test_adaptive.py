@@ -427,7 +427,7 @@ def test_end_to_end_budgets_follow_the_cost_curve(dflash_folder):
 def test_startup_costs_are_measured_once_and_kept(monkeypatch):
     target = tiny.build(dict(tiny.CONFIGS["qwen3"], rope_theta=12345.0))  # a shape measured nowhere else
     plain_ms, fit = startup_costs(target)
-    assert plain_ms > 0 and fit(8) > 0 and sorted(fit.points) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert plain_ms > 0 and fit(8) > 0 and sorted(fit.points) == [1, 2, 4, 8, 16, 32, 64]
     files = list(cost_cache_dir().glob("*.json"))
     assert any(json.loads(f.read_text())["plain_ms"] == plain_ms for f in files)
     from mlx_treespec import costmodel
@@ -797,27 +797,3 @@ def test_a_freed_models_record_is_not_a_new_models():
     del target
     gc.collect()
     assert key != ModelKey("auto", other, draft) and key != key.__class__("auto", other, None)
-
-
-@pytest.mark.parametrize("slope,want", [(0.0, 40), (10.0, 15)])
-def test_queued_trees_verify_the_budget_with_the_most_tokens_per_ms(monkeypatch, tmp_path, slope, want):
-    # queued DDTree rounds build the primary's budget (40: the sizes are 15, 31 and 40) and verify
-    # the best-first cut of QUEUED_BUDGETS with the most expected tokens per ms: where a verify's
-    # rows cost nothing every node helps (40); at 10 ms a row the smallest wins (the
-    # oracle's truth is at most ranks 1-2, so a 15-node tree holds most of what 40 accept).
-    # The verified nodes calibrate the drafter's probabilities; tokens stay plain's
-    import mlx_treespec.verify as verify
-    from test_dflash import QueuedTreeOracle
-
-    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
-    target = tiny.build(tiny.CONFIGS["qwen3"])
-    bound = bind_dflash(save_random(tmp_path / "qwen3", dflash_config(tiny.CONFIGS["qwen3"])), target)
-    primary = QueuedTreeOracle(bound, target, seed=4, budget=40)
-    drafter = AdaptiveDrafter(primary=primary, host=LookupDrafter(8, 6), costs=(1e6, linear(1.0, slope)))
-    prompt = repetitive()
-    out, stats = run(target, drafter, prompt, n=64)
-    assert out == plain(target, prompt, n=64)
-    queued = [n for n, k in zip(stats.nodes, stats.drafter) if k == "queued"]
-    assert queued[0] == 41 and queued[-1] == want + 1 and set(queued) <= {16, 32, 41}, queued
-    assert drafter.calibration.seen.sum() >= 40 and drafter.learned.queued_gain.shape == (40,)
-    assert np.all(np.diff(drafter.learned.queued_gain) >= 0)

@@ -143,7 +143,7 @@ def test_default_draft_shape_is_adaptive_over_the_fixed_one_lane_tree():
     # the demo's default: its DFlash drafter, adaptive; the CLI reports what each round used
     r = cli("--prompt", "def parse(", "--max-tokens", "24", "--verbose")
     assert r.returncode == 0, r.stderr
-    assert "budget requested 127" in r.stdout and "depth requested 15" in r.stdout
+    assert "budget requested 31" in r.stdout and "depth requested 15" in r.stdout
     assert "Rounds by drafter:" in r.stdout
     r = cli("--prompt", "def parse(", "--max-tokens", "24", "--verbose", "--tree-topk", "3", "--tree-lanes", "1",
             "--tree-depth", "8")

@@ -755,7 +755,7 @@ def test_queued_trees_through_the_kernels_glue(targets, folders, gpu_path, monke
             "ddtree_build.inc", dict(D=D, K=K, N=N),
             [("lp", np.array(lp)), ("ids", np.array(ids)), ("root", np.array(root))],
             [("tokens", np.uint32, (T,)), ("parents", np.int32, (T,)), ("depths", np.int32, (T,)),
-             ("anc", np.bool_, (T, T)), ("scores", np.float32, (T,))])
+             ("anc", np.bool_, (T, T))])
         calls.append("build")
         if kernel == "wrong tree":
             out[0][-1] += 1  # a token the ops did not rank there

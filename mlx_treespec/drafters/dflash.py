@@ -243,9 +243,6 @@ class DFlashDrafter:
         else:
             self.budget = budget or default_budget(self.block)
             self.topk = topk or self.budget
-        # nodes a queued tree verifies: the best first of the `budget` built (an adaptive drafter
-        # picks it by tokens per ms: adaptive.AdaptiveDrafter.queued_tree)
-        self.queued_budget = self.budget
         # one trace per bound drafter, shared by every DFlashDrafter over it (a library call
         # makes a drafter per generation; a trace costs far more than a round)
         compiled = bound.model.__dict__.setdefault("_treespec_compiled", {})
@@ -437,14 +434,11 @@ class DFlashDrafter:
         Returns a Draft whose layout lives on the device."""
         logits = self._ahead_logits(root, rows, count)[1 : self.depth + 1]
         lp = logits.astype(mx.float32)
-        tokens, parents, depths, anc, scores = best_first(root.reshape(1).astype(mx.uint32),
-                                                          lp - mx.logsumexp(lp, axis=-1, keepdims=True),
-                                                          self.budget, self.topk)
-        n = min(self.queued_budget, tokens.shape[0] - 1) + 1  # best first: the tree of n - 1 nodes
-        if n < tokens.shape[0]:
-            tokens, parents, depths, anc = tokens[:n], parents[:n], depths[:n], anc[:n, :n]
-        return Draft(tokens, Layout.on_device(parents, depths, anc), budget=n - 1, depth=self.depth,
-                     forwards=1, scores=scores)
+        tokens, parents, depths, anc = best_first(root.reshape(1).astype(mx.uint32),
+                                                  lp - mx.logsumexp(lp, axis=-1, keepdims=True), self.budget,
+                                                  self.topk)
+        return Draft(tokens, Layout.on_device(parents, depths, anc), budget=self.budget,
+                     depth=self.depth, forwards=1)
 
     def queued_read(self, emitted):
         """The host has read queued rounds that emitted `emitted` tokens since queueing began,
