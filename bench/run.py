@@ -45,6 +45,7 @@ from mlx_treespec.cli import resolve_model_path  # noqa: E402
 from mlx_treespec.harness import (encode_prompts, first_divergence, generate_once, interleave,  # noqa: E402
                                   load_prompts, record, run_meta, spread)
 from mlx_treespec.spec import DraftSpec  # noqa: E402
+from mlx_treespec.tree import MAX_NODES  # noqa: E402
 
 # the drafter each demo target uses, by kind
 DEMO_DRAFTERS = {"demo": {"model": "demo-drafter", "dflash": "demo-dflash", "eagle3": "demo-eagle3", "mtp": "demo"},
@@ -507,7 +508,7 @@ def run_proj(args):
             mx.clear_cache()
             target, built_for = costmodel.build_from_config(cfg, args.dtype, q), q
             plain_first = costmodel.time_plain(target, history=args.history, tokens=64)
-            verify = costmodel.time_verify(target, Ts=(8, 16, 32, 64), history=args.history)
+            verify = costmodel.time_verify(target, Ts=PROJ_TS, history=args.history)
         plain = plain_first
         draft_cost = _draft_cost(family, target, cfg, head_cfg, args, dq)
         rounds = args.rounds
@@ -522,8 +523,8 @@ def run_proj(args):
             draft_cost["timed"]["plain_ms"] = plains
         out = dict(variant=label, target_bits=q, drafter_bits=draft_cost["bits"], plain_ms=plain, verify_ms=verify,
                    draft=draft_cost["timed"], arms=[])
-        md += [f"## {label}: plain {plain:.2f} ms/token; verify T=8/16/32/64 "
-               + "/".join(f"{verify[T]:.2f}" for T in (8, 16, 32, 64)) + " ms; " + draft_cost["text"], "",
+        md += [f"## {label}: plain {plain:.2f} ms/token; verify T={'/'.join(map(str, PROJ_TS))} "
+               + "/".join(f"{verify[T]:.2f}" for T in PROJ_TS) + " ms; " + draft_cost["text"], "",
                f"| arm | emitted/verify (measured) | draft ms | round ms ({'timed' if rounds else 'projected'}) "
                "| x plain (projected) |",
                "|---|---|---|---|---|"]
@@ -531,8 +532,8 @@ def run_proj(args):
             spec, sync = _sync_arm(a)
             if sync and not rounds:
                 continue  # (the same pieces as the queued arm)
-            nodes = min(spec.budget or 31, 63) + 1
-            T = next(T for T in (8, 16, 32, 64) if nodes <= T)
+            nodes = min(spec.budget or 31, MAX_NODES - 1) + 1
+            T = next(T for T in PROJ_TS if nodes <= T)
             d = draft_cost["per_arm"](spec)
             round_ms = statistics.median(draft_cost["timed"]["round_ms"][_round_key(spec, sync)]) if rounds else \
                 d + verify[T] + args.overhead_ms
@@ -547,6 +548,9 @@ def run_proj(args):
         report["variants"].append(out)
         mx.clear_cache()
     write(args, report, md)
+
+
+PROJ_TS = (8, 16, 32, 64, 128, 256)  # proj: the verify row counts timed (a round's nodes, rounded up)
 
 
 def _bits_list(text):
@@ -575,7 +579,10 @@ def proj_from_costs(args, tau, pset):
             if not (a.startswith("dflash") or a.startswith("ddtree")) or not t:
                 continue
             spec = DraftSpec.parse(a)
-            nodes = min(spec.budget or 31, 63) + 1
+            nodes = min(spec.budget or 31, MAX_NODES - 1) + 1
+            if max(verify) < nodes:
+                raise SystemExit(f"{args.costs} times verifies of at most {max(verify)} rows; arm {a} "
+                                 f"verifies {nodes}: add its row count to the costs or drop the arm")
             T = min(x for x in verify if nodes <= x)
             round_ms = verify[T] + c["dflash_draft_ms"] + args.overhead_ms
             x = t * c["plain_ms"] / round_ms

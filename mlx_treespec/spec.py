@@ -9,7 +9,7 @@ Arm grammar:
     plain                  no drafter
     chain:K                the draft model's chain of K tokens
     tree:K:S[:B[:L]]       EAGLE-2 over the draft model: K children per expanded node, S steps,
-                           B draft nodes (default: every candidate, at most 63), L lanes
+                           B draft nodes (default: every candidate, at most 255), L lanes
                            expanded per step (default K; 1 = a chain with siblings as leaves)
     lookup:B:D / suffix:B:D  model-free drafters: B draft nodes, depth D
     dflash:K               a DFlash block drafter's chain of K tokens (K < its block size)

@@ -65,6 +65,9 @@ def test_loop_section_tiny(tmp_path):
     bad = subprocess.run([sys.executable, "bench/run.py", "table", "--from", str(tmp_path / "loop.json.gz"),
                           "--versus", "chain:9"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--versus chain:9 is not an arm" in bad.stderr
+    bad = subprocess.run([sys.executable, "bench/run.py", "loop", "--arms", "plain,dflash:7", "--versus", "chain:9"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--versus chain:9 is not one of --arms" in bad.stderr
 
 
 def test_comm_section_tiny(tmp_path):

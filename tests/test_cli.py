@@ -153,6 +153,7 @@ def test_default_draft_shape_is_adaptive_over_the_fixed_one_lane_tree():
 @pytest.mark.parametrize("args,needle", [
     (["--max-tokens", "-5"], "-1 for no limit"),
     (["--draft-block-size", "4", "--tree-budget", "1000"], "--tree-budget"),
+    (["--drafter", "dflash", "--tree-budget", "256"], "must be in 1..255"),
     (["--tree-depth", "4", "--tree-budget", "8"], "--tree-budget"),
     (["--tree-topk", "3", "--tree-depth", "0"], "--tree-depth"),
     (["--drafter", "dflash", "--tree-topk", "3"], "--tree-topk"),

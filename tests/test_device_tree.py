@@ -97,7 +97,7 @@ def test_both_walks_accept_the_deepest_agreeing_path():
     if not msl_check.have_gxx():
         pytest.fail("g++ is required for the kernel emulation")
     rng = np.random.default_rng(3)
-    for T in (1, 2, 7, 32):
+    for T in (1, 2, 7, 32, 256):  # (256: MAX_NODES)
         for _ in range(12):
             parents, tokens, choice = random_round(rng, T)
             deepest = max((i for i in range(T) if all(

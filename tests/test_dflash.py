@@ -209,10 +209,15 @@ def test_cached_block_equals_the_reference_forward(targets, folders):
 
 def test_ddtree_is_the_best_first_tree_of_the_block(targets, folders):
     # the budget rule: the tree is the `budget` most probable prefixes of the block's marginals
-    # (best_first_tree), at most B - 1 deep, exactly budget + 1 nodes
+    # (best_first_tree), at most B - 1 deep, exactly budget + 1 nodes, up to MAX_NODES; the
+    # default twice the block's predictions, at most 63 (larger trees only where asked for)
+    from mlx_treespec.drafters.dflash import default_budget
+
     target = targets("qwen3")
     bound = bind_dflash(folders("qwen3"), target)
-    for budget in (5, 12, 31):
+    assert DFlashDrafter(bound).budget == default_budget(bound.model.block_size) == 2 * bound.model.block_size - 1
+    assert default_budget(16) == 31 and default_budget(33) == 63 == default_budget(200)
+    for budget in (5, 12, 31, 255):
         d = DFlashDrafter(bound, budget=budget)
         d.prefill(prompt_tokens(n=9), mx.zeros((8, len(bound.model.target_layer_ids) * 64)))
         length = d.length

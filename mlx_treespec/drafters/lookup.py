@@ -173,7 +173,7 @@ def merge_continuations(root: int, continuations, budget: int, max_depth: Option
 class LookupDrafter:
     """Prompt-lookup tree drafter (``--drafter lookup``); no model.
 
-    ``budget`` counts draft nodes (root excluded, at most 63); ``max_depth`` caps the tree depth;
+    ``budget`` counts draft nodes (root excluded, at most ``MAX_NODES - 1``); ``max_depth`` caps the tree depth;
     ``branches=1`` gives the chain of the single best continuation (use it with
     ``budget == max_depth`` for the classic prompt-lookup chain).
     """

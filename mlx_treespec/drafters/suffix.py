@@ -157,7 +157,7 @@ def expand_best_first(root: int, start: Hashable, ranked_children: Callable, cou
 class SuffixDrafter:
     """SuffixDecoding-style tree drafter (``--drafter suffix``); no model.
 
-    ``budget`` counts draft nodes (root excluded, at most 63), ``max_depth`` caps the depth.
+    ``budget`` counts draft nodes (root excluded, at most ``MAX_NODES - 1``), ``max_depth`` caps the depth.
     ``index``: a `SuffixIndex` to share across drafters and generations (each ``prefill`` starts a
     new sequence in it and what is emitted stays indexed); None: a private index per generation
     of depth ``index_depth``. ``max_match`` caps the matched suffix length; ``min_prob`` drops
