@@ -500,6 +500,8 @@ def run_proj(args):
     variants = [(q, dq) for q in _bits_list(args.q_bits)
                 for dq in ([q] if args.draft_q_bits == "same" else _bits_list(args.draft_q_bits))]
     built_for = "nothing yet"
+    # the verify row counts timed: 8..64, and each arm's (its nodes, rounded up to a timed count)
+    timed_rows = sorted(set(PROJ_TS[:4]) | {_verify_rows(_sync_arm(a)[0]) for a in arms})
     for q, dq in variants:
         label = args.dtype + (f", {q}-bit" if q else "") + (
             "" if dq == q else f"; drafter {f'{dq}-bit' if dq else args.dtype}")
@@ -508,7 +510,7 @@ def run_proj(args):
             mx.clear_cache()
             target, built_for = costmodel.build_from_config(cfg, args.dtype, q), q
             plain_first = costmodel.time_plain(target, history=args.history, tokens=64)
-            verify = costmodel.time_verify(target, Ts=PROJ_TS, history=args.history)
+            verify = costmodel.time_verify(target, Ts=timed_rows, history=args.history)
         plain = plain_first
         draft_cost = _draft_cost(family, target, cfg, head_cfg, args, dq)
         rounds = args.rounds
@@ -523,8 +525,8 @@ def run_proj(args):
             draft_cost["timed"]["plain_ms"] = plains
         out = dict(variant=label, target_bits=q, drafter_bits=draft_cost["bits"], plain_ms=plain, verify_ms=verify,
                    draft=draft_cost["timed"], arms=[])
-        md += [f"## {label}: plain {plain:.2f} ms/token; verify T={'/'.join(map(str, PROJ_TS))} "
-               + "/".join(f"{verify[T]:.2f}" for T in PROJ_TS) + " ms; " + draft_cost["text"], "",
+        md += [f"## {label}: plain {plain:.2f} ms/token; verify T={'/'.join(map(str, timed_rows))} "
+               + "/".join(f"{verify[T]:.2f}" for T in timed_rows) + " ms; " + draft_cost["text"], "",
                f"| arm | emitted/verify (measured) | draft ms | round ms ({'timed' if rounds else 'projected'}) "
                "| x plain (projected) |",
                "|---|---|---|---|---|"]
@@ -532,8 +534,7 @@ def run_proj(args):
             spec, sync = _sync_arm(a)
             if sync and not rounds:
                 continue  # (the same pieces as the queued arm)
-            nodes = min(spec.budget or 31, MAX_NODES - 1) + 1
-            T = next(T for T in PROJ_TS if nodes <= T)
+            T = _verify_rows(spec)
             d = draft_cost["per_arm"](spec)
             round_ms = statistics.median(draft_cost["timed"]["round_ms"][_round_key(spec, sync)]) if rounds else \
                 d + verify[T] + args.overhead_ms
@@ -550,7 +551,14 @@ def run_proj(args):
     write(args, report, md)
 
 
-PROJ_TS = (8, 16, 32, 64, 128, 256)  # proj: the verify row counts timed (a round's nodes, rounded up)
+PROJ_TS = (8, 16, 32, 64, 128, 256)  # proj: the verify row counts it can time
+
+
+def _verify_rows(spec):
+    """proj: the timed verify that prices an arm's round: its nodes (root included), rounded up
+    to one of PROJ_TS."""
+    nodes = min(spec.budget or 31, MAX_NODES - 1) + 1
+    return next(T for T in PROJ_TS if nodes <= T)
 
 
 def _bits_list(text):

@@ -62,12 +62,13 @@ def test_loop_section_tiny(tmp_path):
     assert cell(unseen, "ddtree:12") == pytest.approx(tok_s("ddtree:12") / tok_s("dflash:7"), abs=0.006)
     again = run(["table", "--from", str(tmp_path / "loop.json.gz"), "--versus", "ddtree:12"]).split("## heldout")[0]
     assert cell(again, "dflash:7") == pytest.approx(tok_s("dflash:7") / tok_s("ddtree:12"), abs=0.006)
-    bad = subprocess.run([sys.executable, "bench/run.py", "table", "--from", str(tmp_path / "loop.json.gz"),
-                          "--versus", "chain:9"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "--versus chain:9 is not an arm" in bad.stderr
-    bad = subprocess.run([sys.executable, "bench/run.py", "loop", "--arms", "plain,dflash:7", "--versus", "chain:9"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "--versus chain:9 is not one of --arms" in bad.stderr
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from run import main
+
+    with pytest.raises(SystemExit, match="--versus chain:9 is not an arm"):
+        main(["table", "--from", str(tmp_path / "loop.json.gz"), "--versus", "chain:9"])
+    with pytest.raises(SystemExit, match="--versus chain:9 is not one of --arms"):
+        main(["loop", "--arms", "plain,dflash:7", "--versus", "chain:9"])
 
 
 def test_comm_section_tiny(tmp_path):
@@ -242,3 +243,16 @@ def test_head_ranks_are_a_fresh_head_pass_over_each_prefix():
         lg = head(mx.array([[s[t + 2]]]), cache=cache, hidden=head.out_hidden[:, -1:], first=False)[0, 0]
         want.append(int(mx.sum(lg > lg[s[t + 3]]).item()))
         assert list(r) == [min(x, 8) for x in want], t
+
+
+def test_proj_prices_each_arm_at_its_own_verify_rows():
+    # proj's verify for an arm's round: its nodes, root included, rounded up to a timed row
+    # count, up to MAX_NODES (a tree past 64 nodes is priced at its own rows, not at 64)
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from run import _verify_rows
+    from mlx_treespec.spec import DraftSpec
+
+    rows = {a: _verify_rows(DraftSpec.parse(a)) for a in ("dflash:15", "ddtree", "ddtree:31", "ddtree:63",
+                                                           "ddtree:127", "ddtree:255", "mtp-tree:3:15:45:1")}
+    assert rows == {"dflash:15": 16, "ddtree": 32, "ddtree:31": 32, "ddtree:63": 64, "ddtree:127": 128,
+                    "ddtree:255": 256, "mtp-tree:3:15:45:1": 64}
