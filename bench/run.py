@@ -554,11 +554,14 @@ def run_proj(args):
 PROJ_TS = (8, 16, 32, 64, 128, 256)  # proj: the verify row counts it can time
 
 
+def _round_nodes(spec):
+    """proj: the nodes an arm's round verifies, root included (DDTree's default budget: 31)."""
+    return min(spec.budget or 31, MAX_NODES - 1) + 1
+
+
 def _verify_rows(spec):
-    """proj: the timed verify that prices an arm's round: its nodes (root included), rounded up
-    to one of PROJ_TS."""
-    nodes = min(spec.budget or 31, MAX_NODES - 1) + 1
-    return next(T for T in PROJ_TS if nodes <= T)
+    """proj: the timed verify that prices an arm's round: its nodes rounded up to one of PROJ_TS."""
+    return next(T for T in PROJ_TS if _round_nodes(spec) <= T)
 
 
 def _bits_list(text):
@@ -586,8 +589,7 @@ def proj_from_costs(args, tau, pset):
         for a, t in tau.items():
             if not (a.startswith("dflash") or a.startswith("ddtree")) or not t:
                 continue
-            spec = DraftSpec.parse(a)
-            nodes = min(spec.budget or 31, MAX_NODES - 1) + 1
+            nodes = _round_nodes(DraftSpec.parse(a))
             if max(verify) < nodes:
                 raise SystemExit(f"{args.costs} times verifies of at most {max(verify)} rows; arm {a} "
                                  f"verifies {nodes}: add its row count to the costs or drop the arm")

@@ -256,3 +256,29 @@ def test_proj_prices_each_arm_at_its_own_verify_rows():
                                                            "ddtree:127", "ddtree:255", "mtp-tree:3:15:45:1")}
     assert rows == {"dflash:15": 16, "ddtree": 32, "ddtree:31": 32, "ddtree:63": 64, "ddtree:127": 128,
                     "ddtree:255": 256, "mtp-tree:3:15:45:1": 64}
+
+
+def test_proj_from_costs_refuses_an_arm_past_its_timed_rows(tmp_path):
+    # proj --costs prices a round at the smallest timed verify that holds its nodes; an arm with
+    # more nodes than any timed verify is refused by name, not priced at the largest
+    import gzip
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from run import main
+
+    def acceptance(name, arms):
+        path = tmp_path / name
+        rows = [dict(arm=a, pooled_emitted_per_verify=t) for a, t in arms.items()]
+        path.write_bytes(gzip.compress(json.dumps(dict(meta={}, sets=dict(unseen=dict(arms=rows)))).encode()))
+        return str(path)
+
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps(dict(variants={"bf16": dict(plain_ms=10.0, dflash_draft_ms=1.0,
+                                                            verify_ms={"32": 20.0, "64": 22.0})})))
+    main(["proj", "--acceptance", acceptance("a.json.gz", {"ddtree:31": 6.0, "ddtree:63": 6.5}), "--costs", str(costs),
+          "--overhead-ms", "0", "--out", str(tmp_path / "p")])
+    (v,) = read_json(tmp_path / "p.json.gz")["variants"]
+    assert {a["arm"]: a["round_ms"] for a in v["arms"]} == {"ddtree:31": 21.0, "ddtree:63": 23.0}
+    with pytest.raises(SystemExit, match="arm ddtree:127 verifies 128"):
+        main(["proj", "--acceptance", acceptance("b.json.gz", {"ddtree:31": 6.0, "ddtree:127": 7.0}),
+              "--costs", str(costs), "--out", str(tmp_path / "q")])
