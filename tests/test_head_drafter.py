@@ -149,8 +149,8 @@ class PositionOracle(tiny.FollowsText, HeadDrafter):
         chain, bumped, _ = self._oracle([int(t.item()) for t in toks], mx.concatenate(rows) if self.topk > 1 else None)
         return (rows if bumped is None else list(bumped[:, None])), [mx.array([t], mx.uint32) for t in chain]
 
-    def _steps_ahead(self, root, rows, count, path):
-        raw, logits = super()._steps_ahead(root, rows, count, path)
+    def _steps_ahead(self, root, rows, count, path, kind):
+        raw, logits = super()._steps_ahead(root, rows, count, path, kind)
         if rows is not None:  # the last round's accepted drafts, then its target token (the root)
             accepted = self.last[: count.item() - 1] if path is None else np.array(path[1 : count.item()]).tolist()
             self.text += accepted + [int(root.item())]
@@ -230,8 +230,103 @@ def test_queued_chain_after_slots_pile_up_is_the_round_loops(tmp_path, kind):
     root = loop.pending[-1]
     want = np.array(loop.draft(root, 4).tokens[1:]).tolist()
     slot_counts = []
-    chain_fn = queued._chain_fn
-    queued._chain_fn = lambda trees: (lambda tokens, *a: slot_counts.append(tokens.shape[0]) or chain_fn(trees)(tokens, *a))
+    ahead_fn = queued._ahead_fn
+    queued._ahead_fn = lambda kind: (lambda tokens, *a: slot_counts.append(tokens.shape[0]) or ahead_fn(kind)(tokens, *a))
     got = np.array(queued.chain_ahead(mx.array([root], mx.uint32), None, None)).tolist()
     assert slot_counts == [queued.depth + 1]
     assert got == want
+
+
+def _root_paths(tokens, parents):
+    """A tree's root paths as token tuples (the root's excluded): what it proposes, whatever
+    its numbering."""
+    out = set()
+    for i in range(1, len(parents)):
+        path, j = [], i
+        while j > 0:
+            path.append(int(tokens[j]))
+            j = int(parents[j])
+        out.add(tuple(reversed(path)))
+    return frozenset(out)
+
+
+class LaneOracle(tiny.FollowsText, HeadDrafter):
+    """A head drafter of EAGLE-2 trees (lanes) whose trees are the head's own with one root path
+    made the target's greedy text at most steps, through the last child at some steps (a path
+    off the spine), in the round loop (`draft`) and in rounds queued ahead (`lanes_ahead`).
+    Records the head's own tree per text position (`raw`) and how many paths left the spine."""
+
+    hand_back_after = None
+
+    def __init__(self, source, target, **kw):
+        super().__init__(source, target, **kw)
+        self.raw, self.queued_rounds, self.off_spine = [], 0, 0
+
+    def _oracle(self, draft):
+        tokens, parents = np.array(draft.tokens).tolist(), draft.layout.host_parents()
+        pos = len(self.text)
+        self.raw.append((pos, int(max(np.array(draft.layout.device[1]).tolist()) if draft.layout.parents is None
+                                  else draft.depth), _root_paths(tokens, parents)))
+        cache = make_prompt_cache(self.target)
+        out = self.target(mx.array(self.text)[None], cache=cache)[0, -1]
+        node, step = 0, 0
+        while True:
+            kids = [i for i in range(len(parents)) if parents[i] == node]
+            if not kids or not _truth_kept(pos, step):
+                break
+            node = kids[-1] if _leaf_truth(pos, step) else kids[0]
+            self.off_spine += len(kids) > 1 and node == kids[-1]
+            tokens[node] = int(mx.argmax(out))
+            out = self.target(mx.array([[tokens[node]]]), cache=cache)[0, -1]
+            step += 1
+        return Draft(mx.array(tokens, mx.uint32), draft.layout, draft.state, fetch=draft.fetch,
+                     budget=draft.budget, depth=draft.depth, forwards=draft.forwards)
+
+    def draft(self, root, max_depth):
+        d = super().draft(root, max_depth)
+        return d if d.state is None else self._oracle(d)
+
+    def lanes_ahead(self, root, rows, count, path=None):
+        if rows is not None:  # the last round's accepted drafts, then its target token (the root)
+            self.text += np.array(path[1 : count.item()]).tolist() + [int(root.item())]
+        return self._oracle(super().lanes_ahead(root, rows, count, path))
+
+    def queue_more(self, tokens, ms):
+        self.queued_rounds += 1
+        return self.hand_back_after is None or self.queued_rounds < self.hand_back_after
+
+
+@pytest.mark.parametrize("kind, hand_back", [("mtp-qwen3_5_tied", None), ("eagle3-safeailab", 3)])
+def test_queued_lane_trees_draft_what_the_round_loop_drafts(tmp_path, monkeypatch, kind, hand_back):
+    # where rounds queue, a head's EAGLE-2 tree (3 lanes, ranked) is drafted on the device in
+    # one compiled function: the slots, then each step's lanes over their parents' output hidden
+    # states, then EAGLE-2's re-rank. Its trees propose the round loop's root paths, text
+    # position by text position, through accepted paths off the spine and a hand-back to the
+    # round loop; tokens are plain decoding's
+    import mlx_treespec.verify as verify
+
+    family, name = kind.split("-", 1)
+    head, target = (make_mtp(tmp_path, name)[:2] if family == "mtp" else make_eagle3(tmp_path, name)[:2])
+    prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
+    ref = plain(target, prompt)
+    opts = dict(topk=3, lanes=3, depth=4, budget=10)
+    host = LaneOracle(head, target, **opts)
+    assert host.ahead == host.lanes_ahead
+    out = [t for t, _, _ in tree_generate_step(prompt, target, host, max_tokens=N)]
+    assert out == ref
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    queued = LaneOracle(head, target, **opts)
+    queued.hand_back_after = hand_back
+    stats = RoundStats()
+    out = [t for t, _, _ in tree_generate_step(prompt, target, queued, max_tokens=N, stats=stats)]
+    assert out == ref
+    kinds = ["queued"] * (hand_back or len(stats.drafter))
+    assert stats.drafter[: len(kinds)] == kinds and "queued" not in stats.drafter[len(kinds):]
+    assert all(n == 11 for n, k in zip(stats.nodes, stats.drafter) if k == "queued")
+    assert sum(stats.accepted) > 0 and queued.off_spine > 0
+    by_position = {pos: paths for pos, depth, paths in host.raw if depth == 4}
+    compared = [pos for pos, _, paths in queued.raw if pos in by_position]
+    assert len(compared) >= len(by_position) - 1, (compared, sorted(by_position))
+    for pos, _, paths in queued.raw:
+        if pos in by_position:
+            assert paths == by_position[pos], pos

@@ -25,9 +25,15 @@ import mlx.core as mx
 
 from ..draft import Draft, Layout
 from ..verify import grown, install, whole_buffer_forward
-from .model import ModelDrafter, keeps_every_sibling, one_lane_parents, runners_up
+from .model import ModelDrafter, _logprobs, _top_k, keep_best, keeps_every_sibling, one_lane_parents, runners_up
 
 __all__ = ["HeadDrafter"]
+
+
+def _causal(columns, positions, dtype):
+    """The additive mask of rows at `positions` written at their own columns: each sees the
+    columns up to its own."""
+    return mx.where(columns[None] <= positions[:, None], mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
 
 
 class HeadDrafter(ModelDrafter):
@@ -118,16 +124,18 @@ class HeadDrafter(ModelDrafter):
 
     @property
     def ahead(self):
-        """`chain_ahead` for a chain, `tree_ahead` for a one-lane tree that keeps every sibling
-        (queued.py); other trees' lanes run the round loop."""
+        """`chain_ahead` for a chain, `tree_ahead` for a one-lane tree that keeps every sibling,
+        `lanes_ahead` for any other tree (queued.py)."""
         if self.topk == 1:
             return self.chain_ahead
-        return self.tree_ahead if self.queues_trees else None
+        return self.tree_ahead if keeps_every_sibling(self.topk, self.lanes, self.depth, self.budget) \
+            else self.lanes_ahead
 
     @property
     def queues_trees(self):
-        """`ahead` drafts trees: one lane whose siblings all stay (a fixed layout)."""
-        return self.topk > 1 and keeps_every_sibling(self.topk, self.lanes, self.depth, self.budget)
+        """`ahead` drafts trees (every head tree queues: a fixed layout or EAGLE-2's, both built
+        on the device)."""
+        return self.topk > 1
 
     def chain_ahead(self, root, rows, count, path=None):
         """A chain of `depth` head steps from device values alone: `root` (mx uint32 [1]), the
@@ -135,21 +143,33 @@ class HeadDrafter(ModelDrafter):
         first round: the host's pending slots go in) of which the first `count` (mx int32) were
         accepted, and that path's tokens `path` (root first; None: the previous round's chain).
         Returns the chain, mx uint32 [depth]."""
-        return self._steps_ahead(root, rows, count, path)[0]
+        return self._steps_ahead(root, rows, count, path, "chain")[0]
 
     def tree_ahead(self, root, rows, count, path=None):
         """The one-lane tree from device values alone (`chain_ahead`'s arguments): the chain,
         and each step's `topk - 1` runners-up as leaves, as the round loop drafts it."""
-        chain, logits = self._steps_ahead(root, rows, count, path)
+        chain, logits = self._steps_ahead(root, rows, count, path, "tree")
         tokens = mx.concatenate([root.reshape(1).astype(mx.uint32), chain, runners_up(logits, chain, self.topk)])
         return Draft(tokens, Layout.fixed(one_lane_parents(self.depth, self.topk)), budget=self.budget,
                      depth=self.depth, forwards=self.depth)
 
-    def _steps_ahead(self, root, rows, count, path):
-        """(the chain of `depth` steps, mx uint32 [depth]; each step's logits [depth, V], None
-        for a chain): the slots of the previous round's path, then the steps."""
+    def lanes_ahead(self, root, rows, count, path=None):
+        """The EAGLE-2 tree (`lanes` nodes expanded a step, the best `budget` candidates kept) from
+        device values alone (`chain_ahead`'s arguments): the round loop's `_tree`, its lanes'
+        steps in the compiled function with the slots."""
+        tokens, layout = self._steps_ahead(root, rows, count, path, "lanes")
+        return Draft(tokens, layout, budget=self._lanes_budget(), depth=self.depth, forwards=self.depth)
+
+    def _lanes_budget(self):
+        """The candidates an EAGLE-2 tree of `depth` steps keeps (`draft`'s rule at full depth)."""
+        return min(self.budget, self.topk + (self.depth - 1) * self.lanes * self.topk)
+
+    def _steps_ahead(self, root, rows, count, path, kind):
+        """The slots of the previous round's path, then the steps. `kind` "chain": (the chain of
+        `depth` steps, mx uint32 [depth], None); "tree": (that chain, each step's logits
+        [depth, V]); "lanes": (the EAGLE-2 tree's tokens, its device Layout)."""
         q, c = self._queued, self.cache[0]
-        trees = self.topk > 1
+        lanes = self.lanes if kind == "lanes" else 1
         if q is None:  # the host's pending slots (the last is the root's); none: a one-token prompt
             n = 0 if self.pending_hidden is None else len(self.pending)
             if n > self.depth + 1:
@@ -164,7 +184,12 @@ class HeadDrafter(ModelDrafter):
                 # (no row to continue from: any guess is exact)
                 chain = mx.zeros((self.depth,), mx.uint32)
                 q.update(prev=mx.concatenate([root.reshape(1).astype(mx.uint32), chain]), last=None)
-                return chain, (mx.zeros((self.depth, self.topk)) if trees else None)
+                if kind == "lanes":  # a chain of zeros, the rest of the budget on the root
+                    nodes = self._lanes_budget() + 1
+                    S = min(self.depth, nodes - 1)
+                    parents = np.concatenate([np.arange(-1, S), np.zeros(nodes - S - 1, np.int64)])
+                    return mx.zeros((nodes,), mx.uint32), Layout.fixed(parents)
+                return chain, (mx.zeros((self.depth, self.topk)) if kind == "tree" else None)
             P = self.depth + 1  # padded to a round's slot count: one trace for both
             tokens = mx.array(self.pending + [0] * (P - n), mx.uint32)
             slot_rows = mx.pad(self.pending_hidden, ((0, P - n), (0, 0)))
@@ -175,12 +200,18 @@ class HeadDrafter(ModelDrafter):
             tokens = mx.where(mx.arange(P) == count - 1, root.astype(mx.uint32), mx.concatenate([prev[1:], prev[:1]]))
             slot_rows = self._target_rows(rows[:P])
         P = tokens.shape[0]
-        keys, values = self._buffers(q["bound"] + P + self.depth)
-        chain, logits, c.keys, c.values = self._chain_fn(trees)(tokens, slot_rows, count, q["L0"], keys, values)
-        q.update(L0=q["L0"] + count, bound=q["bound"] + P, last=(slot_rows, count),
-                 prev=mx.concatenate([root.reshape(1).astype(mx.uint32), chain]))
+        keys, values = self._buffers(q["bound"] + P + self.depth * lanes)
+        out = self._ahead_fn(kind)(tokens, slot_rows, count, q["L0"], keys, values)
+        c.keys, c.values = out[-2:]
+        first, second = out[0], out[1]
+        q.update(L0=q["L0"] + count, bound=q["bound"] + P, last=(slot_rows, count))
         self.forwards = self.depth
-        return chain, logits
+        if kind == "lanes":  # (a tree round's next slots are its accepted path: `path`)
+            q["prev"] = mx.zeros((P,), mx.uint32)
+            root = root.reshape(1).astype(mx.uint32)
+            return mx.concatenate([root, first[1:]]), Layout.on_device(*out[1:4])
+        q["prev"] = mx.concatenate([root.reshape(1).astype(mx.uint32), first])
+        return first, second
 
     def _buffers(self, rows):
         """The head cache's K/V buffers with room for `rows` rows (made where the cache holds none)."""
@@ -193,42 +224,90 @@ class HeadDrafter(ModelDrafter):
             c.keys = c.values = mx.zeros((1, n_kv, 0, dim), dtype)
         return grown(c.keys, rows), grown(c.values, rows)
 
-    def _chain_fn(self, trees):
+    def _ahead_fn(self, kind):
         """The slots' forward and `depth` steps as one compiled function (traced per slot count and
-        buffer width): (slot tokens [P], their target rows, real slots, L0, K, V) -> (chain,
-        each step's logits [depth, V] where `trees`, else None, K, V)."""
-        fn = self.__dict__.get(("_compiled_chain", trees))
+        buffer width): (slot tokens [P], their target rows, real slots, L0, K, V) -> `kind`'s
+        outputs (`_steps_ahead`: a chain and each step's logits or None; or the EAGLE-2 tree's
+        tokens, root 0, parents, depths, ancestor rows), then K and V."""
+        fn = self.__dict__.get(("_compiled_ahead", kind))
         if fn is not None:
             return fn
-        head, depth = self.model, self.depth
+        head, depth, K, L = self.model, self.depth, self.topk, self.lanes
         install(head)
         forward = whole_buffer_forward(head, ())
 
-        def chain(tokens, slot_rows, count, L0, keys, values):
+        def slots(tokens, slot_rows, count, L0, keys, values):
+            """The slots at L0..: the last real slot's logits [1, V] and output hidden [1, H]."""
             P, dtype = tokens.shape[0], keys.dtype
             cols = mx.arange(keys.shape[2])
-            zero, low = mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype)
             positions = L0 + mx.arange(P, dtype=mx.int32)
             self._set_hidden(slot_rows, first=True)
-            logits, _, ks, vs = forward(tokens, positions, mx.where(cols[None] <= positions[:, None], zero, low),
+            logits, _, ks, vs = forward(tokens, positions, _causal(cols, positions, dtype),
                                         mx.stack([L0, L0, L0 + P]), [keys], [values])
             last = (count - 1).reshape(1)
-            hidden = mx.take(head.out_hidden[0], last, axis=0)
-            logits = mx.take(logits, last, axis=0)
+            return mx.take(logits, last, axis=0), mx.take(head.out_hidden[0], last, axis=0), ks, vs
+
+        def chain(tokens, slot_rows, count, L0, keys, values):
+            logits, hidden, ks, vs = slots(tokens, slot_rows, count, L0, keys, values)
             tok = mx.argmax(logits, axis=-1).astype(mx.uint32)
             out, rows, pos = [tok], [logits], (L0 + count).reshape(1)
+            cols = mx.arange(keys.shape[2])
             for _ in range(1, depth):  # each step over its parent's output hidden, after the real slots
                 self._set_hidden(hidden, first=False)
-                logits, _, ks, vs = forward(tok, pos, mx.where(cols[None] <= pos[:, None], zero, low),
+                logits, _, ks, vs = forward(tok, pos, _causal(cols, pos, keys.dtype),
                                             mx.concatenate([pos, pos, pos + 1]), ks, vs)
                 hidden = head.out_hidden[0]
                 tok = mx.argmax(logits, axis=-1).astype(mx.uint32)
                 out.append(tok)
                 rows.append(logits)
                 pos = pos + 1
-            return mx.concatenate(out), (mx.concatenate(rows) if trees else None), ks[0], vs[0]
+            return mx.concatenate(out), (mx.concatenate(rows) if kind == "tree" else None), ks[0], vs[0]
 
-        fn = self.__dict__[("_compiled_chain", trees)] = mx.compile(chain)
+        def lanes(tokens, slot_rows, count, L0, keys, values):
+            # ModelDrafter._tree's steps: step s forwards the L lanes at depth s (position
+            # base + s - 1) into columns base + (s - 1) L.., each seeing the history and the real
+            # slots (the columns before base) and, among the step rows, its ancestors and itself
+            logits, hidden, ks, vs = slots(tokens, slot_rows, count, L0, keys, values)
+            dtype, base = keys.dtype, L0 + count
+            zero, low = mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype)
+            rel = mx.arange(keys.shape[2]) - base  # [W]: the step rows' columns are 0..
+            idx, lp = _top_k(_logprobs(logits), K)  # the root's children, the first candidates
+            step_scores = mx.minimum(lp[0], 0)
+            choice = mx.arange(K) if L == K else mx.argsort(-step_scores)[:L]
+            lane_tokens, lane_scores, lane_cands = idx[0][choice], step_scores[choice], choice
+            lane_hidden = mx.broadcast_to(hidden, (L, hidden.shape[-1]))
+            lane_seen = mx.zeros((L, 0), mx.bool_)  # each lane's ancestors among the step rows
+            seen = mx.zeros((0, 0), mx.bool_)  # the step rows' ancestors-or-self
+            tokens, scores, parents = [idx.reshape(-1)], [step_scores], [mx.full((K,), -1, mx.int32)]
+            cand_depths, n_cand = [np.ones(K, np.int32)], K
+            for s in range(1, depth):
+                first = (s - 1) * L
+                rows = mx.concatenate([lane_seen, mx.eye(L, dtype=mx.bool_)], axis=1)  # [L, first + L]
+                seen = mx.concatenate([mx.concatenate([seen, mx.zeros((first, L), mx.bool_)], axis=1), rows])
+                visible = mx.take(rows, mx.clip(rel, 0, first + L - 1), axis=1)
+                mask = mx.where((rel < 0)[None] | ((rel < first + L)[None] & visible), zero, low)
+                positions = mx.broadcast_to((base + s - 1).reshape(1), (L,))
+                self._set_hidden(lane_hidden, first=False)
+                logits, _, ks, vs = forward(lane_tokens, positions, mask,
+                                            mx.stack([base + first, base, base + first + L]), ks, vs)
+                idx, lp = _top_k(_logprobs(logits), K)
+                step_scores = (lane_scores[:, None] + mx.minimum(lp, 0)).reshape(-1)
+                tokens.append(idx.reshape(-1))
+                scores.append(step_scores)
+                parents.append(mx.repeat(lane_cands, K).astype(mx.int32))
+                cand_depths.append(np.full(L * K, s + 1, np.int32))
+                choice = mx.argsort(-step_scores)[:L]  # the next lanes among this step's L * K
+                lane_tokens, lane_scores = idx.reshape(-1)[choice], step_scores[choice]
+                lane_cands = n_cand + choice
+                lane_seen = seen[first + choice // K]
+                lane_hidden = head.out_hidden[0][choice // K]
+                n_cand += L * K
+            _, tree_parents, tree_depths, tree_tokens, anc = keep_best(
+                mx.zeros((1,), mx.uint32), mx.concatenate(tokens), mx.concatenate(scores),
+                mx.concatenate(parents), np.concatenate(cand_depths), self._lanes_budget())
+            return tree_tokens, tree_parents, tree_depths, anc, ks[0], vs[0]
+
+        fn = self.__dict__[("_compiled_ahead", kind)] = mx.compile(lanes if kind == "lanes" else chain)
         return fn
 
     def queued_read(self, emitted):
