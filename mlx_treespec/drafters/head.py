@@ -232,7 +232,7 @@ class HeadDrafter(ModelDrafter):
         fn = self.__dict__.get(("_compiled_ahead", kind))
         if fn is not None:
             return fn
-        head, depth, K, L = self.model, self.depth, self.topk, self.lanes
+        head, depth = self.model, self.depth
         install(head)
         forward = whole_buffer_forward(head, ())
 
@@ -264,51 +264,87 @@ class HeadDrafter(ModelDrafter):
             return mx.concatenate(out), (mx.concatenate(rows) if kind == "tree" else None), ks[0], vs[0]
 
         def lanes(tokens, slot_rows, count, L0, keys, values):
-            # ModelDrafter._tree's steps: step s forwards the L lanes at depth s (position
-            # base + s - 1) into columns base + (s - 1) L.., each seeing the history and the real
-            # slots (the columns before base) and, among the step rows, its ancestors and itself
-            logits, hidden, ks, vs = slots(tokens, slot_rows, count, L0, keys, values)
-            dtype, base = keys.dtype, L0 + count
-            zero, low = mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype)
-            rel = mx.arange(keys.shape[2]) - base  # [W]: the step rows' columns are 0..
-            idx, lp = _top_k(_logprobs(logits), K)  # the root's children, the first candidates
-            step_scores = mx.minimum(lp[0], 0)
-            choice = mx.arange(K) if L == K else mx.argsort(-step_scores)[:L]
-            lane_tokens, lane_scores, lane_cands = idx[0][choice], step_scores[choice], choice
-            lane_hidden = mx.broadcast_to(hidden, (L, hidden.shape[-1]))
-            lane_seen = mx.zeros((L, 0), mx.bool_)  # each lane's ancestors among the step rows
-            seen = mx.zeros((0, 0), mx.bool_)  # the step rows' ancestors-or-self
-            tokens, scores, parents = [idx.reshape(-1)], [step_scores], [mx.full((K,), -1, mx.int32)]
-            cand_depths, n_cand = [np.ones(K, np.int32)], K
+            # ModelDrafter._tree's steps: step s (1..S-1) forwards the L lanes at depth s
+            # (position base + s - 1) into columns base + (s - 1) L.., each seeing the history
+            # and the real slots (the columns before base) and, among the R step rows, its
+            # ancestors and itself. Each step is one call of one compiled function whose arrays
+            # keep their shapes from step to step (the step is an input): unrolled, every step's
+            # shapes differed and each was a kernel compile of its own on a fresh GPU (minutes)
+            start, step, rank = self._lanes_fns(forward)
+            state, ks, vs = start(tokens, slot_rows, count, L0, keys, values)
             for s in range(1, depth):
-                first = (s - 1) * L
-                rows = mx.concatenate([lane_seen, mx.eye(L, dtype=mx.bool_)], axis=1)  # [L, first + L]
-                seen = mx.concatenate([mx.concatenate([seen, mx.zeros((first, L), mx.bool_)], axis=1), rows])
-                visible = mx.take(rows, mx.clip(rel, 0, first + L - 1), axis=1)
-                mask = mx.where((rel < 0)[None] | ((rel < first + L)[None] & visible), zero, low)
-                positions = mx.broadcast_to((base + s - 1).reshape(1), (L,))
-                self._set_hidden(lane_hidden, first=False)
-                logits, _, ks, vs = forward(lane_tokens, positions, mask,
-                                            mx.stack([base + first, base, base + first + L]), ks, vs)
-                idx, lp = _top_k(_logprobs(logits), K)
-                step_scores = (lane_scores[:, None] + mx.minimum(lp, 0)).reshape(-1)
-                tokens.append(idx.reshape(-1))
-                scores.append(step_scores)
-                parents.append(mx.repeat(lane_cands, K).astype(mx.int32))
-                cand_depths.append(np.full(L * K, s + 1, np.int32))
-                choice = mx.argsort(-step_scores)[:L]  # the next lanes among this step's L * K
-                lane_tokens, lane_scores = idx.reshape(-1)[choice], step_scores[choice]
-                lane_cands = n_cand + choice
-                lane_seen = seen[first + choice // K]
-                lane_hidden = head.out_hidden[0][choice // K]
-                n_cand += L * K
-            _, tree_parents, tree_depths, tree_tokens, anc = keep_best(
-                mx.zeros((1,), mx.uint32), mx.concatenate(tokens), mx.concatenate(scores),
-                mx.concatenate(parents), np.concatenate(cand_depths), self._lanes_budget())
-            return tree_tokens, tree_parents, tree_depths, anc, ks[0], vs[0]
+                state, ks, vs = step(mx.array(s, mx.int32), state, ks, vs)
+            return (*rank(*state[-3:]), ks[0], vs[0])
 
-        fn = self.__dict__[("_compiled_ahead", kind)] = mx.compile(lanes if kind == "lanes" else chain)
+        fn = self.__dict__[("_compiled_ahead", kind)] = lanes if kind == "lanes" else mx.compile(chain)
         return fn
+
+    def _lanes_fns(self, forward):
+        """`_ahead_fn`'s EAGLE-2 tree as three compiled functions: `start` (the slots' forward
+        and the root's children: the lanes' state), `step` (one step of the lanes) and `rank`
+        (keep_best over every candidate). The state: the base column, the lanes' tokens,
+        scores, candidate ids, parents' output hidden and visible step rows [L, R], the step
+        rows' ancestors-or-self [R, R], and the candidates' tokens, scores and parents [C]."""
+        fns = self.__dict__.get("_compiled_lanes")
+        if fns is not None:
+            return fns
+        head, S, K, L = self.model, self.depth, self.topk, self.lanes
+        R, C = (S - 1) * L, K + (S - 1) * L * K  # step rows, candidates
+
+        def start(tokens, slot_rows, count, L0, keys, values):
+            P, dtype = tokens.shape[0], keys.dtype
+            cols = mx.arange(keys.shape[2])
+            positions = L0 + mx.arange(P, dtype=mx.int32)
+            self._set_hidden(slot_rows, first=True)
+            logits, _, ks, vs = forward(tokens, positions, _causal(cols, positions, dtype),
+                                        mx.stack([L0, L0, L0 + P]), [keys], [values])
+            last = (count - 1).reshape(1)
+            hidden = mx.take(head.out_hidden[0], last, axis=0)
+            idx, lp = _top_k(_logprobs(mx.take(logits, last, axis=0)), K)  # the root's children
+            scores = mx.minimum(lp[0], 0)
+            choice = mx.arange(K) if L == K else mx.argsort(-scores)[:L]
+            cands = (mx.zeros((C,), mx.uint32), mx.zeros((C,), mx.float32), mx.full((C,), -1, mx.int32))
+            cands = (cands[0].at[:K].add(idx[0].astype(mx.uint32)), cands[1].at[:K].add(scores.astype(mx.float32)),
+                     cands[2])
+            state = ((L0 + count).astype(mx.int32), idx[0][choice].astype(mx.uint32), scores[choice],
+                     choice.astype(mx.int32), mx.broadcast_to(hidden, (L, hidden.shape[-1])),
+                     mx.zeros((L, R), mx.bool_), mx.zeros((R, R), mx.bool_)) + cands
+            return state, ks, vs
+
+        def step(s, state, ks, vs):
+            base, lane_tokens, lane_scores, lane_cands, lane_hidden, lane_seen, seen, c_tok, c_score, c_parent = state
+            dtype = ks[0].dtype
+            zero, low = mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype)
+            first = (s - 1) * L
+            rows = lane_seen | (mx.arange(R)[None] == (first + mx.arange(L))[:, None])  # [L, R]
+            seen = mx.slice_update(seen, rows, first.reshape(1), axes=(0,))
+            rel = mx.arange(ks[0].shape[2]) - base  # the step rows' columns are 0..R-1
+            visible = mx.take(rows, mx.clip(rel, 0, R - 1), axis=1)
+            mask = mx.where((rel < 0)[None] | ((rel < R)[None] & visible), zero, low)
+            self._set_hidden(lane_hidden, first=False)
+            logits, _, ks, vs = forward(lane_tokens, mx.broadcast_to(base + s - 1, (L,)), mask,
+                                        mx.stack([base + first, base, base + R]), ks, vs)
+            idx, lp = _top_k(_logprobs(logits), K)
+            scores = (lane_scores[:, None] + mx.minimum(lp, 0)).reshape(-1)
+            at = (K + first * K).reshape(1)  # this step's L * K candidates
+            c_tok = mx.slice_update(c_tok, idx.reshape(-1).astype(mx.uint32), at, axes=(0,))
+            c_score = mx.slice_update(c_score, scores.astype(mx.float32), at, axes=(0,))
+            c_parent = mx.slice_update(c_parent, mx.repeat(lane_cands, K), at, axes=(0,))
+            choice = mx.argsort(-scores)[:L]  # the next lanes among this step's L * K
+            state = (base, idx.reshape(-1)[choice].astype(mx.uint32), scores[choice],
+                     (at + choice).astype(mx.int32), head.out_hidden[0][choice // K],
+                     mx.take(seen, first + choice // K, axis=0), seen, c_tok, c_score, c_parent)
+            return state, ks, vs
+
+        depths = np.concatenate([np.ones(K, np.int32), np.repeat(np.arange(2, S + 1, dtype=np.int32), L * K)])
+
+        def rank(c_tok, c_score, c_parent):
+            _, parents, tree_depths, tokens, anc = keep_best(mx.zeros((1,), mx.uint32), c_tok, c_score, c_parent,
+                                                             depths, self._lanes_budget())
+            return tokens, parents, tree_depths, anc
+
+        fns = self.__dict__["_compiled_lanes"] = (mx.compile(start), mx.compile(step), mx.compile(rank))
+        return fns
 
     def queued_read(self, emitted):
         """The host read queued rounds that emitted `emitted` tokens, and the next round's
