@@ -10,15 +10,16 @@ its own token and the head's output hidden state at its parent. Only first-pass 
 the head's cache: deeper nodes were computed from the head's own hidden states, which the next
 round replaces with the target's.
 
-A chain (topk 1) and a one-lane tree whose siblings all stay (the fixed layout of
-model.one_lane_parents) also draft from device values alone, for rounds queued ahead
-(queued.py): `chain_ahead` writes the previous round's slots at a device offset (slot j: the
-token after row j of the previous round's accepted path over the target's row j; the accepted
-count says which are real, the last is the root's) and takes `depth` one-token steps after them,
-all in one compiled function over whole K/V buffers (verify.whole_buffer_forward with the head
-as the model); `tree_ahead` adds each step's runners-up as leaves, from the same steps' logits.
-Its step rows land after the real slots and are overwritten by the next round's, as the round
-loop's head cache keeps only first-pass slots.
+Every shape also drafts from device values alone, for rounds queued ahead (queued.py):
+`chain_ahead` writes the previous round's slots at a device offset (slot j: the token after row
+j of the previous round's accepted path over the target's row j; the accepted count says which
+are real, the last is the root's) and takes `depth` one-token steps after them, all in one
+compiled function over whole K/V buffers (verify.whole_buffer_forward with the head as the
+model); `tree_ahead` adds each step's runners-up as leaves (a one-lane tree whose siblings all
+stay: model.one_lane_parents), from the same steps' logits; `lanes_ahead` drafts any other tree
+(EAGLE-2 lanes) as the round loop's `_tree` does, a compiled call a step. Step rows land after
+the real slots and are overwritten by the next round's, as the round loop's head cache keeps
+only first-pass slots.
 """
 import numpy as np
 import mlx.core as mx
