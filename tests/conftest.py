@@ -1,11 +1,15 @@
+import atexit
 import itertools
 import os
+import shutil
 import tempfile
 
 import pytest
 
 # start-up cost fits (costmodel.startup_costs) go to a per-run folder, not the user's cache
+# (removed when the run ends: each run made one and left it)
 os.environ["MLX_TREESPEC_CACHE"] = tempfile.mkdtemp(prefix="mlx_treespec_costs_")
+atexit.register(shutil.rmtree, os.environ["MLX_TREESPEC_CACHE"], ignore_errors=True)
 
 
 def check_clock(compiled, eager):
