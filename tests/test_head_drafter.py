@@ -262,11 +262,10 @@ class LaneOracle(tiny.FollowsText, HeadDrafter):
         super().__init__(source, target, **kw)
         self.raw, self.queued_rounds, self.off_spine = [], 0, 0
 
-    def _oracle(self, draft):
+    def _oracle(self, draft, queued=False):
         tokens, parents = np.array(draft.tokens).tolist(), draft.layout.host_parents()
         pos = len(self.text)
-        self.raw.append((pos, int(max(np.array(draft.layout.device[1]).tolist()) if draft.layout.parents is None
-                                  else draft.depth), _root_paths(tokens, parents)))
+        self.raw.append((pos, draft.depth, _root_paths(tokens, parents), queued))  # (the depth asked for)
         cache = make_prompt_cache(self.target)
         out = self.target(mx.array(self.text)[None], cache=cache)[0, -1]
         node, step = 0, 0
@@ -289,7 +288,7 @@ class LaneOracle(tiny.FollowsText, HeadDrafter):
     def lanes_ahead(self, root, rows, count, path=None):
         if rows is not None:  # the last round's accepted drafts, then its target token (the root)
             self.text += np.array(path[1 : count.item()]).tolist() + [int(root.item())]
-        return self._oracle(super().lanes_ahead(root, rows, count, path))
+        return self._oracle(super().lanes_ahead(root, rows, count, path), queued=True)
 
     def queue_more(self, tokens, ms):
         self.queued_rounds += 1
@@ -324,9 +323,33 @@ def test_queued_lane_trees_draft_what_the_round_loop_drafts(tmp_path, monkeypatc
     assert stats.drafter[: len(kinds)] == kinds and "queued" not in stats.drafter[len(kinds):]
     assert all(n == 11 for n, k in zip(stats.nodes, stats.drafter) if k == "queued")
     assert sum(stats.accepted) > 0 and queued.off_spine > 0
-    by_position = {pos: paths for pos, depth, paths in host.raw if depth == 4}
-    compared = [pos for pos, _, paths in queued.raw if pos in by_position]
+    by_position = {pos: paths for pos, depth, paths, _ in host.raw if depth == 4}
+    compared = [(pos, from_queue) for pos, _, _, from_queue in queued.raw if pos in by_position]
     assert len(compared) >= len(by_position) - 1, (compared, sorted(by_position))
-    for pos, _, paths in queued.raw:
+    assert sum(from_queue for _, from_queue in compared) >= min(hand_back or 4, 4), compared
+    for pos, _, paths, _ in queued.raw:
         if pos in by_position:
             assert paths == by_position[pos], pos
+
+
+def test_queued_head_trees_after_a_one_token_prompt_over_a_prompt_cache(tmp_path, monkeypatch):
+    # a one-token prompt over a prompt cache that holds an earlier turn: rounds queue (the cache
+    # holds keys) but the head has no target row to continue from, so its first queued draft is
+    # a guess; the guess keeps the real root (a lane tree's once verified token 0 in its place)
+    import mlx_treespec.verify as verify
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    head, target = make_mtp(tmp_path, "qwen3_5_tied")[:2]
+    prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
+    cache = make_prompt_cache(target)
+    plain(target, prompt, n=8, prompt_cache=cache)
+    ref = plain(target, [7], n=24, prompt_cache=cache)
+    for shape in (dict(topk=1, depth=4), dict(topk=3, lanes=1, depth=4, budget=12),
+                  dict(topk=3, lanes=3, depth=4, budget=10), dict(topk=3, lanes=1, depth=4, budget=7)):
+        cache, drafter = make_prompt_cache(target), HeadDrafter(head, **shape)
+        list(tree_generate_step(prompt, target, drafter, max_tokens=8, prompt_cache=cache))
+        stats = RoundStats()
+        out = [t for t, _, _ in tree_generate_step([7], target, drafter, max_tokens=24, prompt_cache=cache,
+                                                   stats=stats)]
+        assert out == ref, shape
+        assert stats.drafter[0] == "queued", shape

@@ -156,8 +156,9 @@ class HeadDrafter(ModelDrafter):
 
     def lanes_ahead(self, root, rows, count, path=None):
         """The EAGLE-2 tree (`lanes` nodes expanded a step, the best `budget` candidates kept) from
-        device values alone (`chain_ahead`'s arguments): the round loop's `_tree`, its lanes'
-        steps in the compiled function with the slots."""
+        device values alone (`chain_ahead`'s arguments): the round loop's `_tree` (a one-lane
+        tree's spine is its steps' best candidate, where `_ranked_siblings` takes the argmax:
+        they differ on exact ties only), each step one call of a compiled function."""
         tokens, layout = self._steps_ahead(root, rows, count, path, "lanes")
         return Draft(tokens, layout, budget=self._lanes_budget(), depth=self.depth, forwards=self.depth)
 
@@ -185,11 +186,14 @@ class HeadDrafter(ModelDrafter):
                 # (no row to continue from: any guess is exact)
                 chain = mx.zeros((self.depth,), mx.uint32)
                 q.update(prev=mx.concatenate([root.reshape(1).astype(mx.uint32), chain]), last=None)
-                if kind == "lanes":  # a chain of zeros, the rest of the budget on the root
+                if kind == "lanes":  # the root, a chain of zeros, the rest of the budget on the
+                    # root as tokens 1.. (siblings distinct, as the walk asks)
                     nodes = self._lanes_budget() + 1
                     S = min(self.depth, nodes - 1)
                     parents = np.concatenate([np.arange(-1, S), np.zeros(nodes - S - 1, np.int64)])
-                    return mx.zeros((nodes,), mx.uint32), Layout.fixed(parents)
+                    leaves = mx.arange(1, nodes - S, dtype=mx.uint32)
+                    tokens = mx.concatenate([root.reshape(1).astype(mx.uint32), chain[:S], leaves])
+                    return tokens, Layout.fixed(parents)
                 return chain, (mx.zeros((self.depth, self.topk)) if kind == "tree" else None)
             P = self.depth + 1  # padded to a round's slot count: one trace for both
             tokens = mx.array(self.pending + [0] * (P - n), mx.uint32)
@@ -226,10 +230,11 @@ class HeadDrafter(ModelDrafter):
         return grown(c.keys, rows), grown(c.values, rows)
 
     def _ahead_fn(self, kind):
-        """The slots' forward and `depth` steps as one compiled function (traced per slot count and
-        buffer width): (slot tokens [P], their target rows, real slots, L0, K, V) -> `kind`'s
-        outputs (`_steps_ahead`: a chain and each step's logits or None; or the EAGLE-2 tree's
-        tokens, root 0, parents, depths, ancestor rows), then K and V."""
+        """The slots' forward and `depth` steps: (slot tokens [P], their target rows, real slots,
+        L0, K, V) -> `kind`'s outputs (`_steps_ahead`: a chain and each step's logits or None; or
+        the EAGLE-2 tree's tokens, root 0, parents, depths, ancestor rows), then K and V. A chain
+        or one-lane tree is one compiled function (traced per slot count and buffer width); an
+        EAGLE-2 tree calls `_lanes_fns`' compiled functions, one a step."""
         fn = self.__dict__.get(("_compiled_ahead", kind))
         if fn is not None:
             return fn
