@@ -165,6 +165,26 @@ class PositionOracle(tiny.FollowsText, HeadDrafter):
         return self.hand_back_after is None or self.queued_rounds < self.hand_back_after
 
 
+def _round_loop_then_queued(oracle, head, target, prompt, opts, hand_back, monkeypatch):
+    """The oracle drafter's generation through the round loop, then queued (the GPU path, here on
+    CPU) handing back after `hand_back` queued rounds (None: never): both plain decoding's
+    tokens, the queued one's first rounds queued and none after a hand-back. Returns (the round
+    loop's drafter, the queued one, its RoundStats)."""
+    import mlx_treespec.verify as verify
+
+    ref = plain(target, prompt)
+    host = oracle(head, target, **opts)
+    assert [t for t, _, _ in tree_generate_step(prompt, target, host, max_tokens=N)] == ref
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    queued = oracle(head, target, **opts)
+    queued.hand_back_after = hand_back
+    stats = RoundStats()
+    assert [t for t, _, _ in tree_generate_step(prompt, target, queued, max_tokens=N, stats=stats)] == ref
+    kinds = ["queued"] * (hand_back or len(stats.drafter))
+    assert stats.drafter[: len(kinds)] == kinds and "queued" not in stats.drafter[len(kinds):]
+    return host, queued, stats
+
+
 QUEUED = [(kind, "chain", h) for kind in ("mtp-qwen3_5_tied", "mtp-qwen3_next_moe", "eagle3-safeailab",
                                          "eagle3-speculators") for h in (None, 3)] + \
     [(kind, "tree", h) for kind in ("mtp-qwen3_5_tied", "eagle3-safeailab") for h in (None, 3)]
@@ -177,25 +197,13 @@ def test_queued_head_rounds_draft_what_the_round_loop_drafts(tmp_path, monkeypat
     # a one-lane tree adds each step's runners-up as leaves. Its chains are the round loop's,
     # round by round (the head's own tokens, before the oracle), through paths that end at a
     # leaf and a hand-back to the round loop too; tokens are plain decoding's
-    import mlx_treespec.verify as verify
 
     family, name = kind.split("-", 1)
     head, target = (make_mtp(tmp_path, name)[:2] if family == "mtp" else make_eagle3(tmp_path, name)[:2])
     prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
-    ref = plain(target, prompt)
     opts = dict(topk=1, depth=4) if shape == "chain" else dict(topk=3, lanes=1, depth=4, budget=12)
-    host = PositionOracle(head, target, **opts)
-    out = [t for t, _, _ in tree_generate_step(prompt, target, host, max_tokens=N)]
-    assert out == ref
-    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
-    queued = PositionOracle(head, target, **opts)
+    host, queued, stats = _round_loop_then_queued(PositionOracle, head, target, prompt, opts, hand_back, monkeypatch)
     assert queued.queues_trees == (shape == "tree")
-    queued.hand_back_after = hand_back
-    stats = RoundStats()
-    out = [t for t, _, _ in tree_generate_step(prompt, target, queued, max_tokens=N, stats=stats)]
-    assert out == ref
-    kinds = ["queued"] * (hand_back or len(stats.drafter))
-    assert stats.drafter[: len(kinds)] == kinds and "queued" not in stats.drafter[len(kinds):]
     assert all(f == 4 for f, k in zip(stats.draft_forwards, stats.drafter) if k == "queued")
     assert sum(stats.accepted) > 0 and any(a < 4 for a in stats.accepted)
     assert (queued.leaf_ends > 0) == (shape == "tree")
@@ -302,25 +310,13 @@ def test_queued_lane_trees_draft_what_the_round_loop_drafts(tmp_path, monkeypatc
     # states, then EAGLE-2's re-rank. Its trees propose the round loop's root paths, text
     # position by text position, through accepted paths off the spine and a hand-back to the
     # round loop; tokens are plain decoding's
-    import mlx_treespec.verify as verify
 
     family, name = kind.split("-", 1)
     head, target = (make_mtp(tmp_path, name)[:2] if family == "mtp" else make_eagle3(tmp_path, name)[:2])
     prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
-    ref = plain(target, prompt)
     opts = dict(topk=3, lanes=3, depth=4, budget=10)
-    host = LaneOracle(head, target, **opts)
+    host, queued, stats = _round_loop_then_queued(LaneOracle, head, target, prompt, opts, hand_back, monkeypatch)
     assert host.ahead == host.lanes_ahead
-    out = [t for t, _, _ in tree_generate_step(prompt, target, host, max_tokens=N)]
-    assert out == ref
-    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
-    queued = LaneOracle(head, target, **opts)
-    queued.hand_back_after = hand_back
-    stats = RoundStats()
-    out = [t for t, _, _ in tree_generate_step(prompt, target, queued, max_tokens=N, stats=stats)]
-    assert out == ref
-    kinds = ["queued"] * (hand_back or len(stats.drafter))
-    assert stats.drafter[: len(kinds)] == kinds and "queued" not in stats.drafter[len(kinds):]
     assert all(n == 11 for n, k in zip(stats.nodes, stats.drafter) if k == "queued")
     assert sum(stats.accepted) > 0 and queued.off_spine > 0
     by_position = {pos: paths for pos, depth, paths, _ in host.raw if depth == 4}

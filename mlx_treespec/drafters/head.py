@@ -242,19 +242,8 @@ class HeadDrafter(ModelDrafter):
         install(head)
         forward = whole_buffer_forward(head, ())
 
-        def slots(tokens, slot_rows, count, L0, keys, values):
-            """The slots at L0..: the last real slot's logits [1, V] and output hidden [1, H]."""
-            P, dtype = tokens.shape[0], keys.dtype
-            cols = mx.arange(keys.shape[2])
-            positions = L0 + mx.arange(P, dtype=mx.int32)
-            self._set_hidden(slot_rows, first=True)
-            logits, _, ks, vs = forward(tokens, positions, _causal(cols, positions, dtype),
-                                        mx.stack([L0, L0, L0 + P]), [keys], [values])
-            last = (count - 1).reshape(1)
-            return mx.take(logits, last, axis=0), mx.take(head.out_hidden[0], last, axis=0), ks, vs
-
         def chain(tokens, slot_rows, count, L0, keys, values):
-            logits, hidden, ks, vs = slots(tokens, slot_rows, count, L0, keys, values)
+            logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values)
             tok = mx.argmax(logits, axis=-1).astype(mx.uint32)
             out, rows, pos = [tok], [logits], (L0 + count).reshape(1)
             cols = mx.arange(keys.shape[2])
@@ -285,6 +274,17 @@ class HeadDrafter(ModelDrafter):
         fn = self.__dict__[("_compiled_ahead", kind)] = lanes if kind == "lanes" else mx.compile(chain)
         return fn
 
+    def _slots(self, forward, tokens, slot_rows, count, L0, keys, values):
+        """The slots' forward at L0.. (inside a compiled function): the last real slot's logits
+        [1, V] and output hidden [1, H], then the K and V buffers (lists of one)."""
+        P = tokens.shape[0]
+        positions = L0 + mx.arange(P, dtype=mx.int32)
+        self._set_hidden(slot_rows, first=True)
+        logits, _, ks, vs = forward(tokens, positions, _causal(mx.arange(keys.shape[2]), positions, keys.dtype),
+                                    mx.stack([L0, L0, L0 + P]), [keys], [values])
+        last = (count - 1).reshape(1)
+        return mx.take(logits, last, axis=0), mx.take(self.model.out_hidden[0], last, axis=0), ks, vs
+
     def _lanes_fns(self, forward):
         """`_ahead_fn`'s EAGLE-2 tree as three compiled functions: `start` (the slots' forward
         and the root's children: the lanes' state), `step` (one step of the lanes) and `rank`
@@ -298,15 +298,8 @@ class HeadDrafter(ModelDrafter):
         R, C = (S - 1) * L, K + (S - 1) * L * K  # step rows, candidates
 
         def start(tokens, slot_rows, count, L0, keys, values):
-            P, dtype = tokens.shape[0], keys.dtype
-            cols = mx.arange(keys.shape[2])
-            positions = L0 + mx.arange(P, dtype=mx.int32)
-            self._set_hidden(slot_rows, first=True)
-            logits, _, ks, vs = forward(tokens, positions, _causal(cols, positions, dtype),
-                                        mx.stack([L0, L0, L0 + P]), [keys], [values])
-            last = (count - 1).reshape(1)
-            hidden = mx.take(head.out_hidden[0], last, axis=0)
-            idx, lp = _top_k(_logprobs(mx.take(logits, last, axis=0)), K)  # the root's children
+            logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values)
+            idx, lp = _top_k(_logprobs(logits), K)  # the root's children
             scores = mx.minimum(lp[0], 0)
             choice = mx.arange(K) if L == K else mx.argsort(-scores)[:L]
             cands = (mx.zeros((C,), mx.uint32), mx.zeros((C,), mx.float32), mx.full((C,), -1, mx.int32))
