@@ -22,7 +22,7 @@ Arm grammar:
 """
 from dataclasses import dataclass, replace
 
-from .tree import MAX_NODES, chain_parents, check_int
+from .tree import MAX_NODES, chain_parents, check_int, eagle2_candidates
 
 __all__ = ["DraftSpec", "check_int", "DEFAULT_TREE", "DRAFTERS"]
 
@@ -138,7 +138,7 @@ class DraftSpec:
         lanes = topk if lanes is None else lanes
         if not 1 <= lanes <= topk:
             raise ValueError(f"--tree-lanes must be in 1..--tree-topk ({topk}), got {lanes}")
-        candidates = topk + (depth - 1) * lanes * topk
+        candidates = eagle2_candidates(topk, lanes, depth)
         if budget is None:
             # one lane: every candidate (the fixed layout); more lanes: EAGLE-2's 4 per step
             budget = candidates if lanes == 1 else 4 * depth

@@ -389,3 +389,9 @@ def relabel(parents, order) -> np.ndarray:
 def chain_parents(n) -> np.ndarray:
     """The parents of a chain of n nodes: [-1, 0, 1, ..., n - 2] (int64)."""
     return np.arange(-1, int(n) - 1, dtype=np.int64)
+
+
+def eagle2_candidates(topk, lanes, depth) -> int:
+    """The candidates an EAGLE-2 tree of `depth` steps chooses its nodes from: the root's `topk`
+    children, then `topk` children of each of `lanes` nodes at every later step."""
+    return topk + (depth - 1) * lanes * topk

@@ -25,16 +25,23 @@ import numpy as np
 import mlx.core as mx
 
 from ..draft import Draft, Layout
+from ..tree import eagle2_candidates
 from ..verify import grown, install, whole_buffer_forward
-from .model import ModelDrafter, _logprobs, _top_k, keep_best, keeps_every_sibling, one_lane_parents, runners_up
+from .model import (ModelDrafter, _logprobs, _top_k, keep_best, keeps_every_sibling, one_lane_parents, runners_up,
+                    kept_nodes)
 
 __all__ = ["HeadDrafter"]
+
+
+def _additive(visible, dtype):
+    """An attention mask from visibility (bool): 0 where seen, the dtype's lowest value elsewhere."""
+    return mx.where(visible, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
 
 
 def _causal(columns, positions, dtype):
     """The additive mask of rows at `positions` written at their own columns: each sees the
     columns up to its own."""
-    return mx.where(columns[None] <= positions[:, None], mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+    return _additive(columns[None] <= positions[:, None], dtype)
 
 
 class HeadDrafter(ModelDrafter):
@@ -163,8 +170,8 @@ class HeadDrafter(ModelDrafter):
         return Draft(tokens, layout, budget=self._lanes_budget(), depth=self.depth, forwards=self.depth)
 
     def _lanes_budget(self):
-        """The candidates an EAGLE-2 tree of `depth` steps keeps (`draft`'s rule at full depth)."""
-        return min(self.budget, self.topk + (self.depth - 1) * self.lanes * self.topk)
+        """The draft nodes an EAGLE-2 tree of `depth` steps keeps (`draft`'s rule at full depth)."""
+        return kept_nodes(self.topk, self.lanes, self.depth, self.budget)
 
     def _steps_ahead(self, root, rows, count, path, kind):
         """The slots of the previous round's path, then the steps. `kind` "chain": (the chain of
@@ -265,10 +272,10 @@ class HeadDrafter(ModelDrafter):
             # ancestors and itself. Each step is one call of one compiled function whose arrays
             # keep their shapes from step to step (the step is an input): unrolled, every step's
             # shapes differed and each was a kernel compile of its own on a fresh GPU (minutes)
-            start, step, rank = self._lanes_fns(forward)
+            start, step, rank, steps = self._lanes_fns(forward)
             state, ks, vs = start(tokens, slot_rows, count, L0, keys, values)
-            for s in range(1, depth):
-                state, ks, vs = step(mx.array(s, mx.int32), state, ks, vs)
+            for s in steps:
+                state, ks, vs = step(s, state, ks, vs)
             return (*rank(*state[-3:]), ks[0], vs[0])
 
         fn = self.__dict__[("_compiled_ahead", kind)] = lanes if kind == "lanes" else mx.compile(chain)
@@ -286,25 +293,26 @@ class HeadDrafter(ModelDrafter):
         return mx.take(logits, last, axis=0), mx.take(self.model.out_hidden[0], last, axis=0), ks, vs
 
     def _lanes_fns(self, forward):
-        """`_ahead_fn`'s EAGLE-2 tree as three compiled functions: `start` (the slots' forward
-        and the root's children: the lanes' state), `step` (one step of the lanes) and `rank`
-        (keep_best over every candidate). The state: the base column, the lanes' tokens,
+        """`_ahead_fn`'s EAGLE-2 tree as three compiled functions and the step indices: `start`
+        (the slots' forward and the root's children: the lanes' state), `step` (one step of the
+        lanes) and `rank` (keep_best over every candidate). The state: the base column, the lanes' tokens,
         scores, candidate ids, parents' output hidden and visible step rows [L, R], the step
         rows' ancestors-or-self [R, R], and the candidates' tokens, scores and parents [C]."""
         fns = self.__dict__.get("_compiled_lanes")
         if fns is not None:
             return fns
         head, S, K, L = self.model, self.depth, self.topk, self.lanes
-        R, C = (S - 1) * L, K + (S - 1) * L * K  # step rows, candidates
+        R, C = (S - 1) * L, eagle2_candidates(K, L, S)  # step rows, candidates
 
         def start(tokens, slot_rows, count, L0, keys, values):
             logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values)
             idx, lp = _top_k(_logprobs(logits), K)  # the root's children
             scores = mx.minimum(lp[0], 0)
             choice = mx.arange(K) if L == K else mx.argsort(-scores)[:L]
-            cands = (mx.zeros((C,), mx.uint32), mx.zeros((C,), mx.float32), mx.full((C,), -1, mx.int32))
-            cands = (cands[0].at[:K].add(idx[0].astype(mx.uint32)), cands[1].at[:K].add(scores.astype(mx.float32)),
-                     cands[2])
+            rest = C - K  # (filled step by step)
+            cands = (mx.concatenate([idx[0].astype(mx.uint32), mx.zeros((rest,), mx.uint32)]),
+                     mx.concatenate([scores.astype(mx.float32), mx.zeros((rest,), mx.float32)]),
+                     mx.full((C,), -1, mx.int32))
             state = ((L0 + count).astype(mx.int32), idx[0][choice].astype(mx.uint32), scores[choice],
                      choice.astype(mx.int32), mx.broadcast_to(hidden, (L, hidden.shape[-1])),
                      mx.zeros((L, R), mx.bool_), mx.zeros((R, R), mx.bool_)) + cands
@@ -312,14 +320,12 @@ class HeadDrafter(ModelDrafter):
 
         def step(s, state, ks, vs):
             base, lane_tokens, lane_scores, lane_cands, lane_hidden, lane_seen, seen, c_tok, c_score, c_parent = state
-            dtype = ks[0].dtype
-            zero, low = mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype)
             first = (s - 1) * L
             rows = lane_seen | (mx.arange(R)[None] == (first + mx.arange(L))[:, None])  # [L, R]
             seen = mx.slice_update(seen, rows, first.reshape(1), axes=(0,))
             rel = mx.arange(ks[0].shape[2]) - base  # the step rows' columns are 0..R-1
             visible = mx.take(rows, mx.clip(rel, 0, R - 1), axis=1)
-            mask = mx.where((rel < 0)[None] | ((rel < R)[None] & visible), zero, low)
+            mask = _additive((rel < 0)[None] | ((rel < R)[None] & visible), ks[0].dtype)
             self._set_hidden(lane_hidden, first=False)
             logits, _, ks, vs = forward(lane_tokens, mx.broadcast_to(base + s - 1, (L,)), mask,
                                         mx.stack([base + first, base, base + R]), ks, vs)
@@ -342,7 +348,10 @@ class HeadDrafter(ModelDrafter):
                                                              depths, self._lanes_budget())
             return tokens, parents, tree_depths, anc
 
-        fns = self.__dict__["_compiled_lanes"] = (mx.compile(start), mx.compile(step), mx.compile(rank))
+        # (the step indices 1..S-1 as device scalars, made once: a host array each round waits
+        # on the queue to be copied)
+        steps = [mx.array(s, mx.int32) for s in range(1, S)]
+        fns = self.__dict__["_compiled_lanes"] = (mx.compile(start), mx.compile(step), mx.compile(rank), steps)
         return fns
 
     def queued_read(self, emitted):

@@ -22,7 +22,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..cache import cache_kind
 from ..draft import Draft, Layout
 from ..support import tree_support
-from ..tree import chain_parents
+from ..tree import chain_parents, eagle2_candidates
 from ..verify import TreeRound, cached_array
 
 
@@ -86,6 +86,12 @@ def one_lane_parents(S, K):
     spine = chain_parents(S + 1)
     leaves = np.repeat(np.arange(S, dtype=np.int64), K - 1)
     return np.concatenate([spine, leaves])
+
+
+def kept_nodes(topk, lanes, depth, budget):
+    """The draft nodes a tree of `depth` steps keeps: at most its candidates; a chain keeps all
+    of its `depth`."""
+    return depth if topk == 1 else min(budget, eagle2_candidates(topk, lanes, depth))
 
 
 def keeps_every_sibling(topk, lanes, depth, budget):
@@ -164,10 +170,7 @@ class ModelDrafter:
 
     def draft(self, root, max_depth):
         depth = min(self.depth, max_depth)
-        # there are K + (S - 1) L K candidates; a chain keeps all of its S
-        budget = depth if self.topk == 1 else min(
-            self.budget, self.topk + (depth - 1) * self.lanes * self.topk
-        )
+        budget = kept_nodes(self.topk, self.lanes, depth, self.budget)
         if depth == 0 or budget == 0:
             return Draft.root_only(root)
         if self.recurrent and len(self.pending) > 2:
