@@ -197,7 +197,6 @@ def test_queued_head_rounds_draft_what_the_round_loop_drafts(tmp_path, monkeypat
     # a one-lane tree adds each step's runners-up as leaves. Its chains are the round loop's,
     # round by round (the head's own tokens, before the oracle), through paths that end at a
     # leaf and a hand-back to the round loop too; tokens are plain decoding's
-
     family, name = kind.split("-", 1)
     head, target = (make_mtp(tmp_path, name)[:2] if family == "mtp" else make_eagle3(tmp_path, name)[:2])
     prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
@@ -305,12 +304,11 @@ class LaneOracle(tiny.FollowsText, HeadDrafter):
 
 @pytest.mark.parametrize("kind, hand_back", [("mtp-qwen3_5_tied", None), ("eagle3-safeailab", 3)])
 def test_queued_lane_trees_draft_what_the_round_loop_drafts(tmp_path, monkeypatch, kind, hand_back):
-    # where rounds queue, a head's EAGLE-2 tree (3 lanes, ranked) is drafted on the device in
-    # one compiled function: the slots, then each step's lanes over their parents' output hidden
+    # where rounds queue, a head's EAGLE-2 tree (3 lanes, ranked) is drafted on the device, a
+    # compiled call a step: the slots, then each step's lanes over their parents' output hidden
     # states, then EAGLE-2's re-rank. Its trees propose the round loop's root paths, text
-    # position by text position, through accepted paths off the spine and a hand-back to the
-    # round loop; tokens are plain decoding's
-
+    # position by text position (queued trees among them), through accepted paths off the spine
+    # and a hand-back to the round loop; tokens are plain decoding's
     family, name = kind.split("-", 1)
     head, target = (make_mtp(tmp_path, name)[:2] if family == "mtp" else make_eagle3(tmp_path, name)[:2])
     prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
