@@ -201,11 +201,13 @@ def run_loop(args):
 
         def run(a, i, order):
             p = i % len(prompts)  # --reps: every prompt again, after all of them
+            before = compiled_rounds(target)
             out, stats, dt = runners[a](prompts[p], args.max_tokens)
             outputs[a].append(out)
             rec = record(p, order, prompts[p], out, stats, dt)
             rec["rep"] = i // len(prompts)
             rec["emitted_total"], rec["rounds_total"] = sum(stats.emitted), stats.rounds
+            rec["compiled_total"] = compiled_rounds(target) - before
             log(f"{pset} prompt {p} {a}: {rec['tok_s']:.1f} tok/s, {rec['emitted_per_verify']:.2f} emitted/verify")
             return rec
 
@@ -214,9 +216,22 @@ def run_loop(args):
                           progress=(lambda m: log(m)) if args.verbose else None)
         rows = summarize_arms(names, runs, outputs)
         ran = len({r["prompt"] for r in runs["mlx-plain"]})
-        report["sets"][pset] = dict(prompts=ran, runs=len(runs["mlx-plain"]), arms=rows)
+        eager = eager_shapes(target)
+        log(f"{pset}: verify shapes run eagerly after their checks (rows, key width): {eager or 'none'}")
+        report["sets"][pset] = dict(prompts=ran, runs=len(runs["mlx-plain"]), arms=rows, eager_shapes=eager)
         md += set_table(pset, ran, args.max_tokens, len(runs["mlx-plain"]), rows, args.versus)
         write(args, report, md)  # after each set: a run cut short keeps what it measured
+
+
+def compiled_rounds(target):
+    """Verifies the target has run compiled (trusted after their checks) so far."""
+    return (target.__dict__.get("_treespec_compiled_verify") or {}).get("trusted_runs", 0)
+
+
+def eager_shapes(target):
+    """(rows, key width) of the verify shapes the timed checks sent down the eager path."""
+    store = target.__dict__.get("_treespec_compiled_verify") or {}
+    return sorted((shape[0], shape[4]) for shape, eager in store.get("eager", {}).items() if eager)
 
 
 def pooled_tok_s(rs):
@@ -241,11 +256,13 @@ def summarize_arms(names, runs, outputs):
         ratio = [pooled[p] / base[p] for p in sorted(pooled) if base.get(p)]
         emitted = sum(r.get("emitted_total", 0) for r in rs)
         rounds = sum(r.get("rounds_total", 0) for r in rs)
+        compiled = sum(r.get("compiled_total", 0) for r in rs)
         same = sum(o == ref[r["prompt"]] for r, o in zip(rs, outputs[a]))
         div = [first_divergence(o, ref[r["prompt"]]) for r, o in zip(rs, outputs[a])]
         rows.append(dict(arm=a, tok_s=spread(list(pooled.values())), x_plain=spread(ratio),
                          emitted_per_verify=spread([r["emitted_per_verify"] for r in rs if r["rounds"]]),
                          pooled_emitted_per_verify=(emitted / rounds) if rounds else None,
+                         compiled_verifies=(compiled / rounds) if rounds else None,
                          round_ms=spread([r["round_ms"] for r in rs if r["rounds"]]),
                          nodes=spread([r["nodes_per_round"] for r in rs if r["rounds"]]),
                          draft_forwards=spread([r["draft_forwards_per_round"] for r in rs if r["rounds"]]),
@@ -285,15 +302,15 @@ def table(rows, versus=None):
     against = x_versus(rows, versus) if versus else {}
     extra = f" x {versus} (median, min-max) |" if versus else ""
     lines = ["| arm | x plain (median, min-max) |" + extra + " tok/s | emitted/verify (pooled) | nodes/round | "
-             "draft forwards/round | round ms | identical to plain | rounds by drafter |",
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if versus else "")]
+             "draft forwards/round | round ms | verifies compiled | identical to plain | rounds by drafter |",
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if versus else "")]
     for r in rows:
         used = ", ".join(f"{k} {v}" for k, v in sorted((r.get("used") or {}).items())) or "-"
         cell = f" {_f(against[r['arm']])} |" if versus else ""
         lines.append(f"| {r['arm']} | {_f(r['x_plain'])} |{cell} {_f(r['tok_s'], '{:.1f}')} | "
                      f"{_f(r['pooled_emitted_per_verify'])} | {_f(r['nodes'], spread_=False)} | "
                      f"{_f(r['draft_forwards'], spread_=False)} | {_f(r['round_ms'], spread_=False)} | "
-                     f"{r['identical']} | {used} |")
+                     f"{_f(r.get('compiled_verifies'))} | {r['identical']} | {used} |")
     return "\n".join(lines)
 
 

@@ -13,9 +13,11 @@ atexit.register(shutil.rmtree, os.environ["MLX_TREESPEC_CACHE"], ignore_errors=T
 
 
 def check_clock(compiled, eager):
-    """A clock for verify's compiled-or-eager choice: the timed check's compiled forward takes
-    `compiled` ticks and its eager forward `eager` (the check reads the clock three times)."""
-    steps, now = itertools.cycle([0, compiled, eager]), [0]
+    """A clock for verify's compiled-or-eager choice: a timed check's compiled forward takes
+    `compiled` ticks and its eager forward `eager` (the check reads the clock three times);
+    lists of equal length give the checks in turn, cycled."""
+    pairs = list(zip(*[v if isinstance(v, list) else [v] for v in (compiled, eager)]))
+    steps, now = itertools.cycle([t for c, e in pairs for t in (0, c, e)]), [0]
 
     def clock():
         now[0] += next(steps)

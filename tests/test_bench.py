@@ -44,6 +44,8 @@ def test_loop_section_tiny(tmp_path):
         assert (run0["rounds"] - 1) / run0["rounds"] - 1e-4 <= rows["ddtree:12"]["draft_forwards"]["median"] <= 1.0
         # the slowest round: at least the mean, and one of the run's
         assert run0["slowest_round"]["ms"] >= run0["round_ms"] and 0 <= run0["slowest_round"]["index"] < run0["rounds"]
+        # which verifies ran compiled: none on CPU (whole-buffer forwards are the GPU's path)
+        assert rows["ddtree:12"]["compiled_verifies"] == 0.0 and data["sets"][pset]["eager_shapes"] == []
     assert (tmp_path / "loop.md").read_text().startswith("# loop: demo")
     # --versus: each arm's tok/s over that arm's on the same prompt, in the loop's table and in
     # `table`'s rendering of the saved run against another arm
@@ -59,6 +61,7 @@ def test_loop_section_tiny(tmp_path):
 
     unseen = text.split("## heldout")[0]
     assert "x dflash:7 (median, min-max)" in unseen and cell(unseen, "dflash:7") == 1.0
+    assert "| verifies compiled |" in unseen
     assert cell(unseen, "ddtree:12") == pytest.approx(tok_s("ddtree:12") / tok_s("dflash:7"), abs=0.006)
     again = run(["table", "--from", str(tmp_path / "loop.json.gz"), "--versus", "ddtree:12"]).split("## heldout")[0]
     assert cell(again, "dflash:7") == pytest.approx(tok_s("dflash:7") / tok_s("ddtree:12"), abs=0.006)

@@ -291,15 +291,18 @@ def test_compiled_verify_is_the_eager_verify(targets, folders, monkeypatch):
     assert max(store["checked"].values()) == verify.CHECKS  # a shape is checked, then trusted
 
 
-def test_a_shape_whose_eager_verify_was_faster_runs_eagerly(targets, folders, monkeypatch):
-    # the last check times both forwards; where the eager one won (the H200's long key
-    # buffers), that shape runs eagerly from then on: no compiled round is trusted, tokens stay
-    # plain decoding's
+@pytest.mark.parametrize("compiled,eager,runs_eagerly", [(2, 1, True), ([1, 1, 2], [2, 2, 1], False)],
+                         ids=["eager-faster", "eager-faster-once"])
+def test_a_shape_whose_eager_verify_was_faster_runs_eagerly(targets, folders, monkeypatch, compiled, eager,
+                                                            runs_eagerly):
+    # every check but the first times both forwards; where the eager one won most of them (the
+    # H200's long key buffers), that shape runs eagerly from then on: no compiled round is
+    # trusted, tokens stay plain decoding's. One win of three (a GPU's jitter) does not decide
     import mlx_treespec.verify as verify
     from conftest import check_clock
 
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
-    monkeypatch.setattr(verify, "_clock", check_clock(compiled=2, eager=1))
+    monkeypatch.setattr(verify, "_clock", check_clock(compiled=compiled, eager=eager))
     returned = []
     real = verify.compiled_forward
 
@@ -315,10 +318,12 @@ def test_a_shape_whose_eager_verify_was_faster_runs_eagerly(targets, folders, mo
     out, _ = speculative(target, OracleDFlash(bound, target, seed=3, budget=31), prompt)
     assert out == plain(target, prompt)
     store = _compiled_store(target)
-    assert store["off"] is None and store["trusted_runs"] == 0
-    assert store["eager"] and all(store["eager"].values())
-    assert max(store["checked"].values()) == verify.CHECKS  # checked, then never run compiled
-    assert any(r is None for r in returned)  # a shape came back after its checks: the eager path
+    assert store["off"] is None and store["eager"] and max(store["checked"].values()) == verify.CHECKS
+    assert all(v == runs_eagerly for v in store["eager"].values()), store["eager_wins"]
+    if runs_eagerly:  # checked, then never run compiled: the shape came back, the eager path
+        assert store["trusted_runs"] == 0 and any(r is None for r in returned)
+    else:
+        assert store["trusted_runs"] > 0
     target.__dict__.pop("_treespec_compiled_verify", None)
 
 
