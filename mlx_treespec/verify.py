@@ -535,12 +535,14 @@ def compiled_forward(model, capture, n, args, reference, kernel=False, scans=fro
     RoPE, a windowed mask or an array evaluated inside the forward stops the trace the same way
     (any other error propagates).
 
-    Every check but the first (it paid for the trace and the kernel plans) times both forwards,
-    host work included, from inputs already computed, and a shape whose eager forward was the
-    faster in most of them runs eagerly from then on: compiling saves host time per op, but on
-    the H200 the compiled forward's attention over long key buffers cost more than all it saved
-    (bench/RESULTS.md, "Long-context verify"). One sample decided until `CHECKS` was 2: on the
-    H200 one forward's time swings by more than the two forwards differ at a short width.
+    Every check but the first (it paid for the trace and the kernel plans) times both forwards
+    from inputs already computed, each as its host part (built and launched) counted twice plus
+    its wait, and a shape whose eager forward cost less in most of them runs eagerly from then
+    on: compiling saves host time per op, which queued rounds wait on, but on the H200 the
+    compiled forward's attention over long key buffers cost more than all it saved
+    (bench/RESULTS.md, "Long-context verify"). One synced sample decided until `CHECKS` was 2:
+    it sent short tree verifies eager, and their queued rounds cost more (bench/RESULTS.md,
+    "The compiled-or-eager check").
 
     Returns (result, trusted): the compiled (logits, rows, keys, values) with trusted True, or
     the reference's result (in that order) with False; None where the eager path runs."""
@@ -574,13 +576,20 @@ def compiled_forward(model, capture, n, args, reference, kernel=False, scans=fro
         raise  # a real error: the round aborts as an eager one would
     hidden = hidden[0][:n] if hidden else None
     if checked < CHECKS:
-        if timed:
-            mx.eval(out, keys, values)
+        if timed:  # each forward's host part (built and launched), then its whole
+            mx.async_eval(out, keys, values)
             t1 = _clock()
+            mx.eval(out, keys, values)
+            t2 = _clock()
         ref = reference()
         if timed:
+            mx.async_eval(ref[0])
+            t3 = _clock()
             mx.eval(ref[0])
-            wins = store["eager_wins"][shape] = store["eager_wins"].get(shape, 0) + (_clock() - t1 < t1 - t0)
+            # the host part counts twice: a queued round's host work is on its critical path
+            # (the device waits for the next round's launches), which one synced forward hides
+            eager = 2 * (t3 - t2) + (_clock() - t3) < 2 * (t1 - t0) + (t2 - t1)
+            wins = store["eager_wins"][shape] = store["eager_wins"].get(shape, 0) + eager
             if checked == CHECKS - 1:
                 store["eager"][shape] = 2 * wins > CHECKS - 1
         # the logits, the captured rows, and what later rounds read: the buffers written and the

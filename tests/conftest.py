@@ -12,12 +12,14 @@ os.environ["MLX_TREESPEC_CACHE"] = tempfile.mkdtemp(prefix="mlx_treespec_costs_"
 atexit.register(shutil.rmtree, os.environ["MLX_TREESPEC_CACHE"], ignore_errors=True)
 
 
-def check_clock(compiled, eager):
+def check_clock(compiled, eager, eager_host=0):
     """A clock for verify's compiled-or-eager choice: a timed check's compiled forward takes
-    `compiled` ticks and its eager forward `eager` (the check reads the clock three times);
-    lists of equal length give the checks in turn, cycled."""
+    `compiled` ticks (none of them host work) and its eager forward `eager`, `eager_host` of them
+    host work (the check reads the clock five times); lists of equal length give the checks in
+    turn, cycled."""
     pairs = list(zip(*[v if isinstance(v, list) else [v] for v in (compiled, eager)]))
-    steps, now = itertools.cycle([t for c, e in pairs for t in (0, c, e)]), [0]
+    steps = itertools.cycle([t for c, e in pairs for t in (0, 0, c, eager_host, e - eager_host)])
+    now = [0]
 
     def clock():
         now[0] += next(steps)

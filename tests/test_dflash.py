@@ -291,18 +291,20 @@ def test_compiled_verify_is_the_eager_verify(targets, folders, monkeypatch):
     assert max(store["checked"].values()) == verify.CHECKS  # a shape is checked, then trusted
 
 
-@pytest.mark.parametrize("compiled,eager,runs_eagerly", [(2, 1, True), ([1, 1, 2], [2, 2, 1], False)],
-                         ids=["eager-faster", "eager-faster-once"])
+@pytest.mark.parametrize("compiled,eager,eager_host,runs_eagerly",
+                         [(2, 1, 0, True), ([1, 1, 2], [2, 2, 1], 0, False), (3, 2, 2, False)],
+                         ids=["eager-faster", "eager-faster-once", "eager-faster-host-bound"])
 def test_a_shape_whose_eager_verify_was_faster_runs_eagerly(targets, folders, monkeypatch, compiled, eager,
-                                                            runs_eagerly):
-    # every check but the first times both forwards; where the eager one won most of them (the
-    # H200's long key buffers), that shape runs eagerly from then on: no compiled round is
-    # trusted, tokens stay plain decoding's. One win of three (a GPU's jitter) does not decide
+                                                            eager_host, runs_eagerly):
+    # every check but the first times both forwards, their host parts counted twice; where the
+    # eager one won most of them (the H200's long key buffers), that shape runs eagerly from
+    # then on: no compiled round is trusted, tokens stay plain decoding's. One win of three (a
+    # GPU's jitter) does not decide, nor a synced win bought with host work
     import mlx_treespec.verify as verify
     from conftest import check_clock
 
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
-    monkeypatch.setattr(verify, "_clock", check_clock(compiled=compiled, eager=eager))
+    monkeypatch.setattr(verify, "_clock", check_clock(compiled=compiled, eager=eager, eager_host=eager_host))
     returned = []
     real = verify.compiled_forward
 
