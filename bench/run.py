@@ -18,7 +18,8 @@ suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselin
 `mlx-plain` (generate_step) and `mlx-chain:K` (speculative_generate_step); an arm ending in /dI
 drafts with the I-th folder its drafter's option names (--draft-model, --dflash, --mtp and --eagle3
 take comma lists: two heads in one interleaved run), /sync without queued rounds, auto:dflash/chains
-queueing the primary's chains instead of its trees (suffixes in that order: ARM[/dI][/sync]).
+queueing the primary's chains instead of its trees, HEAD-chain:K/astree a head's chains queued as
+trees of no leaves (suffixes in that order: ARM[/dI][/sync]).
  Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
@@ -122,6 +123,7 @@ class Arms:
         """A function making the arm's drafter: a fresh one per prompt, as each library call
         makes one (an adaptive one starts from the target's start-up costs, measured at the
         warm-up and then read from disk)."""
+        arm, as_tree = (arm[: -len("/astree")], True) if arm.endswith("/astree") else (arm, False)
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
         arm, which = arm.rsplit("/d", 1) if "/d" in arm and arm.rsplit("/d", 1)[1].isdigit() else (arm, 1)
@@ -132,6 +134,8 @@ class Arms:
             (lambda: spec.build(None, target=self.target))
         if unqueued:  # "ARM/sync": the same drafter through the round loop (one host sync a round)
             return lambda: Unqueued(make())
+        if as_tree:  # "HEAD-chain:K/astree": its chains queued as one-lane trees of no leaves
+            return lambda: ChainAsTree(make())
         if chains:  # "auto:KIND/chains": the adaptive drafter queueing its primary's chains
             return lambda: ChainsQueued.of(make())
         return make
@@ -148,6 +152,30 @@ class Unqueued:
 
     def __getattr__(self, name):
         return getattr(self.drafter, name)
+
+
+class ChainAsTree:
+    """A head's queued chains drafted as trees (Draft, a chain's parents): the A/B arm that
+    prices a queued tree round's own work (the re-run path, the tree mask, the device walk)
+    apart from its leaves."""
+
+    queues_trees = True
+
+    def __init__(self, drafter):
+        if getattr(drafter, "topk", None) != 1 or not hasattr(drafter, "chain_ahead"):
+            raise ValueError("ARM/astree takes a head's chain arm (mtp-chain:K, eagle3-chain:K)")
+        self.drafter = drafter
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def ahead(self, root, rows, count, path=None):
+        from mlx_treespec.draft import Draft, Layout
+        from mlx_treespec.tree import chain_parents
+
+        d = self.drafter.depth
+        tokens = mx.concatenate([root.reshape(1).astype(mx.uint32), self.drafter.chain_ahead(root, rows, count, path)])
+        return Draft(tokens, Layout.fixed(chain_parents(d + 1)), budget=d, depth=d, forwards=d)
 
 
 class ChainsQueued:
