@@ -1059,6 +1059,100 @@ def _split_attention(q, k, v, scale, ctx, tree):
     return o.astype(q.dtype).reshape(q.shape)
 
 
+def run_round_pieces(args):
+    """A queued round's pieces on the demo target (one unseen prompt's --history tokens, whole
+    buffers as queued rounds hold them), each synced and timed alone (medians of --repeats):
+    the mask and positions, the compiled verify, and the walk with what it gathers, for a head's
+    chain of --depth steps, that chain queued as a tree (queued.py's re-run path, the tree mask,
+    the device walk) and a one-lane tree of --topk leaves a step. Which of a tree round's parts
+    costs what on the device (`HEAD-chain:K/astree` in `loop` gives the whole round's)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_treespec import verify
+    from mlx_treespec.device_tree import walk
+    from mlx_treespec.draft import Layout
+    from mlx_treespec.drafters.model import one_lane_parents
+    from mlx_treespec.queued import _replay_layout
+    from mlx_treespec.tree import chain_parents
+
+    model, tok = load_target(args.target)
+    verify.install(model)
+    capture = Arms(model, args.target, []).maker(f"eagle3-chain:{args.depth}")().capture
+    prompt = encode_prompts(tok, load_prompts("unseen")[:1])[0][: args.history]
+    caches = make_prompt_cache(model)
+    model(mx.array(prompt)[None], cache=caches)
+    S, K = args.depth, args.topk
+    width = -(-(len(prompt) + 4 * S * K) // verify.width_step()) * verify.width_step()
+    keys = [verify.grown(c.keys, width) for c in caches]
+    values = [verify.grown(c.values, width) for c in caches]
+    mx.eval(keys, values)
+    start, dtype = mx.array(len(prompt), mx.int32), keys[0].dtype
+    zero, low, columns = mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype), mx.arange(width)[None]
+    fn, _ = verify._compiled(model, capture, verify.kernel_fits(keys))
+
+    def timed(f):
+        for _ in range(5):
+            mx.eval(f())
+        ts = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            mx.eval(f())
+            ts.append(1e3 * (time.perf_counter() - t))
+        return statistics.median(ts)
+
+    rows = []
+    for name, parents in [(f"chain of {S}", None), (f"chain of {S} as a tree", chain_parents(S + 1)),
+                          (f"one-lane tree K{K} S{S}", one_lane_parents(S, K))]:
+        if parents is None:
+            T = S + 1
+            steps = mx.arange(T, dtype=mx.int32)
+            tokens = mx.arange(T, dtype=mx.uint32)
+
+            def layout():
+                positions = start + steps
+                return positions, mx.where(columns <= positions[:, None], zero, low)
+
+            def walked(logits):
+                choice = mx.argmax(logits, axis=-1).astype(mx.uint32)
+                count = mx.sum(mx.cumprod((tokens[1:] == choice[:-1]).astype(mx.int32))) + 1
+                return choice[count - 1], count
+        else:
+            dev = Layout.fixed(parents).device
+            n, m = len(parents), S + 1
+            T = m + n
+            steps, count = mx.arange(T, dtype=mx.int32), mx.array(S // 2, mx.int32)
+            tokens = mx.arange(T, dtype=mx.uint32)
+
+            def layout():
+                return _replay_layout(columns, steps, start, count, dev[1], dev[2], zero, low)
+
+            def walked(logits):
+                choice = mx.argmax(logits[m:], axis=-1).astype(mx.uint32)
+                c, path, choice = walk(choice, tokens[m:], *dev)
+                return choice[c - 1], c, logits[m:][path], tokens[m:][path[:m]]
+        spans = mx.array([0, 0, T], mx.int32)
+
+        def forward():
+            positions, mask = layout()
+            return fn(tokens, positions, mask, start + spans, keys, values)
+
+        logits = forward()[0]
+        mx.eval(logits)
+        row = dict(arm=name, rows=T, layout_ms=timed(layout), verify_ms=timed(forward),
+                   walk_ms=timed(lambda: walked(logits)), round_ms=timed(lambda: walked(forward()[0])))
+        log(f"{name} ({T} rows): " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ms")))
+        rows.append(row)
+    report = dict(meta=run_meta(section=args.section, target=args.target, arms=[r["arm"] for r in rows],
+                                max_tokens=0), rows=rows)
+    md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
+          f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
+          "| round | rows verified | mask and positions ms | compiled verify ms | walk and gathers ms | "
+          "all three ms |", "|---|---|---|---|---|---|"]
+    md += [f"| {r['arm']} | {r['rows']} | {r['layout_ms']:.3f} | {r['verify_ms']:.3f} | {r['walk_ms']:.3f} | "
+           f"{r['round_ms']:.3f} |" for r in rows]
+    write(args, report, md)
+
+
 def run_pieces(args):
     """A DDTree round's pieces on one prompt of the unseen set, each synced and timed alone
     (medians of --repeats): the drafter's ranked block, the verify of its 32 nodes eager and
@@ -1351,7 +1445,7 @@ def _json(o):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "comm", "comm-rank",
+    p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "round-pieces", "comm", "comm-rank",
                                        "paths", "bound", "unseen-prompts", "table"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
     p.add_argument("--target", default="demo")
@@ -1389,7 +1483,8 @@ def main(argv=None):
     p.add_argument("--contexts", default="1024,8192,32768", help="long: committed tokens before the verify")
     p.add_argument("--nodes", type=int, default=32, help="long: tree nodes (and causal tokens) per forward")
     p.add_argument("--nodes-list", default="2,3,5,8,10,12,15,20,30,45", help="bound: tree sizes")
-    p.add_argument("--depth", type=int, default=12, help="bound: the deepest head step")
+    p.add_argument("--depth", type=int, default=12, help="bound: the deepest head step; round-pieces: the chain's")
+    p.add_argument("--topk", type=int, default=4, help="round-pieces: the one-lane tree's candidates a step")
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--overhead-ms", type=float, default=0.5)
     p.add_argument("--rounds", action="store_true",
@@ -1405,7 +1500,7 @@ def main(argv=None):
     if args.arms is None and args.command != "proj":
         args.arms = "plain,chain:7,tree:3:8"
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
-     "pieces": run_pieces, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
+     "pieces": run_pieces, "round-pieces": run_round_pieces, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
      "unseen-prompts": make_unseen_prompts, "table": run_table}[args.command](args)
 
 
