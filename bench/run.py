@@ -1091,7 +1091,7 @@ def run_round_pieces(args):
     fn, _ = verify._compiled(model, capture, verify.kernel_fits(keys))
 
     def timed(f):
-        for _ in range(5):
+        for _ in range(min(5, args.repeats)):
             mx.eval(f())
         ts = []
         for _ in range(args.repeats):

@@ -285,3 +285,37 @@ def test_proj_from_costs_refuses_an_arm_past_its_timed_rows(tmp_path):
     with pytest.raises(SystemExit, match="arm ddtree:127 verifies 128"):
         main(["proj", "--acceptance", acceptance("b.json.gz", {"ddtree:31": 6.0, "ddtree:127": 7.0}),
               "--costs", str(costs), "--out", str(tmp_path / "q")])
+
+
+def test_round_pieces_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
+    # round-pieces times each piece of a chain round, the chain as a tree and a one-lane tree
+    text = run(["round-pieces", "--target", "demo", "--history", "32", "--depth", "3", "--topk", "2",
+                "--repeats", "1", "--out", str(tmp_path / "rp")])
+    rows = read_json(tmp_path / "rp.json.gz")["rows"]
+    assert [r["rows"] for r in rows] == [4, 8, 11] and "| one-lane tree K2 S3 | 11 |" in text
+    assert all(r[k] > 0 for r in rows for k in ("layout_ms", "verify_ms", "walk_ms", "round_ms"))
+    # HEAD-chain:K/astree: the head's chain queued as a tree (the queued path, as on a GPU):
+    # plain decoding's tokens in the chain's rounds; only a head's chain arm takes it
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from run import Arms, ChainAsTree, encode_prompts, load_prompts, load_target
+
+    import mlx_treespec.verify as verify
+    from mlx_treespec.harness import generate_once
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    target, tok = load_target("demo")
+    arms = Arms(target, "demo", [])
+    prompt = encode_prompts(tok, load_prompts("unseen")[:1])[0][:48]
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), target, max_tokens=24)]
+    chain, chain_stats, _ = generate_once(target, arms.maker("eagle3-chain:4")(), prompt, 24)
+    drafter = arms.maker("eagle3-chain:4/astree")()
+    calls = []
+    ahead = type(drafter).ahead
+    monkeypatch.setattr(type(drafter), "ahead", lambda self, *a: calls.append(1) or ahead(self, *a))
+    tree, tree_stats, _ = generate_once(target, drafter, prompt, 24)
+    assert tree == chain == want and tree_stats.emitted == chain_stats.emitted and calls
+    assert set(tree_stats.drafter) == {"queued"}
+    with pytest.raises(ValueError, match="a head's chain arm"):
+        ChainAsTree(arms.maker("eagle3-tree:2:4:8:1")())
