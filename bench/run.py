@@ -7,6 +7,7 @@
         --head-config bench/configs/qwen3_8b_dflash.json --q-bits 0,4
     python bench/run.py long --config bench/configs/qwen3_8b.json --contexts 1024,8192,32768 --q-bits 0,4
     python bench/run.py pieces --target demo --history 300 --repeats 30   # a DDTree round's pieces
+    python bench/run.py round-pieces --target demo --history 300 --depth 10 --topk 4   # a queued head round's
     python bench/run.py comm --target demo-hybrid --arms plain,dflash:7,ddtree:12 --n 4   # sharded: collectives
     python bench/run.py bound --target demo --arms eagle3 --prompts unseen --n 8 --max-tokens 128 --depth 12
         # a head's best static tree of N nodes, with hindsight, against its chain of N (CPU, exact)
@@ -19,7 +20,7 @@ suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselin
 drafts with the I-th folder its drafter's option names (--draft-model, --dflash, --mtp and --eagle3
 take comma lists: two heads in one interleaved run), /sync without queued rounds, auto:dflash/chains
 queueing the primary's chains instead of its trees, HEAD-chain:K/astree a head's chains queued as
-trees of no leaves (suffixes in that order: ARM[/dI][/sync]).
+trees of no leaves (suffixes in that order: ARM[/dI][/sync], ARM[/chains], ARM[/astree]).
  Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
@@ -132,6 +133,8 @@ class Arms:
                   "mtp": lambda: self.head("mtp", which), "eagle3": lambda: self.head("eagle3", which)}.get(spec.drafter)
         make = (lambda: spec.build(source(), target=self.target)) if source else \
             (lambda: spec.build(None, target=self.target))
+        if as_tree and (unqueued or chains):
+            raise ValueError("ARM/astree queues a head's chains as trees: it takes no /sync or /chains")
         if unqueued:  # "ARM/sync": the same drafter through the round loop (one host sync a round)
             return lambda: Unqueued(make())
         if as_tree:  # "HEAD-chain:K/astree": its chains queued as one-lane trees of no leaves
@@ -229,13 +232,13 @@ def run_loop(args):
 
         def run(a, i, order):
             p = i % len(prompts)  # --reps: every prompt again, after all of them
-            before = compiled_rounds(target)
+            before = verify_counts(target)
             out, stats, dt = runners[a](prompts[p], args.max_tokens)
             outputs[a].append(out)
             rec = record(p, order, prompts[p], out, stats, dt)
             rec["rep"] = i // len(prompts)
             rec["emitted_total"], rec["rounds_total"] = sum(stats.emitted), stats.rounds
-            rec["compiled_total"] = compiled_rounds(target) - before
+            rec["compiled_total"], rec["verifies_total"] = np.subtract(verify_counts(target), before).tolist()
             log(f"{pset} prompt {p} {a}: {rec['tok_s']:.1f} tok/s, {rec['emitted_per_verify']:.2f} emitted/verify")
             return rec
 
@@ -251,15 +254,20 @@ def run_loop(args):
         write(args, report, md)  # after each set: a run cut short keeps what it measured
 
 
-def compiled_rounds(target):
-    """Verifies the target has run compiled (trusted after their checks) so far."""
-    return (target.__dict__.get("_treespec_compiled_verify") or {}).get("trusted_runs", 0)
+def verify_counts(target):
+    """(verifies run compiled, verifies that asked for the compiled path) so far: the rounds
+    queued past the last one read included, which the round counts leave out."""
+    store = target.__dict__.get("_treespec_compiled_verify") or {}
+    return store.get("trusted_runs", 0), store.get("calls", 0)
 
 
 def eager_shapes(target):
-    """(rows, key width) of the verify shapes the timed checks sent down the eager path."""
+    """The verify shapes the timed checks sent down the eager path: rows, key width, capture,
+    kernel, recurrent layers and inputs (verify.compiled_forward's shape without its dtypes),
+    and the checks the eager forward won."""
     store = target.__dict__.get("_treespec_compiled_verify") or {}
-    return sorted((shape[0], shape[4]) for shape, eager in store.get("eager", {}).items() if eager)
+    return sorted([shape[0], shape[4], str(shape[8]), shape[9], sorted(shape[10]), shape[11],
+                   store["eager_wins"].get(shape)] for shape, eager in store.get("eager", {}).items() if eager)
 
 
 def pooled_tok_s(rs):
@@ -285,12 +293,13 @@ def summarize_arms(names, runs, outputs):
         emitted = sum(r.get("emitted_total", 0) for r in rs)
         rounds = sum(r.get("rounds_total", 0) for r in rs)
         compiled = sum(r.get("compiled_total", 0) for r in rs)
+        verifies = sum(r.get("verifies_total", 0) for r in rs)
         same = sum(o == ref[r["prompt"]] for r, o in zip(rs, outputs[a]))
         div = [first_divergence(o, ref[r["prompt"]]) for r, o in zip(rs, outputs[a])]
         rows.append(dict(arm=a, tok_s=spread(list(pooled.values())), x_plain=spread(ratio),
                          emitted_per_verify=spread([r["emitted_per_verify"] for r in rs if r["rounds"]]),
                          pooled_emitted_per_verify=(emitted / rounds) if rounds else None,
-                         compiled_verifies=(compiled / rounds) if rounds else None,
+                         compiled_verifies=(compiled / verifies) if verifies else None,
                          round_ms=spread([r["round_ms"] for r in rs if r["rounds"]]),
                          nodes=spread([r["nodes_per_round"] for r in rs if r["rounds"]]),
                          draft_forwards=spread([r["draft_forwards_per_round"] for r in rs if r["rounds"]]),
@@ -1078,8 +1087,11 @@ def run_round_pieces(args):
     model, tok = load_target(args.target)
     verify.install(model)
     capture = Arms(model, args.target, []).maker(f"eagle3-chain:{args.depth}")().capture
-    prompt = encode_prompts(tok, load_prompts("unseen")[:1])[0][: args.history]
+    first = encode_prompts(tok, load_prompts("unseen")[:1])[0]
+    prompt = (first * -(-args.history // len(first)))[: args.history]  # the prompt again until --history
     caches = make_prompt_cache(model)
+    if any(type(c).__name__ != "KVCache" for c in caches):
+        sys.exit(f"round-pieces times attention-only targets with an EAGLE-3 head (demo); {args.target} is not one")
     model(mx.array(prompt)[None], cache=caches)
     S, K = args.depth, args.topk
     width = -(-(len(prompt) + 4 * S * K) // verify.width_step()) * verify.width_step()
@@ -1143,9 +1155,10 @@ def run_round_pieces(args):
         log(f"{name} ({T} rows): " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ms")))
         rows.append(row)
     report = dict(meta=run_meta(section=args.section, target=args.target, arms=[r["arm"] for r in rows],
-                                max_tokens=0), rows=rows)
+                                max_tokens=0), history=len(prompt), width=width, rows=rows)
     md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
+          f"{len(prompt)} tokens of history, K/V buffers {width} wide; medians of {args.repeats} synced calls.", "",
           "| round | rows verified | mask and positions ms | compiled verify ms | walk and gathers ms | "
           "all three ms |", "|---|---|---|---|---|---|"]
     md += [f"| {r['arm']} | {r['rows']} | {r['layout_ms']:.3f} | {r['verify_ms']:.3f} | {r['walk_ms']:.3f} | "

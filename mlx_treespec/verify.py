@@ -511,7 +511,7 @@ def _compiled(model, capture, kernel=False, scans=frozenset()):
     layers = _layers(model)
     if store is None or store["layers"] != layers:  # new layer modules: trace again
         store = model.__dict__["_treespec_compiled_verify"] = {
-            "fns": {}, "checked": {}, "eager": {}, "eager_wins": {}, "off": None, "trusted_runs": 0, "layers": layers}
+            "fns": {}, "checked": {}, "eager": {}, "eager_wins": {}, "off": None, "calls": 0, "trusted_runs": 0, "layers": layers}
         if in_launch():
             store["off"] = "a sharded model (mlx.distributed): its collectives run eagerly"
     if store["off"] is not None:
@@ -541,8 +541,8 @@ def compiled_forward(model, capture, n, args, reference, kernel=False, scans=fro
     on: compiling saves host time per op, which queued rounds wait on, but on the H200 the
     compiled forward's attention over long key buffers cost more than all it saved
     (bench/RESULTS.md, "Long-context verify"). One synced sample decided until `CHECKS` was 2:
-    it sent short tree verifies eager, and their queued rounds cost more (bench/RESULTS.md,
-    "The compiled-or-eager check").
+    on the H200 it sent a short tree verify eager from one call to the next (bench/RESULTS.md,
+    "Head trees against their chains").
 
     Returns (result, trusted): the compiled (logits, rows, keys, values) with trusted True, or
     the reference's result (in that order) with False; None where the eager path runs."""
@@ -555,6 +555,7 @@ def compiled_forward(model, capture, n, args, reference, kernel=False, scans=fro
     shape = (tokens.shape[0], tokens.dtype, positions.dtype, start.dtype, mask.shape[1], mask.dtype,
              tuple(k.dtype for k in keys), tuple(None if v is None else v.dtype for v in values),
              capture, kernel, scans, len(args))
+    store["calls"] += 1  # (verifies that asked for it; `trusted_runs` of them ran compiled)
     if store["eager"].get(shape):
         return None
     # a trace that raises leaves its placeholders in the model's arrays (they are the
@@ -583,9 +584,9 @@ def compiled_forward(model, capture, n, args, reference, kernel=False, scans=fro
             t2 = _clock()
         ref = reference()
         if timed:
-            mx.async_eval(ref[0])
+            mx.async_eval(ref[0], ref[2:])
             t3 = _clock()
-            mx.eval(ref[0])
+            mx.eval(ref[0], ref[2:])
             # the host part counts twice: a queued round's host work is on its critical path
             # (the device waits for the next round's launches), which one synced forward hides
             eager = 2 * (t3 - t2) + (_clock() - t3) < 2 * (t1 - t0) + (t2 - t1)

@@ -44,8 +44,8 @@ def test_loop_section_tiny(tmp_path):
         assert (run0["rounds"] - 1) / run0["rounds"] - 1e-4 <= rows["ddtree:12"]["draft_forwards"]["median"] <= 1.0
         # the slowest round: at least the mean, and one of the run's
         assert run0["slowest_round"]["ms"] >= run0["round_ms"] and 0 <= run0["slowest_round"]["index"] < run0["rounds"]
-        # which verifies ran compiled: none on CPU (whole-buffer forwards are the GPU's path)
-        assert rows["ddtree:12"]["compiled_verifies"] == 0.0 and data["sets"][pset]["eager_shapes"] == []
+        # which verifies ran compiled: none asks on CPU (whole-buffer forwards are the GPU's path)
+        assert rows["ddtree:12"]["compiled_verifies"] is None and data["sets"][pset]["eager_shapes"] == []
     assert (tmp_path / "loop.md").read_text().startswith("# loop: demo")
     # --versus: each arm's tok/s over that arm's on the same prompt, in the loop's table and in
     # `table`'s rendering of the saved run against another arm
@@ -299,7 +299,7 @@ def test_round_pieces_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import mlx.core as mx
     from mlx_lm.generate import generate_step
-    from run import Arms, ChainAsTree, encode_prompts, load_prompts, load_target
+    from run import Arms, ChainAsTree, encode_prompts, load_prompts, load_target, verify_counts
 
     import mlx_treespec.verify as verify
     from mlx_treespec.harness import generate_once
@@ -309,7 +309,10 @@ def test_round_pieces_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
     arms = Arms(target, "demo", [])
     prompt = encode_prompts(tok, load_prompts("unseen")[:1])[0][:48]
     want = [int(t) for t, _ in generate_step(mx.array(prompt), target, max_tokens=24)]
+    target.__dict__.pop("_treespec_compiled_verify", None)
     chain, chain_stats, _ = generate_once(target, arms.maker("eagle3-chain:4")(), prompt, 24)
+    compiled, calls = verify_counts(target)  # every verify asked; those past their checks ran compiled
+    assert calls == chain_stats.rounds + 1 and compiled == calls - verify.CHECKS
     drafter = arms.maker("eagle3-chain:4/astree")()
     calls = []
     ahead = type(drafter).ahead
@@ -319,3 +322,5 @@ def test_round_pieces_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
     assert set(tree_stats.drafter) == {"queued"}
     with pytest.raises(ValueError, match="a head's chain arm"):
         ChainAsTree(arms.maker("eagle3-tree:2:4:8:1")())
+    with pytest.raises(ValueError, match="no /sync"):
+        arms.maker("eagle3-chain:4/sync/astree")
