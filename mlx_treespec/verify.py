@@ -511,7 +511,8 @@ def _compiled(model, capture, kernel=False, scans=frozenset()):
     layers = _layers(model)
     if store is None or store["layers"] != layers:  # new layer modules: trace again
         store = model.__dict__["_treespec_compiled_verify"] = {
-            "fns": {}, "checked": {}, "eager": {}, "eager_wins": {}, "off": None, "calls": 0, "trusted_runs": 0, "layers": layers}
+            "fns": {}, "checked": {}, "eager": {}, "eager_wins": {}, "off": None, "calls": 0, "trusted_runs": 0,
+            "layers": layers}
         if in_launch():
             store["off"] = "a sharded model (mlx.distributed): its collectives run eagerly"
     if store["off"] is not None:

@@ -314,11 +314,11 @@ def test_round_pieces_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
     compiled, calls = verify_counts(target)  # every verify asked; those past their checks ran compiled
     assert calls == chain_stats.rounds + 1 and compiled == calls - verify.CHECKS
     drafter = arms.maker("eagle3-chain:4/astree")()
-    calls = []
+    drafted = []
     ahead = type(drafter).ahead
-    monkeypatch.setattr(type(drafter), "ahead", lambda self, *a: calls.append(1) or ahead(self, *a))
+    monkeypatch.setattr(type(drafter), "ahead", lambda self, *a: drafted.append(1) or ahead(self, *a))
     tree, tree_stats, _ = generate_once(target, drafter, prompt, 24)
-    assert tree == chain == want and tree_stats.emitted == chain_stats.emitted and calls
+    assert tree == chain == want and tree_stats.emitted == chain_stats.emitted and drafted
     assert set(tree_stats.drafter) == {"queued"}
     with pytest.raises(ValueError, match="a head's chain arm"):
         ChainAsTree(arms.maker("eagle3-tree:2:4:8:1")())
