@@ -7,7 +7,7 @@
         --head-config bench/configs/qwen3_8b_dflash.json --q-bits 0,4
     python bench/run.py long --config bench/configs/qwen3_8b.json --contexts 1024,8192,32768 --q-bits 0,4
     python bench/run.py pieces --target demo --history 300 --repeats 30   # a DDTree round's pieces
-    python bench/run.py round-pieces --target demo --history 300 --depth 10 --topk 4   # a queued head round's
+    python bench/run.py round-host --target demo --arms eagle3-chain:10,eagle3-tree:4:10:40:1 --n 4   # queued rounds' host ms
     python bench/run.py comm --target demo-hybrid --arms plain,dflash:7,ddtree:12 --n 4   # sharded: collectives
     python bench/run.py bound --target demo --arms eagle3 --prompts unseen --n 8 --max-tokens 128 --depth 12
         # a head's best static tree of N nodes, with hindsight, against its chain of N (CPU, exact)
@@ -1068,102 +1068,176 @@ def _split_attention(q, k, v, scale, ctx, tree):
     return o.astype(q.dtype).reshape(q.shape)
 
 
-def run_round_pieces(args):
-    """A queued round's pieces on the demo target (one unseen prompt's --history tokens, whole
-    buffers as queued rounds hold them), each synced and timed alone (medians of --repeats):
-    the mask and positions, the compiled verify, and the walk with what it gathers, for a head's
-    chain of --depth steps, that chain queued as a tree (queued.py's re-run path, the tree mask,
-    the device walk) and a one-lane tree of --topk leaves a step. Which of a tree round's parts
-    costs what on the device (`HEAD-chain:K/astree` in `loop` gives the whole round's)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
+def run_round_host(args):
+    """Where a queued round's host time goes, arm by arm (interleaved per prompt): queued rounds
+    are host-bound on the H200 (the host waits ~0.1 ms a round on the device), so a round costs
+    what the host spends building and launching it. Timed without a sync: the draft (the
+    drafter's `ahead`), the mask and positions, the verify's graph, the walk, the recurrent
+    commit, the launch (`mx.async_eval` of the round), the wait for its count, and the rest (the
+    round's other ops and the loop's own work). One more generation per arm counts the
+    primitives each round's graph holds (views included; `kernels` leaves out the view kinds)."""
+    import mlx_treespec.queued as queued
     from mlx_treespec import verify
-    from mlx_treespec.device_tree import walk
-    from mlx_treespec.draft import Layout
-    from mlx_treespec.drafters.model import one_lane_parents
-    from mlx_treespec.queued import _replay_layout
-    from mlx_treespec.tree import chain_parents
 
-    model, tok = load_target(args.target)
-    verify.install(model)
-    capture = Arms(model, args.target, []).maker(f"eagle3-chain:{args.depth}")().capture
-    first = encode_prompts(tok, load_prompts("unseen")[:1])[0]
-    prompt = (first * -(-args.history // len(first)))[: args.history]  # the prompt again until --history
-    caches = make_prompt_cache(model)
-    if any(type(c).__name__ != "KVCache" for c in caches):
-        sys.exit(f"round-pieces times attention-only targets with an EAGLE-3 head (demo); {args.target} is not one")
-    model(mx.array(prompt)[None], cache=caches)
-    S, K = args.depth, args.topk
-    width = -(-(len(prompt) + 4 * S * K) // verify.width_step()) * verify.width_step()
-    keys = [verify.grown(c.keys, width) for c in caches]
-    values = [verify.grown(c.values, width) for c in caches]
-    mx.eval(keys, values)
-    start, dtype = mx.array(len(prompt), mx.int32), keys[0].dtype
-    zero, low, columns = mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype), mx.arange(width)[None]
-    fn, _ = verify._compiled(model, capture, verify.kernel_fits(keys))
+    names = [a for a in args.arms.split(",") if a and a not in ("plain", "mlx-plain")]
+    target, tok = load_target(args.target)
+    texts = load_prompts(args.prompts.split(",")[0])[: args.n]
+    prompts = encode_prompts(tok, texts)
+    arms = Arms(target, args.target, texts, args.draft_model, args.dflash, dict(mtp=args.mtp, eagle3=args.eagle3))
+    makers = {a: arms.maker(a) for a in names}
+    clock, counts = collections.Counter(), []
+    pieces = {"draft": None, "layout": "_replay_layout", "verify": "compiled_forward", "walk": "walk",
+              "commit": "replay_prefix"}
+    originals = {k: getattr(queued, v) for k, v in pieces.items() if v}
+    launch = mx.async_eval
 
-    def timed(f):
-        for _ in range(min(5, args.repeats)):
-            mx.eval(f())
-        ts = []
-        for _ in range(args.repeats):
+    def timed(name, fn):
+        def call(*a, **k):
             t = time.perf_counter()
-            mx.eval(f())
-            ts.append(1e3 * (time.perf_counter() - t))
-        return statistics.median(ts)
+            try:
+                return fn(*a, **k)
+            finally:
+                clock[name] += time.perf_counter() - t
+        return call
 
+    def counted(*arrays):  # the round's own graph: earlier rounds were launched (and detached)
+        import io
+        import re
+
+        buf = io.StringIO()
+        mx.export_to_dot(buf, *arrays)
+        counts.append(collections.Counter(re.findall(r'label ="([^"]+)"', buf.getvalue())))
+        return launch(*arrays)
+
+    class Timed:  # the drafter, its `ahead` timed
+        def __init__(self, drafter):
+            self.drafter = drafter
+
+        def __getattr__(self, name):
+            return getattr(self.drafter, name)
+
+        @property
+        def ahead(self):
+            inner = self.drafter.ahead
+            return None if inner is None else timed("draft", inner)
+
+    views = {"Slice", "Reshape", "Broadcast", "ExpandDims", "Squeeze", "Transpose", "Flatten", "Unflatten",
+             "AsStrided", "StopGradient", "Depends"}
+    results = {a: [] for a in names}
+
+    def run(a, i, order):
+        clock.clear()
+        for k, v in pieces.items():
+            if v:
+                setattr(queued, v, timed(k, originals[k]))
+        mx.async_eval = timed("launch", launch)
+        try:
+            out, stats, dt = generate_once(target, Timed(makers[a]()), prompts[i], args.max_tokens)
+        finally:
+            for k, v in pieces.items():
+                if v:
+                    setattr(queued, v, originals[k])
+            mx.async_eval = launch
+        queued_rounds = [j for j, d in enumerate(stats.drafter) if d == "queued"]
+        if not queued_rounds:
+            sys.exit(f"round-host: arm {a} ran no queued round (it times rounds queued ahead, on a GPU)")
+        n = stats.rounds + 1  # the round queued past the last is built and launched too
+        rec = {k: 1e3 * v / n for k, v in clock.items()}
+        rec["wait"] = statistics.fmean(stats.sync_ms[j] for j in queued_rounds)
+        rec["round"] = statistics.fmean(stats.round_ms[j] for j in queued_rounds)
+        rec["rest"] = rec["round"] - sum(rec.get(k, 0.0) for k in ("draft", "layout", "verify", "walk", "commit",
+                                                                    "launch", "wait"))
+        rec.update(prompt=i, order=order, rounds=stats.rounds, tokens=len(out),
+                   emitted_per_verify=sum(stats.emitted) / stats.rounds)
+        log(f"prompt {i} {a}: " + ", ".join(f"{k} {rec[k]:.3f}" for k in ("round", "draft", "verify", "launch", "rest")))
+        results[a].append(rec)
+        return rec
+
+    log(f"{len(prompts)} prompts x {args.max_tokens} tokens, {len(names)} arms")
+    interleave(names, prompts, run, warmup=lambda a: generate_once(target, makers[a](), prompts[0], 32), log=log)
     rows = []
-    for name, parents in [(f"chain of {S}", None), (f"chain of {S} as a tree", chain_parents(S + 1)),
-                          (f"one-lane tree K{K} S{S}", one_lane_parents(S, K))]:
-        if parents is None:
-            T = S + 1
-            steps = mx.arange(T, dtype=mx.int32)
-            tokens = mx.arange(T, dtype=mx.uint32)
-
-            def layout():
-                positions = start + steps
-                return positions, mx.where(columns <= positions[:, None], zero, low)
-
-            def walked(logits):
-                choice = mx.argmax(logits, axis=-1).astype(mx.uint32)
-                count = mx.sum(mx.cumprod((tokens[1:] == choice[:-1]).astype(mx.int32))) + 1
-                return choice[count - 1], count
-        else:
-            dev = Layout.fixed(parents).device
-            n, m = len(parents), S + 1
-            T = m + n
-            steps, count = mx.arange(T, dtype=mx.int32), mx.array(S // 2, mx.int32)
-            tokens = mx.arange(T, dtype=mx.uint32)
-
-            def layout():
-                return _replay_layout(columns, steps, start, count, dev[1], dev[2], zero, low)
-
-            def walked(logits):
-                choice = mx.argmax(logits[m:], axis=-1).astype(mx.uint32)
-                c, path, choice = walk(choice, tokens[m:], *dev)
-                return choice[c - 1], c, logits[m:][path], tokens[m:][path[:m]]
-        spans = mx.array([0, 0, T], mx.int32)
-
-        def forward():
-            positions, mask = layout()
-            return fn(tokens, positions, mask, start + spans, keys, values)
-
-        logits = forward()[0]
-        mx.eval(logits)
-        row = dict(arm=name, rows=T, layout_ms=timed(layout), verify_ms=timed(forward),
-                   walk_ms=timed(lambda: walked(logits)), round_ms=timed(lambda: walked(forward()[0])))
-        log(f"{name} ({T} rows): " + ", ".join(f"{k} {v:.3f}" for k, v in row.items() if k.endswith("_ms")))
-        rows.append(row)
-    report = dict(meta=run_meta(section=args.section, target=args.target, arms=[r["arm"] for r in rows],
-                                max_tokens=0), history=len(prompt), width=width, rows=rows)
+    for a in names:
+        counts.clear()
+        mx.async_eval = counted
+        try:
+            generate_once(target, makers[a](), prompts[0], args.max_tokens)
+        finally:
+            mx.async_eval = launch
+        # (past the verify's timed checks: those rounds run the eager forward too)
+        later = counts[verify.CHECKS + 1:] or counts
+        prims = statistics.fmean(sum(c.values()) for c in later)
+        kernels = statistics.fmean(sum(v for k, v in c.items() if k not in views) for c in later)
+        mean = {k: statistics.fmean(r[k] for r in results[a]) for k in
+                ("round", "draft", "layout", "verify", "walk", "commit", "launch", "wait", "rest", "emitted_per_verify")
+                if all(k in r for r in results[a])}
+        every = collections.Counter()
+        for c in later:
+            every.update({k: v / len(later) for k, v in c.items()})
+        rows.append(dict(arm=a, runs=results[a], primitives=prims, kernels=kernels, by_kind=dict(every),
+                         top=[(k, v) for k, v in every.most_common() if k not in views][:12], **mean))
+    launches = launch_costs()
+    report = dict(meta=run_meta(section=args.section, target=args.target, arms=names, max_tokens=args.max_tokens),
+                  prompts=len(prompts), arms=rows, launches=launches)
+    cols = ["round", "draft", "layout", "verify", "walk", "commit", "launch", "wait", "rest"]
     md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
-          f"{len(prompt)} tokens of history, K/V buffers {width} wide; medians of {args.repeats} synced calls.", "",
-          "| round | rows verified | mask and positions ms | compiled verify ms | walk and gathers ms | "
-          "all three ms |", "|---|---|---|---|---|---|"]
-    md += [f"| {r['arm']} | {r['rows']} | {r['layout_ms']:.3f} | {r['verify_ms']:.3f} | {r['walk_ms']:.3f} | "
-           f"{r['round_ms']:.3f} |" for r in rows]
+          f"Host ms a queued round (means over {len(prompts)} prompts x {args.max_tokens} tokens, arms interleaved); "
+          "kernels: a round graph's primitives but views.", "",
+          "| arm | emitted per verify | " + " | ".join(cols) + " | kernels (primitives) |",
+          "|---|---|" + "---|" * len(cols) + "---|"]
+    md += [f"| {r['arm']} | {r['emitted_per_verify']:.2f} | " + " | ".join(f"{r.get(c, 0.0):.3f}" for c in cols)
+           + f" | {r['kernels']:.0f} ({r['primitives']:.0f}) |" for r in rows]
+    md += ["", "Kernels a round, the most frequent:", ""]
+    md += [f"- {r['arm']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["top"]) for r in rows]
+    md += ["", "One op of each kind, chained 200 times: host us an op to build, to launch, and device us an op "
+           "after the launch (a second kernel in brackets where the kind needs one):", "",
+           "| op | build us | launch us | device us |", "|---|---|---|---|"]
+    md += [f"| {k} | {v['build_us']:.1f} | {v['launch_us']:.1f} | {v['device_us']:.1f} |" for k, v in launches.items()]
     write(args, report, md)
+
+
+def launch_costs(n=200):
+    """Host and device microseconds an op of each kind a queued round launches, each op fed the
+    last one's output (so none is merged or skipped): {kind: build_us, launch_us, device_us}."""
+    from mlx_treespec.attention import kernel_backend
+    from mlx_treespec.device_tree import run_walk
+
+    W = 64
+    perm = mx.array(np.random.default_rng(0).permutation(W).astype(np.int32))
+    fused = mx.compile(lambda a: a * 0.999 + 0.5)
+    mat = mx.ones((W, W)) / W
+    kinds = {
+        "take (a gather)": lambda a: mx.take(a, perm),
+        "concatenate (two slices)": lambda a: mx.concatenate([a[W // 2:], a[: W // 2]]),
+        "compiled elementwise (fused)": fused,
+        "elementwise, not compiled": lambda a: a * 0.999,
+        "[1, W] @ [W, W] matmul": lambda a: (a[None] @ mat)[0],
+        "argmax (+ add)": lambda a: a + mx.argmax(a).astype(a.dtype),
+        "arange (+ add)": lambda a: a + mx.arange(W, dtype=a.dtype),
+    }
+    backend = kernel_backend()
+    if backend is not None:  # the device walk's kernel on a 41-node one-lane tree
+        from mlx_treespec.drafters.model import one_lane_parents
+
+        parents = one_lane_parents(10, 4)
+        tok = mx.zeros((len(parents),), mx.uint32)
+        par = mx.array(parents.astype(np.int32))
+        kinds["the walk kernel (+ add)"] = lambda a: a + run_walk(backend, tok, tok, par)[0].astype(a.dtype)
+    out = {}
+    for name, f in kinds.items():
+        for reps in (8, n):  # (a warm-up, then the timed chain)
+            a = mx.zeros((W,), mx.float32)
+            mx.eval(a)
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                a = f(a)
+            t1 = time.perf_counter()
+            mx.async_eval(a)
+            t2 = time.perf_counter()
+            mx.eval(a)
+            t3 = time.perf_counter()
+        out[name] = dict(build_us=1e6 * (t1 - t0) / n, launch_us=1e6 * (t2 - t1) / n, device_us=1e6 * (t3 - t2) / n)
+    return out
 
 
 def run_pieces(args):
@@ -1458,7 +1532,7 @@ def _json(o):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "round-pieces", "comm", "comm-rank",
+    p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "round-host", "comm", "comm-rank",
                                        "paths", "bound", "unseen-prompts", "table"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
     p.add_argument("--target", default="demo")
@@ -1496,8 +1570,7 @@ def main(argv=None):
     p.add_argument("--contexts", default="1024,8192,32768", help="long: committed tokens before the verify")
     p.add_argument("--nodes", type=int, default=32, help="long: tree nodes (and causal tokens) per forward")
     p.add_argument("--nodes-list", default="2,3,5,8,10,12,15,20,30,45", help="bound: tree sizes")
-    p.add_argument("--depth", type=int, default=12, help="bound: the deepest head step; round-pieces: the chain's")
-    p.add_argument("--topk", type=int, default=4, help="round-pieces: the one-lane tree's candidates a step")
+    p.add_argument("--depth", type=int, default=12, help="bound: the deepest head step")
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--overhead-ms", type=float, default=0.5)
     p.add_argument("--rounds", action="store_true",
@@ -1513,7 +1586,7 @@ def main(argv=None):
     if args.arms is None and args.command != "proj":
         args.arms = "plain,chain:7,tree:3:8"
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
-     "pieces": run_pieces, "round-pieces": run_round_pieces, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
+     "pieces": run_pieces, "round-host": run_round_host, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
      "unseen-prompts": make_unseen_prompts, "table": run_table}[args.command](args)
 
 

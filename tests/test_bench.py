@@ -287,24 +287,37 @@ def test_proj_from_costs_refuses_an_arm_past_its_timed_rows(tmp_path):
               "--costs", str(costs), "--out", str(tmp_path / "q")])
 
 
-def test_round_pieces_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
-    # round-pieces times each piece of a chain round, the chain as a tree and a one-lane tree
-    text = run(["round-pieces", "--target", "demo", "--history", "32", "--depth", "3", "--topk", "2",
-                "--repeats", "1", "--out", str(tmp_path / "rp")])
-    rows = read_json(tmp_path / "rp.json.gz")["rows"]
-    assert [r["rows"] for r in rows] == [4, 8, 11] and "| one-lane tree K2 S3 | 11 |" in text
-    assert all(r[k] > 0 for r in rows for k in ("layout_ms", "verify_ms", "walk_ms", "round_ms"))
-    # HEAD-chain:K/astree: the head's chain queued as a tree (the queued path, as on a GPU):
-    # plain decoding's tokens in the chain's rounds; only a head's chain arm takes it
+def test_round_host_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import mlx.core as mx
     from mlx_lm.generate import generate_step
-    from run import Arms, ChainAsTree, encode_prompts, load_prompts, load_target, verify_counts
+    from run import Arms, ChainAsTree, encode_prompts, load_prompts, load_target, main, verify_counts
 
+    import mlx_treespec.queued as queued
     import mlx_treespec.verify as verify
     from mlx_treespec.harness import generate_once
 
+    # round-host: where a queued round's host time goes, each piece timed, each round's kernels
+    # counted; the library's functions are put back after each run
+    with pytest.raises(SystemExit, match="ran no queued round"):
+        main(["round-host", "--target", "demo", "--arms", "eagle3-chain:3", "--n", "1", "--max-tokens", "8",
+              "--out", str(tmp_path / "none")])
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    kept = (queued.compiled_forward, queued.walk, queued._replay_layout, mx.async_eval)
+    main(["round-host", "--target", "demo", "--arms", "eagle3-chain:3,eagle3-chain:3/astree,eagle3-tree:2:3:6:1",
+          "--prompts", "unseen", "--n", "2", "--max-tokens", "12", "--out", str(tmp_path / "rh")])
+    assert (queued.compiled_forward, queued.walk, queued._replay_layout, mx.async_eval) == kept
+    rows = {r["arm"]: r for r in read_json(tmp_path / "rh.json.gz")["arms"]}
+    assert list(rows) == ["eagle3-chain:3", "eagle3-chain:3/astree", "eagle3-tree:2:3:6:1"]
+    for arm, r in rows.items():
+        assert len(r["runs"]) == 2 and r["round"] > 0 and r["draft"] > 0 and r["verify"] > 0 and r["launch"] > 0
+        assert ("walk" in r) == (arm != "eagle3-chain:3") and r["kernels"] < r["primitives"]
+    # the chain as a tree runs the chain's tokens through the tree's machinery: more kernels
+    assert rows["eagle3-chain:3/astree"]["kernels"] > rows["eagle3-chain:3"]["kernels"]
+    assert rows["eagle3-chain:3/astree"]["emitted_per_verify"] == rows["eagle3-chain:3"]["emitted_per_verify"]
+    assert "| eagle3-tree:2:3:6:1 |" in (tmp_path / "rh.md").read_text()
+    # HEAD-chain:K/astree: the head's chain queued as a tree (the queued path, as on a GPU):
+    # plain decoding's tokens in the chain's rounds; only a head's chain arm takes it
     target, tok = load_target("demo")
     arms = Arms(target, "demo", [])
     prompt = encode_prompts(tok, load_prompts("unseen")[:1])[0][:48]
