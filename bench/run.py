@@ -42,7 +42,7 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mlx_treespec import RoundStats, tree_generate_step  # noqa: E402
+from mlx_treespec import RoundStats, tree_generate_step, verify  # noqa: E402
 from mlx_treespec.cli import resolve_model_path  # noqa: E402
 from mlx_treespec.harness import (encode_prompts, first_divergence, generate_once, interleave,  # noqa: E402
                                   load_prompts, record, run_meta, spread)
@@ -228,7 +228,11 @@ def run_loop(args):
         outputs = {a: [] for a in names}
 
         def warmup(a):
-            runners[a](prompts[0], min(args.max_tokens, 32))
+            # a shape a generation verifies once (a spine-first tree's first round) meets the
+            # verify's timed checks (verify.CHECKS: a sync and an eager forward each) once a
+            # generation: past the warm-up, as every shape a round repeats
+            for _ in range(verify.CHECKS):
+                runners[a](prompts[0], min(args.max_tokens, 32))
 
         def run(a, i, order):
             p = i % len(prompts)  # --reps: every prompt again, after all of them
@@ -1077,7 +1081,6 @@ def run_round_host(args):
     round's other ops and the loop's own work). One more generation per arm counts the
     primitives each round's graph holds (views included; `kernels` leaves out the view kinds)."""
     import mlx_treespec.queued as queued
-    from mlx_treespec import verify
 
     names = [a for a in args.arms.split(",") if a and a not in ("plain", "mlx-plain")]
     target, tok = load_target(args.target)
@@ -1154,7 +1157,8 @@ def run_round_host(args):
         return rec
 
     log(f"{len(prompts)} prompts x {args.max_tokens} tokens, {len(names)} arms")
-    interleave(names, prompts, run, warmup=lambda a: generate_once(target, makers[a](), prompts[0], 32), log=log)
+    interleave(names, prompts, run, log=log,
+               warmup=lambda a: [generate_once(target, makers[a](), prompts[0], 32) for _ in range(verify.CHECKS)])
     rows = []
     for a in names:
         counts.clear()

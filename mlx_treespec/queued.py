@@ -68,6 +68,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     # the rounds it has not read may commit at most (room is made for a round's rows past it)
     bound = start
     consts = {}  # a round's constants per (width, rows): the rounds are host-bound
+    in_place = None  # tree rounds: whether they commit their paths in place (`_spine_first`)
 
     def mask_constants(width, T, dtype):
         key = (width, T, dtype)
@@ -77,39 +78,58 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
                            mx.arange(-1, T - 1, dtype=mx.int32))
         return consts[key]
 
-    def queue(dev_root, rows, count, dev_start, replay=None):
-        """One round on the device: draft, verify, walk, commit. A tree round first re-runs the
-        previous tree round's accepted path (`replay`: its tokens, the first `count` of them
-        accepted) at dev_start, then its own tree hangs from the path's end."""
-        nonlocal keys, values, bound
+    def queue(dev_root, rows, count, dev_start, path=None):
+        """One round on the device: draft, verify, walk, commit. `dev_start`: the root's column.
+        A tree round after a tree round first re-runs what that round left out of place (`path`:
+        its accepted path's tokens, root first, the first `count` accepted): a tree of any shape
+        re-runs the whole path from the committed offset and hangs from its end; a spine-first
+        tree (`_spine_first`: its path is in place but for an accepted leaf) re-runs the path's
+        last node at its own column, just before the root."""
+        nonlocal keys, values, bound, in_place
         # draft (a tree round's drafter also reads the path the previous tree round accepted)
-        drafted = ahead(dev_root, rows, count) if replay is None else ahead(dev_root, rows, count, replay)
+        drafted = ahead(dev_root, rows, count) if path is None else ahead(dev_root, rows, count, path)
         tree = isinstance(drafted, Draft)
-        # a tree round commits at most its depth + 1 (Draft.depth bounds the tree's depths: the
-        # next round re-runs that many rows)
+        # a tree round commits at most its depth + 1 (Draft.depth bounds the tree's depths: a
+        # re-run path is that many rows)
         most = min(drafted.depth, drafted.tokens.shape[0] - 1) + 1 if tree else None
         if tree:
-            if replay is None:  # (the first round re-runs nothing: the same shapes, none accepted)
-                replay, count = mx.zeros((most,), mx.uint32), mx.array(0, mx.int32)
-            tokens = mx.concatenate([replay, drafted.tokens])
+            spine = _spine_first(drafted.layout)
+            if in_place is None:  # (a drafter's trees keep one kind: each round commits the last)
+                in_place = spine
+            elif spine != in_place:
+                raise ValueError("queued tree rounds changed kind (spine-first or not) between rounds")
+            if in_place:  # the last path's last node (the first round: none), then the tree
+                m = 0 if path is None else 1
+                tokens = drafted.tokens if path is None else \
+                    mx.concatenate([mx.take(path, (count - 1).reshape(1)), drafted.tokens])
+            else:
+                if path is None:  # (the first round re-runs nothing: the same shapes, none accepted)
+                    path, count = mx.zeros((most,), mx.uint32), mx.array(0, mx.int32)
+                m = path.shape[0]
+                tokens = mx.concatenate([path, drafted.tokens])
         else:
-            tokens = mx.concatenate([dev_root, drafted])
-        T = tokens.shape[0]  # the rows this round writes, from dev_start
+            m, tokens = 0, mx.concatenate([dev_root, drafted])
+        T = tokens.shape[0]  # the rows this round writes, from `at`
+        at = dev_start - m if in_place else dev_start
         if bound + T > keys[first_kv].shape[2]:  # room for this round's rows, in width_step() steps
             keys = [k if i in scans else grown(k, bound + T) for i, k in enumerate(keys)]
             values = [v if i in scans else grown(v, bound + T) for i, v in enumerate(values)]
         columns, steps, zero, low, spans, chain = mask_constants(keys[first_kv].shape[2], T, keys[first_kv].dtype)
         if tree:
-            m = replay.shape[0]
             parents, depths, visible = drafted.layout.device
-            positions, mask = _replay_layout(columns, steps, dev_start, count, depths, visible, zero, low)
+            if in_place:
+                offsets, seen, own, scan_parents = _spine_rows(drafted.layout.parents, m)
+                positions, mask = _spine_layout(columns, at, offsets, seen, own, zero, low)
+            else:
+                positions, mask = _replay_layout(columns, steps, dev_start, count, depths, visible, zero, low)
+                scan_parents = _replay_parents(parents, m, count) if scans else None
         else:  # the history and the chain before each row
             positions = dev_start + steps
             mask = mx.where(columns <= positions[:, None], zero, low)
-        # written at dev_start; every row sees the columns before it, none from dev_start + T on
-        args = (tokens, positions, mask, dev_start + spans, keys, values)
-        if scans:  # recurrent layers keep every row's state: a chain; the re-run path, then the tree
-            args += (_replay_parents(parents, m, count) if tree else chain,)
+        # written at `at`; every row sees the columns before it, none from at + T on
+        args = (tokens, positions, mask, at + spans, keys, values)
+        if scans:  # recurrent layers keep every row's state: a chain; a tree's rows after their parents
+            args += (scan_parents if tree else chain,)
 
         def reference():
             out, h, k, v = eager(*args)
@@ -119,29 +139,30 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         logits, rows, keys, values = reference() if res is None else res[0]
         if tree:                                                                              # walk
             choice = mx.argmax(logits[m:], axis=-1).astype(mx.uint32)
-            count_now, path, choice = walk(choice, drafted.tokens, parents, depths, visible)
+            count_now, order, choice = walk(choice, drafted.tokens, parents, depths, visible)  # path first
         else:
             choice = mx.argmax(logits, axis=-1).astype(mx.uint32)
             count_now = mx.sum(mx.cumprod((drafted == choice[:-1]).astype(mx.int32))) + 1
         # commit: no K/V row moves (a chain's accepted rows are the first `count_now`; a tree's
-        # next round re-runs its path where this one's re-run path ended: a gather per layer
-        # costs more launches than the rows). Recurrent layers: the states after the chain's
-        # accepted rows (a tree round's chain is its re-run path: it commits the last round's)
+        # path is re-run by the next round: a gather per layer costs more launches than the
+        # rows). Recurrent layers: the states after the round's chain's committed rows (a
+        # re-run path's accepted ones; a spine-first round's through its path's last node but
+        # one, which the next round re-runs)
         payloads = {i: keys[i] for i in scans}
-        states = replay_prefix(payloads, count if tree else count_now)
+        states = replay_prefix(payloads, (count_now - 1 + m if in_place else count) if tree else count_now)
         for i, (conv, state) in states.items():
             keys[i], values[i] = conv, state
         if tree:
-            logits = logits[m:][path]
-            rows = None if rows is None else rows[m:][path]
+            logits = logits[m:][order]
+            rows = None if rows is None else rows[m:][order]
             bound += most
             shape = (drafted.tokens.shape[0], drafted.depth, drafted.budget)
-            return (choice[count_now - 1].reshape(1), rows, count_now, dev_start + count,
-                    drafted.tokens[path[:most]]), \
-                (logits, choice, count_now, payloads, states, shape, most)
+            return (choice[count_now - 1].reshape(1), rows, count_now,
+                    dev_start + (count_now if in_place else count), drafted.tokens[order[:most]]), \
+                (logits, choice, count_now, payloads, states, shape, m, most)
         bound += T
         return (choice[count_now - 1].reshape(1), rows, count_now, dev_start + count_now), \
-            (logits, choice, count_now, payloads, states, (T, T - 1, T - 1), T)
+            (logits, choice, count_now, payloads, states, (T, T - 1, T - 1), m, T)
 
     more = getattr(drafter, "queue_more", None)
     delivered, accepted, handed, everything, failed = 0, 0, False, [], False
@@ -159,7 +180,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         read = getattr(drafter, "queued_read", None)
         first = n  # tokens emitted before this stretch of queued rounds
         while True:
-            logits, choice, count, payloads, states, shape, _ = out
+            logits, choice, count, payloads, states, shape, rerun, _ = out
             nxt, out = queue(*nxt)  # round r + 1, queued before round r is read
             mx.async_eval(out[1], out[2])
             ts = time.perf_counter()
@@ -184,8 +205,9 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             if len(emitted) < accepted + 1 or emitted[-1] in stop_tokens or n == max_tokens:
                 break
             start, root, delivered = start + accepted + 1, emitted[-1], -1  # round r is whole
-            # (a tree's path is committed by the round after it: round r + 1, queued above)
-            settled = out[4] if trees else states
+            # (a tree's path is committed by the round after it: round r + 1, queued above; a
+            # spine-first path's last node is its first row; taken at the end, where needed)
+            settled = (out[3], 1) if in_place else out[4] if trees else states
             bound = start + out[-1]  # (round r + 1 is under way: it may commit this many)
             if read is not None:
                 read(n - first)
@@ -203,10 +225,14 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             kept = min(delivered, accepted)  # accepted drafts delivered are in the rows
             pending = None if delivered <= accepted else emitted[accepted]
             start, root = start + kept + 1, pending
-            if trees:  # round r's path is round r + 1's re-run (`out`: queued before r was read)
-                settled = out[4] if kept == accepted else replay_prefix(out[3], mx.array(kept + 1, mx.int32))
+            if in_place:  # the path's last node is round r + 1's first row; a prefix is r's own
+                settled = (out[3], 1) if kept == accepted else (payloads, rerun + kept + 1)
+            elif trees:  # round r's path is round r + 1's re-run (`out`: queued before r was read)
+                settled = out[4] if kept == accepted else (out[3], kept + 1)
             else:
-                settled = states if kept == accepted else replay_prefix(payloads, mx.array(kept + 1, mx.int32))
+                settled = states if kept == accepted else (payloads, kept + 1)
+        if isinstance(settled, tuple):  # (payloads, n): the states after their chain's first n rows
+            settled = replay_prefix(settled[0], mx.array(settled[1], mx.int32))
         for i, c in enumerate(caches):
             if i in scans:
                 c[0], c[1] = settled[i]
@@ -218,6 +244,59 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         drafter.handed_back(start, everything)
         return root, n
     return None
+
+
+def _spine_first(layout):
+    """Whether a tree's nodes 0..S are a chain in row order (its spine) and each other node
+    hangs from one of them (a one-lane tree; a chain): each node's ancestors are then the rows
+    up to its parent's, so a path lands in place as a chain's does, but for an accepted leaf
+    (its last node)."""
+    p = layout.parents
+    if p is None:  # (ranked on the device: any shape)
+        return False
+    hit = _SPINE_FIRST.get(id(layout))
+    if hit is None or hit[0] is not layout:  # (fixed layouts repeat: `Layout.fixed` keeps them)
+        if len(_SPINE_FIRST) >= 64:
+            _SPINE_FIRST.clear()
+        S = int(np.cumprod(p[1:] == np.arange(len(p) - 1)).sum())
+        hit = _SPINE_FIRST[id(layout)] = (layout, bool((p[S + 1:] <= S).all()))
+    return hit[1]
+
+
+_SPINE_FIRST = {}
+
+
+_SPINE_ROWS = {}
+
+
+def _spine_rows(parents, m):
+    """A spine-first tree's row constants after m (0 or 1) re-run rows, as offsets from the
+    round's first column: each row's position, the last column of the prefix it sees (a spine
+    node: itself; a leaf: its parent), its own column; and its recurrent layers' parents (the
+    re-run row from the committed state, the root after it)."""
+    key = (parents.tobytes(), m)
+    hit = _SPINE_ROWS.get(key)
+    if hit is None:
+        from .tree import depths_of
+
+        if len(_SPINE_ROWS) >= 64:
+            _SPINE_ROWS.clear()
+        n = len(parents)
+        spine = np.arange(n) <= np.cumprod(parents[1:] == np.arange(n - 1)).sum()
+        seen = np.where(spine, np.arange(n), parents)
+        head = np.zeros(m, np.int32)
+        hit = _SPINE_ROWS[key] = tuple(mx.array(a.astype(np.int32)) for a in (
+            np.concatenate([head, m + depths_of(parents)]), np.concatenate([head, m + seen]), np.arange(m + n),
+            np.concatenate([head - 1, np.where(parents < 0, m - 1, parents + m)])))
+    return hit
+
+
+@mx.compile
+def _spine_layout(columns, at, offsets, seen, own, zero, low):
+    """A spine-first round's positions and additive mask, its rows written from column `at`:
+    each row sees the columns up to at + seen and its own."""
+    rel = columns - at
+    return at + offsets, mx.where((rel <= seen[:, None]) | (rel == own[:, None]), zero, low)
 
 
 @mx.compile

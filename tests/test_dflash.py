@@ -510,6 +510,29 @@ class QueuedTreeOracle(tiny.FollowsText, DFlashDrafter):
         return mx.array(host).astype(logits.dtype)
 
 
+class QueuedSpineOracle(QueuedTreeOracle):
+    """QueuedTreeOracle's block drafted as a one-lane tree: a spine of each position's best and
+    its two runners-up as leaves (spine-first: queued.py commits its paths in place and re-runs
+    only an accepted leaf), the target's continuation second at some positions, so paths end
+    at leaves too."""
+
+    def tree_ahead(self, root, rows, count, path=None):
+        from mlx_treespec.draft import Draft, Layout
+        from mlx_treespec.drafters.model import one_lane_parents, runners_up
+
+        logits = self._ahead_logits(root, rows, count)[1 : self.depth + 1]
+        chain = mx.argmax(logits, axis=-1).astype(mx.uint32)
+        tokens = mx.concatenate([root.reshape(1).astype(mx.uint32), chain, runners_up(logits, chain, 3)])
+        return Draft(tokens, Layout.fixed(one_lane_parents(self.depth, 3)), budget=3 * self.depth,
+                     depth=self.depth, forwards=1)
+
+
+def tree_oracle(shape, bound, target, seed):
+    """A queued tree drafter: DDTree's (on the device: its path re-run) or a one-lane tree's."""
+    oracle = QueuedSpineOracle if shape == "spine" else QueuedTreeOracle
+    return oracle(bound, target, seed=seed, budget=12)
+
+
 @pytest.fixture
 def gpu_path(monkeypatch):
     """The GPU's whole-buffer verify (where rounds are queued ahead), on CPU."""
@@ -571,7 +594,7 @@ def test_a_compiled_verify_whose_state_for_later_rounds_differs_runs_eagerly(tar
 
 
 @pytest.mark.parametrize("family,shape", [("qwen3", "chain"), ("qwen3_5", "chain"), ("qwen3", "tree"),
-                                          ("qwen3_5", "tree")])
+                                          ("qwen3_5", "tree"), ("qwen3", "spine"), ("qwen3_5", "spine")])
 @pytest.mark.parametrize("end", ["cut after 1", "cut after 5", "max_tokens 13", "stop token"])
 def test_queued_rounds_end_with_prompt_plus_delivered(targets, folders, gpu_path, end, family, shape):
     # stopping is decided on the host a round late: the round queued past the end leaves no
@@ -589,7 +612,7 @@ def test_queued_rounds_end_with_prompt_plus_delivered(targets, folders, gpu_path
     cache = make_prompt_cache(target)
     bound = bind_dflash(folders(family), target)
     d = QueuedOracle(bound, target, seed=1, topk=1, depth=7) if shape == "chain" else \
-        QueuedTreeOracle(bound, target, seed=1, budget=12)
+        tree_oracle(shape, bound, target, seed=1)
     steps = tree_generate_step(prompt, target, d, prompt_cache=cache, **kw)
     got = []
     for t, _, _ in steps:
@@ -681,7 +704,8 @@ def test_a_kernel_route_that_fails_to_set_up_leaves_no_round_state(targets, fold
     assert target(mx.array(prompt)[None]).argmax(-1)[0, -1].item() == plain(target, prompt, n=1)[0]
 
 
-@pytest.mark.parametrize("family,shape", [("qwen3", "chain"), ("qwen3_5", "chain"), ("qwen3", "tree")])
+@pytest.mark.parametrize("family,shape", [("qwen3", "chain"), ("qwen3_5", "chain"), ("qwen3", "tree"),
+                                          ("qwen3", "spine")])
 def test_queued_rounds_through_the_kernel_route_are_plain_decoding(targets, folders, gpu_path, contract_kernel,
                                                                     family, shape):
     # queued chains and trees: the bounds are (the device's start, start + the round's rows)
@@ -689,15 +713,16 @@ def test_queued_rounds_through_the_kernel_route_are_plain_decoding(targets, fold
     prompt = prompt_tokens(5)
     bound = bind_dflash(folders(family), target)
     d = QueuedOracle(bound, target, topk=1, depth=7) if shape == "chain" else \
-        QueuedTreeOracle(bound, target, seed=2, budget=12)
+        tree_oracle(shape, bound, target, seed=2)
     out, stats = speculative(target, d, prompt)
     assert out == plain(target, prompt) and d._queued is not None
     assert contract_kernel and sum(stats.accepted) > 0
 
 
+@pytest.mark.parametrize("shape", ["tree", "spine"])
 @pytest.mark.parametrize("family,n", [("qwen3", 12), ("qwen3", 1000), ("llama", 12), ("qwen3_moe", 12),
                                       ("qwen3_5", 12), ("qwen3_next", 12)])
-def test_queued_tree_rounds_are_plain_decoding(targets, folders, gpu_path, monkeypatch, family, n):
+def test_queued_tree_rounds_are_plain_decoding(targets, folders, gpu_path, monkeypatch, family, n, shape):
     # DDTree rounds queued ahead: the tree built, walked and committed on the device (the
     # accepted path re-run by the next round's forward), no host sync between rounds; the tokens
     # are plain decoding's, with paths accepted off the spine; a 1000-token prompt grows the
@@ -710,14 +735,15 @@ def test_queued_tree_rounds_are_plain_decoding(targets, folders, gpu_path, monke
     target = targets(family)
     target.__dict__.pop("_treespec_compiled_verify", None)
     prompt = prompt_tokens(5, n=n)
-    d = QueuedTreeOracle(bind_dflash(folders(family), target), target, seed=4, budget=12)
+    d = tree_oracle(shape, bind_dflash(folders(family), target), target, seed=4)
     stats = RoundStats()
     got = [(t, lp) for t, lp, _ in tree_generate_step(prompt, target, d, max_tokens=N, stats=stats)]
     want = list(generate_step(mx.array(prompt), target, max_tokens=N))
     assert [t for t, _ in got] == [t for t, _ in want]
     # the logprobs of each token are the target's at the node the path took (bitwise on CPU)
     assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(got, want))
-    assert set(stats.drafter) == {"queued"} and set(stats.nodes) == {13} and max(stats.accepted) > 1
+    assert set(stats.drafter) == {"queued"} and set(stats.nodes) == {13 if shape == "tree" else 1 + 3 * d.depth}
+    assert max(stats.accepted) > 1
     off_spine = [np.array(p)[: c.item()].tolist() != list(range(c.item())) for c, p, _ in walks]
     assert any(off_spine), "no round accepted a path off the tree's spine"
     if family in ("qwen3", "qwen3_5", "qwen3_next"):
@@ -836,22 +862,35 @@ def test_queued_tree_rounds_hand_the_drafter_the_accepted_paths_rows(targets, fo
         assert mx.allclose(got[:, :, :L0], want[:, :, :L0], atol=1e-4, rtol=1e-4).item()
 
 
+@pytest.mark.parametrize("shape", ["tree", "spine"])
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
-def test_queued_tree_rounds_hand_back_to_the_round_loop(targets, folders, gpu_path, family):
+def test_queued_tree_rounds_hand_back_to_the_round_loop(targets, folders, gpu_path, monkeypatch, family, shape):
     # queued DDTree rounds that hand back (`queue_more`) after a few rounds: the round loop goes
     # on from the caches they leave, the last round's path re-run by the round queued past it
-    # (a hybrid's recurrent states: that round's re-run path's, not the round's own)
-    class HandsBack(QueuedTreeOracle):
+    # (a hybrid's recurrent states: that round's re-run path's, not the round's own); one-lane
+    # trees hand back after a round whose path ended at a leaf, which only the round queued
+    # past it puts in place
+    import mlx_treespec.queued as queued
+
+    walks, real = [], queued.walk
+    monkeypatch.setattr(queued, "walk", lambda *a: walks.append(real(*a)) or walks[-1])
+
+    class HandsBack(QueuedSpineOracle if shape == "spine" else QueuedTreeOracle):
         rounds = 0
 
         def queue_more(self, tokens, ms):
             self.rounds += 1
-            return self.rounds < 3
+            if shape == "tree":
+                return self.rounds < 3
+            c, p, _ = walks[-2]  # the round just read (the last walk is the round queued past it)
+            return np.array(p)[: c.item()].tolist() == list(range(c.item()))  # on the spine: go on
 
     target = targets(family)
     prompt = prompt_tokens(5)
     d = HandsBack(bind_dflash(folders(family), target), target, seed=4, budget=12)
     out, stats = speculative(target, d, prompt)
     assert out == plain(target, prompt)
-    assert stats.drafter[:3] == ["queued"] * 3 and "queued" not in stats.drafter[3:] and len(stats.drafter) > 4
-    assert max(stats.accepted[:3]) > 0
+    n = d.rounds
+    assert (n == 3 if shape == "tree" else n >= 1) and len(stats.drafter) > n + 1
+    assert stats.drafter[:n] == ["queued"] * n and "queued" not in stats.drafter[n:]
+    assert max(stats.accepted[:n]) > 0

@@ -158,8 +158,10 @@ class HeadDrafter(ModelDrafter):
         and each step's `topk - 1` runners-up as leaves, as the round loop drafts it."""
         chain, logits = self._steps_ahead(root, rows, count, path, "tree")
         tokens = mx.concatenate([root.reshape(1).astype(mx.uint32), chain, runners_up(logits, chain, self.topk)])
-        return Draft(tokens, Layout.fixed(one_lane_parents(self.depth, self.topk)), budget=self.budget,
-                     depth=self.depth, forwards=self.depth)
+        shape = (self.depth, self.topk)
+        if self.__dict__.get("_one_lane", (None,))[0] != shape:  # (the same layout every round)
+            self._one_lane = (shape, Layout.fixed(one_lane_parents(*shape)))
+        return Draft(tokens, self._one_lane[1], budget=self.budget, depth=self.depth, forwards=self.depth)
 
     def lanes_ahead(self, root, rows, count, path=None):
         """The EAGLE-2 tree (`lanes` nodes expanded a step, the best `budget` candidates kept) from
@@ -200,7 +202,9 @@ class HeadDrafter(ModelDrafter):
                     parents = np.concatenate([np.arange(-1, S), np.zeros(nodes - S - 1, np.int64)])
                     leaves = mx.arange(1, nodes - S, dtype=mx.uint32)
                     tokens = mx.concatenate([root.reshape(1).astype(mx.uint32), chain[:S], leaves])
-                    return tokens, Layout.fixed(parents)
+                    # (on the device only, as every later lane tree's: queued rounds keep one
+                    # commit rule, and this layout would read as spine-first)
+                    return tokens, Layout.on_device(*Layout.fixed(parents).device)
                 return chain, (mx.zeros((self.depth, self.topk)) if kind == "tree" else None)
             P = self.depth + 1  # padded to a round's slot count: one trace for both
             tokens = mx.array(self.pending + [0] * (P - n), mx.uint32)
