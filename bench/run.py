@@ -228,11 +228,12 @@ def run_loop(args):
         outputs = {a: [] for a in names}
 
         def warmup(a):
-            # a shape a generation verifies once (a spine-first tree's first round) meets the
-            # verify's timed checks (verify.CHECKS: a sync and an eager forward each) once a
-            # generation: past the warm-up, as every shape a round repeats
+            # each verify shape meets the verify's timed checks (verify.CHECKS: a sync and an
+            # eager forward each) before it runs compiled: past the warm-up, the shapes a
+            # generation verifies once (a spine-first tree's first round) and those of every
+            # buffer width a whole generation reaches included
             for _ in range(verify.CHECKS):
-                runners[a](prompts[0], min(args.max_tokens, 32))
+                runners[a](prompts[0], args.max_tokens)
 
         def run(a, i, order):
             p = i % len(prompts)  # --reps: every prompt again, after all of them
@@ -1089,8 +1090,8 @@ def run_round_host(args):
     arms = Arms(target, args.target, texts, args.draft_model, args.dflash, dict(mtp=args.mtp, eagle3=args.eagle3))
     makers = {a: arms.maker(a) for a in names}
     clock, counts = collections.Counter(), []
-    pieces = {"draft": None, "layout": "_replay_layout", "verify": "compiled_forward", "walk": "walk",
-              "commit": "replay_prefix"}
+    pieces = {"draft": None, "layout": "_replay_layout", "spine layout": "_spine_layout", "verify": "compiled_forward",
+              "walk": "walk", "commit": "replay_prefix"}
     originals = {k: getattr(queued, v) for k, v in pieces.items() if v}
     launch = mx.async_eval
 
@@ -1131,8 +1132,8 @@ def run_round_host(args):
     def run(a, i, order):
         clock.clear()
         for k, v in pieces.items():
-            if v:
-                setattr(queued, v, timed(k, originals[k]))
+            if v:  # (both tree layouts count as "layout")
+                setattr(queued, v, timed(k.replace("spine ", ""), originals[k]))
         mx.async_eval = timed("launch", launch)
         try:
             out, stats, dt = generate_once(target, Timed(makers[a]()), prompts[i], args.max_tokens)
@@ -1157,8 +1158,9 @@ def run_round_host(args):
         return rec
 
     log(f"{len(prompts)} prompts x {args.max_tokens} tokens, {len(names)} arms")
-    interleave(names, prompts, run, log=log,
-               warmup=lambda a: [generate_once(target, makers[a](), prompts[0], 32) for _ in range(verify.CHECKS)])
+    interleave(names, prompts, run, log=log,  # (warmed up as `loop` does)
+               warmup=lambda a: [generate_once(target, makers[a](), prompts[0], args.max_tokens)
+                                 for _ in range(verify.CHECKS)])
     rows = []
     for a in names:
         counts.clear()

@@ -21,7 +21,7 @@ from . import verify
 from .cache import cache_kind
 from .device_tree import walk
 from .draft import Draft
-from .verify import compiled_forward, grown, kernel_fits, whole_buffer_forward
+from .verify import compiled_forward, grown, kernel_fits, whole_buffer_forward, width_step
 from .walk import cut_at_stop
 
 __all__ = ["can_queue", "queued_rounds"]
@@ -111,7 +111,10 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
             m, tokens = 0, mx.concatenate([dev_root, drafted])
         T = tokens.shape[0]  # the rows this round writes, from `at`
         at = dev_start - m if in_place else dev_start
-        if bound + T > keys[first_kv].shape[2]:  # room for this round's rows, in width_step() steps
+        width = keys[first_kv].shape[2]
+        # room for this round's rows, in width_step() steps (a prefill's buffer is mlx-lm's
+        # width: its first rounds would be shapes of their own, each a trace and checks)
+        if bound + T > width or width % width_step():
             keys = [k if i in scans else grown(k, bound + T) for i, k in enumerate(keys)]
             values = [v if i in scans else grown(v, bound + T) for i, v in enumerate(values)]
         columns, steps, zero, low, spans, chain = mask_constants(keys[first_kv].shape[2], T, keys[first_kv].dtype)
