@@ -1080,7 +1080,9 @@ def run_round_host(args):
     drafter's `ahead`), the mask and positions, the verify's graph, the walk, the recurrent
     commit, the launch (`mx.async_eval` of the round), the wait for its count, and the rest (the
     round's other ops and the loop's own work). One more generation per arm counts the
-    primitives each round's graph holds (views included; `kernels` leaves out the view kinds)."""
+    primitives each round's graph holds (views included; `kernels` leaves out the view kinds).
+    The verify's timed checks launch inside it: their launches count as verify and as launch
+    (the rest then reads negative), in the first prompts a shape meets."""
     import mlx_treespec.queued as queued
 
     names = [a for a in args.arms.split(",") if a and a not in ("plain", "mlx-plain")]

@@ -732,6 +732,8 @@ def test_queued_tree_rounds_are_plain_decoding(targets, folders, gpu_path, monke
 
     walks, real = [], queued.walk
     monkeypatch.setattr(queued, "walk", lambda *a: walks.append(real(*a)) or walks[-1])
+    in_place, layout = [], queued._spine_layout  # (a one-lane tree's rounds commit in place)
+    monkeypatch.setattr(queued, "_spine_layout", lambda *a: in_place.append(a[0]) or layout(*a))
     target = targets(family)
     target.__dict__.pop("_treespec_compiled_verify", None)
     prompt = prompt_tokens(5, n=n)
@@ -746,6 +748,7 @@ def test_queued_tree_rounds_are_plain_decoding(targets, folders, gpu_path, monke
     assert max(stats.accepted) > 1
     off_spine = [np.array(p)[: c.item()].tolist() != list(range(c.item())) for c, p, _ in walks]
     assert any(off_spine), "no round accepted a path off the tree's spine"
+    assert len(in_place) == (len(walks) if shape == "spine" else 0)
     if family in ("qwen3", "qwen3_5", "qwen3_next"):
         store = _compiled_store(target)
         assert store["off"] is None and store["trusted_runs"] > 0, "the queued verify did not run compiled"
@@ -874,6 +877,8 @@ def test_queued_tree_rounds_hand_back_to_the_round_loop(targets, folders, gpu_pa
 
     walks, real = [], queued.walk
     monkeypatch.setattr(queued, "walk", lambda *a: walks.append(real(*a)) or walks[-1])
+    in_place, layout = [], queued._spine_layout
+    monkeypatch.setattr(queued, "_spine_layout", lambda *a: in_place.append(a[0]) or layout(*a))
 
     class HandsBack(QueuedSpineOracle if shape == "spine" else QueuedTreeOracle):
         rounds = 0
@@ -893,4 +898,4 @@ def test_queued_tree_rounds_hand_back_to_the_round_loop(targets, folders, gpu_pa
     n = d.rounds
     assert (n == 3 if shape == "tree" else n >= 1) and len(stats.drafter) > n + 1
     assert stats.drafter[:n] == ["queued"] * n and "queued" not in stats.drafter[n:]
-    assert max(stats.accepted[:n]) > 0
+    assert max(stats.accepted[:n]) > 0 and len(in_place) == (len(walks) if shape == "spine" else 0)
