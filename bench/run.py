@@ -159,8 +159,8 @@ class Unqueued:
 
 class ChainAsTree:
     """A head's queued chains drafted as trees (Draft, a chain's parents): the A/B arm that
-    prices a queued tree round's own work (the re-run path, the tree mask, the device walk)
-    apart from its leaves."""
+    prices a queued tree round's own work (its re-run row, the tree mask, the device walk, the
+    path's gathers) apart from its leaves."""
 
     queues_trees = True
 
@@ -1198,7 +1198,7 @@ def run_round_host(args):
     md += ["", "Kernels a round, the most frequent:", ""]
     md += [f"- {r['arm']}: " + ", ".join(f"{k} {v:.1f}" for k, v in r["top"]) for r in rows]
     md += ["", "One op of each kind, chained 200 times: host us an op to build, to launch, and device us an op "
-           "after the launch (a second kernel in brackets where the kind needs one):", "",
+           "after the launch (\"+ add\": a second kernel that feeds the op's output to the next op):", "",
            "| op | build us | launch us | device us |", "|---|---|---|---|"]
     md += [f"| {k} | {v['build_us']:.1f} | {v['launch_us']:.1f} | {v['device_us']:.1f} |" for k, v in launches.items()]
     write(args, report, md)

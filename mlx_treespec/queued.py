@@ -21,6 +21,7 @@ from . import verify
 from .cache import cache_kind
 from .device_tree import walk
 from .draft import Draft
+from .tree import depths_of
 from .verify import compiled_forward, grown, kernel_fits, whole_buffer_forward, width_step
 from .walk import cut_at_stop
 
@@ -249,27 +250,31 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     return None
 
 
+def _spine_length(parents):
+    """S where a tree's nodes 0..S are a chain in row order (its spine), node 0 the root."""
+    return int(np.cumprod(parents[1:] == np.arange(len(parents) - 1)).sum())
+
+
+_SPINE_FIRST = {}  # id(layout) -> (layout, whether it is spine-first): fixed layouts repeat
+
+
 def _spine_first(layout):
-    """Whether a tree's nodes 0..S are a chain in row order (its spine) and each other node
-    hangs from one of them (a one-lane tree; a chain): each node's ancestors are then the rows
-    up to its parent's, so a path lands in place as a chain's does, but for an accepted leaf
-    (its last node)."""
+    """Whether a tree's nodes 0..S are its spine and each other node hangs from one of them (a
+    one-lane tree; a chain): each node's ancestors are then the rows up to its parent's, so a
+    path lands in place as a chain's does, but for an accepted leaf (its last node)."""
     p = layout.parents
     if p is None:  # (ranked on the device: any shape)
         return False
     hit = _SPINE_FIRST.get(id(layout))
-    if hit is None or hit[0] is not layout:  # (fixed layouts repeat: `Layout.fixed` keeps them)
+    if hit is None or hit[0] is not layout:
         if len(_SPINE_FIRST) >= 64:
             _SPINE_FIRST.clear()
-        S = int(np.cumprod(p[1:] == np.arange(len(p) - 1)).sum())
+        S = _spine_length(p)
         hit = _SPINE_FIRST[id(layout)] = (layout, bool((p[S + 1:] <= S).all()))
     return hit[1]
 
 
-_SPINE_FIRST = {}
-
-
-_SPINE_ROWS = {}
+_SPINE_ROWS = {}  # (parents, re-run rows) -> `_spine_rows`' device constants
 
 
 def _spine_rows(parents, m):
@@ -280,13 +285,10 @@ def _spine_rows(parents, m):
     key = (parents.tobytes(), m)
     hit = _SPINE_ROWS.get(key)
     if hit is None:
-        from .tree import depths_of
-
         if len(_SPINE_ROWS) >= 64:
             _SPINE_ROWS.clear()
         n = len(parents)
-        spine = np.arange(n) <= np.cumprod(parents[1:] == np.arange(n - 1)).sum()
-        seen = np.where(spine, np.arange(n), parents)
+        seen = np.where(np.arange(n) <= _spine_length(parents), np.arange(n), parents)
         head = np.zeros(m, np.int32)
         hit = _SPINE_ROWS[key] = tuple(mx.array(a.astype(np.int32)) for a in (
             np.concatenate([head, m + depths_of(parents)]), np.concatenate([head, m + seen]), np.arange(m + n),

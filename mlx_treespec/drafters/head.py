@@ -21,6 +21,8 @@ stay: model.one_lane_parents), from the same steps' logits; `lanes_ahead` drafts
 the real slots and are overwritten by the next round's, as the round loop's head cache keeps
 only first-pass slots.
 """
+import functools
+
 import numpy as np
 import mlx.core as mx
 
@@ -42,6 +44,12 @@ def _causal(columns, positions, dtype):
     """The additive mask of rows at `positions` written at their own columns: each sees the
     columns up to its own."""
     return _additive(columns[None] <= positions[:, None], dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _one_lane(depth, topk):
+    """The one-lane tree's fixed layout (every round's: built once, not checked again)."""
+    return Layout.fixed(one_lane_parents(depth, topk))
 
 
 class HeadDrafter(ModelDrafter):
@@ -158,10 +166,8 @@ class HeadDrafter(ModelDrafter):
         and each step's `topk - 1` runners-up as leaves, as the round loop drafts it."""
         chain, logits = self._steps_ahead(root, rows, count, path, "tree")
         tokens = mx.concatenate([root.reshape(1).astype(mx.uint32), chain, runners_up(logits, chain, self.topk)])
-        shape = (self.depth, self.topk)
-        if self.__dict__.get("_one_lane", (None,))[0] != shape:  # (the same layout every round)
-            self._one_lane = (shape, Layout.fixed(one_lane_parents(*shape)))
-        return Draft(tokens, self._one_lane[1], budget=self.budget, depth=self.depth, forwards=self.depth)
+        return Draft(tokens, _one_lane(self.depth, self.topk), budget=self.budget, depth=self.depth,
+                     forwards=self.depth)
 
     def lanes_ahead(self, root, rows, count, path=None):
         """The EAGLE-2 tree (`lanes` nodes expanded a step, the best `budget` candidates kept) from
