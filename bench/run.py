@@ -20,7 +20,9 @@ suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselin
 drafts with the I-th folder its drafter's option names (--draft-model, --dflash, --mtp and --eagle3
 take comma lists: two heads in one interleaved run), /sync without queued rounds, auto:dflash/chains
 queueing the primary's chains instead of its trees, HEAD-chain:K/astree a head's chains queued as
-trees of no leaves (suffixes in that order: ARM[/dI][/sync], ARM[/chains], ARM[/astree]).
+trees of no leaves, HEAD-ARM/separate a head whose fused projections are split back into the
+checkpoint's separate layers (suffixes in that order: ARM[/dI][/sync], ARM[/chains], ARM[/astree],
+ARM[/separate]).
  Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
@@ -99,14 +101,15 @@ class Arms:
             self._drafters["dflash", which] = bind_dflash(self._folder("dflash", which), self.target)
         return self._drafters["dflash", which]
 
-    def head(self, kind, which=1):
-        if (kind, which) not in self._drafters:
+    def head(self, kind, which=1, separate=False):
+        if (kind, which, separate) not in self._drafters:
             from mlx_treespec.drafters.eagle3 import load_eagle3
             from mlx_treespec.drafters.mtp import load_mtp
 
             load = load_mtp if kind == "mtp" else load_eagle3
-            self._drafters[kind, which] = load(self._folder(kind, which), self.target)
-        return self._drafters[kind, which]
+            head = load(self._folder(kind, which), self.target)
+            self._drafters[kind, which, separate] = separate_projections(head) if separate else head
+        return self._drafters[kind, which, separate]
 
     def runner(self, arm):
         from mlx_lm.generate import generate_step, speculative_generate_step
@@ -124,13 +127,17 @@ class Arms:
         """A function making the arm's drafter: a fresh one per prompt, as each library call
         makes one (an adaptive one starts from the target's start-up costs, measured at the
         warm-up and then read from disk)."""
+        arm, separate = (arm[: -len("/separate")], True) if arm.endswith("/separate") else (arm, False)
         arm, as_tree = (arm[: -len("/astree")], True) if arm.endswith("/astree") else (arm, False)
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
         arm, which = arm.rsplit("/d", 1) if "/d" in arm and arm.rsplit("/d", 1)[1].isdigit() else (arm, 1)
         spec, which = DraftSpec.parse(arm), int(which)
         source = {"model": lambda: self.draft_model(which), "dflash": lambda: self.dflash(which),
-                  "mtp": lambda: self.head("mtp", which), "eagle3": lambda: self.head("eagle3", which)}.get(spec.drafter)
+                  "mtp": lambda: self.head("mtp", which, separate),
+                  "eagle3": lambda: self.head("eagle3", which, separate)}.get(spec.drafter)
+        if separate and spec.drafter not in ("mtp", "eagle3"):
+            raise ValueError("ARM/separate takes a head's arm (mtp-..., eagle3-...)")
         make = (lambda: spec.build(source(), target=self.target)) if source else \
             (lambda: spec.build(None, target=self.target))
         if as_tree and (unqueued or chains):
@@ -142,6 +149,40 @@ class Arms:
         if chains:  # "auto:KIND/chains": the adaptive drafter queueing its primary's chains
             return lambda: ChainsQueued.of(make())
         return make
+
+
+def separate_projections(head):
+    """A loaded head with its fused layers (drafters `fuse_linears`) split back into the separate
+    layers its checkpoint names, run as before the fusion: the A/B arm of the heads' fused
+    projections (ARM/separate)."""
+    import mlx.nn as nn
+    from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP
+
+    def split(module, fused, names, sizes, cls=None):
+        lin = module[fused]
+        for name, w, b in zip(names, mx.split(lin.weight, list(np.cumsum(sizes[:-1])), axis=0),
+                              mx.split(lin.bias, list(np.cumsum(sizes[:-1]))) if "bias" in lin else [None] * 3):
+            part = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
+            part.weight = w
+            if b is not None:
+                part.bias = b
+            setattr(module, name, part)
+        delattr(module, fused)
+        if cls is not None:
+            module.__class__ = cls
+
+    if hasattr(head, "midlayer"):  # EAGLE-3
+        at, mlp = head.midlayer.self_attn, head.midlayer.mlp
+        split(at, "qkv_proj", ("q_proj", "k_proj", "v_proj"), [at.n_heads * at.head_dim] + [at.n_kv * at.head_dim] * 2)
+    else:  # MTP
+        at, mlp = head.layers[0].self_attn, head.layers[0].mlp
+        split(at, "qkv_proj", ("q_proj", "k_proj", "v_proj"),
+              [2 * at.num_attention_heads * at.head_dim] + [at.num_key_value_heads * at.head_dim] * 2, Qwen3NextAttention)
+    if "gate_up_proj" in mlp:
+        split(mlp, "gate_up_proj", ("gate_proj", "up_proj"), [mlp.gate_up_proj.weight.shape[0] // 2] * 2,
+              None if hasattr(head, "midlayer") else Qwen3NextMLP)
+    mx.eval(head.parameters())
+    return head
 
 
 class Unqueued:

@@ -4,10 +4,13 @@ here); a tree forward over a head's cache gives each node the logits of decoding
 one token at a time, bitwise (CPU); every loader refusal is a one-line ValueError."""
 import copy
 import json
+import os
+import sys
 
 import numpy as np
 import pytest
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 import tiny
@@ -269,6 +272,51 @@ def test_mtp_matches_reference(tmp_path, name):
     assert head.pending_hidden is None  # used once
     close(mx.concatenate([first, rest], axis=1)[0], want_logits)
     assert cache[0].offset == 9
+
+
+def _bench_run():
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import run
+
+    return run
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_fused_projections_are_the_separate_layers(tmp_path, kind):
+    # loaded heads run q/k/v and the MLP's gate/up as one matmul each (three launches fewer a
+    # step); each output column is the same dot product, so on CPU the logits and hidden are
+    # the separate layers' bit for bit (bench/run.py's ARM/separate splits them back)
+    if kind == "mtp":
+        head, _, _, _ = make_mtp(tmp_path, "qwen3_5_tied")
+        at, mlp, width = head.layers[0].self_attn, head.layers[0].mlp, head.args.hidden_size
+    else:
+        head, _, _, _, _, _ = make_eagle3(tmp_path, "safeailab")
+        at, mlp, width = head.midlayer.self_attn, head.midlayer.mlp, 3 * H
+    assert "qkv_proj" in at and "q_proj" not in at and "gate_up_proj" in mlp and "up_proj" not in mlp
+    rng = np.random.default_rng(3)
+    tokens = mx.array(rng.integers(0, tiny.VOCAB, 6).astype(np.uint32))
+    hidden = _normal(rng, 6, width, std=1.0)
+
+    def run():
+        cache = head.make_cache()
+        first = head(tokens[None, :4], cache=cache, hidden=hidden[None, :4])
+        own = head.out_hidden[:, -2:] if kind == "eagle3" else hidden[None, 4:]  # (a later step's hidden)
+        return mx.concatenate([first, head(tokens[None, 4:], cache=cache, hidden=own)], axis=1), head.out_hidden
+
+    fused = run()
+    _bench_run().separate_projections(head)
+    assert "q_proj" in at and "qkv_proj" not in at and "up_proj" in mlp
+    separate = run()
+    assert all(mx.array_equal(a, b).item() for a, b in zip(fused, separate))
+
+
+def test_fuse_linears_refuses_quantized_layers():
+    from mlx_treespec.drafters import fuse_linears
+
+    m = nn.Module()
+    m.a, m.b = nn.Linear(64, 8), nn.QuantizedLinear(64, 8)
+    with pytest.raises(ValueError, match="float nn.Linear"):
+        fuse_linears(m, ("a", "b"), "ab")
 
 
 def path_of(parents, i):

@@ -25,7 +25,32 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
 
     def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        if "gate_up_proj" in self:  # (fused by `fuse_linears`)
+            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(nn.silu(gate) * up)
+
+
+def fuse_linears(module, names, fused):
+    """Replace the float linear layers `names` of `module`, which read one input, by one linear
+    layer `fused` whose output is theirs side by side (callers split it). A queued head round on
+    a GPU is host-bound, a matmul is its costliest launch, and every head step runs these
+    (bench/RESULTS.md, "Head steps with fewer launches"). Each output column is the same dot
+    product as before. A missing bias is zeros."""
+    parts = [module[n] for n in names]
+    if not all(type(p) is nn.Linear for p in parts):
+        raise ValueError(f"fuse_linears takes float nn.Linear layers, got {[type(p).__name__ for p in parts]}")
+    lin = nn.Linear(parts[0].weight.shape[1], sum(p.weight.shape[0] for p in parts),
+                    bias=any("bias" in p for p in parts))
+    lin.weight = mx.concatenate([p.weight for p in parts])
+    if "bias" in lin:
+        lin.bias = mx.concatenate([p.bias if "bias" in p else mx.zeros((p.weight.shape[0],), p.weight.dtype)
+                                   for p in parts])
+    for n in names:
+        delattr(module, n)
+    setattr(module, fused, lin)
+    mx.eval(lin.parameters())
 
 
 def check_budget_depth(budget, max_depth):

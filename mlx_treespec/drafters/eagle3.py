@@ -49,7 +49,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .mtp import HeadModule, _one_line, load_checked, quantize_like, read_tensors, step_rows, target_io
 from ..verify import layer_span
-from . import GatedMLP, dequantize_linears
+from . import GatedMLP, dequantize_linears, fuse_linears
 
 __all__ = ["Eagle3Head", "load_eagle3", "default_capture"]
 
@@ -77,9 +77,14 @@ class Eagle3Attention(nn.Module):
 
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
-        q = self.q_proj(x).reshape(B, L, self.n_heads, -1)
-        k = self.k_proj(x).reshape(B, L, self.n_kv, -1)
-        v = self.v_proj(x).reshape(B, L, self.n_kv, -1).transpose(0, 2, 1, 3)
+        if "qkv_proj" in self:  # (fused by `fuse`)
+            nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q, k, v = mx.split(self.qkv_proj(x), [nq, nq + nkv], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, L, self.n_heads, -1)
+        k = k.reshape(B, L, self.n_kv, -1)
+        v = v.reshape(B, L, self.n_kv, -1).transpose(0, 2, 1, 3)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
@@ -141,6 +146,13 @@ class Eagle3Head(HeadModule):
         self._embed = None
         self._target_head = None  # bind(): the target's lm_head, for a head without its own
         self._gather = None  # set_vocab_map: identity until a d2t is given
+
+    def fuse(self):
+        """One matmul for q, k and v, one for the MLP's gate and up (`fuse_linears`): each step
+        launches three fewer. After loading: checkpoints name the separate layers."""
+        fuse_linears(self.midlayer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+        fuse_linears(self.midlayer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
+        return self
 
     def set_vocab_map(self, d2t):
         """d2t (int [Vd]): target id of draft id i is i + d2t[i]; None: the identity (Vd == V).
@@ -362,6 +374,7 @@ def load_eagle3(folder, target_model, capture=None):
     quantize_like(head, weights, raw)
     load_checked(head, weights, f"EAGLE-3 head {folder}")
     dequantize_linears(head)  # shipped small, run as float (see drafters.dequantize_linears)
+    head.fuse()
     head.set_vocab_map(d2t)
     head.eval()
     mx.eval(head.parameters())

@@ -46,6 +46,10 @@ def _causal(columns, positions, dtype):
     return _additive(columns[None] <= positions[:, None], dtype)
 
 
+# a one-token step's `start` (written at pos; the mask's bounds pos, pos + 1) from its position
+_SPAN = mx.array([0, 0, 1], mx.int32)
+
+
 @functools.lru_cache(maxsize=None)
 def _one_lane(depth, topk):
     """The one-lane tree's fixed layout (every round's: built once, not checked again)."""
@@ -239,11 +243,10 @@ class HeadDrafter(ModelDrafter):
         """The head cache's K/V buffers with room for `rows` rows (made where the cache holds none)."""
         c = self.cache[0]
         if c.keys is None:
-            at = next(m for _, m in self.model.named_modules() if hasattr(m, "k_proj") and hasattr(m, "rope"))
+            at = next(m for _, m in self.model.named_modules() if hasattr(m, "o_proj") and hasattr(m, "rope"))
             n_kv = getattr(at, "num_key_value_heads", None) or at.n_kv
-            dim = at.k_proj.weight.shape[0] // n_kv
-            dtype = getattr(at.k_proj, "scales", at.k_proj.weight).dtype  # (a quantized head's weight is uint32)
-            c.keys = c.values = mx.zeros((1, n_kv, 0, dim), dtype)
+            dtype = getattr(at.o_proj, "scales", at.o_proj.weight).dtype  # (a quantized head's weight is uint32)
+            c.keys = c.values = mx.zeros((1, n_kv, 0, at.head_dim), dtype)
         return grown(c.keys, rows), grown(c.values, rows)
 
     def _ahead_fn(self, kind):
@@ -262,17 +265,18 @@ class HeadDrafter(ModelDrafter):
         def chain(tokens, slot_rows, count, L0, keys, values):
             logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values)
             tok = mx.argmax(logits, axis=-1).astype(mx.uint32)
-            out, rows, pos = [tok], [logits], (L0 + count).reshape(1)
-            cols = mx.arange(keys.shape[2])
-            for _ in range(1, depth):  # each step over its parent's output hidden, after the real slots
+            out, rows = [tok], [logits]
+            # every step's position, mask and bounds at once: a step then slices them (views),
+            # where making its own would launch three kernels a step
+            pos = L0 + count + mx.arange(max(depth - 1, 1), dtype=mx.int32)
+            masks, spans = _causal(mx.arange(keys.shape[2]), pos, keys.dtype), pos[:, None] + _SPAN
+            for s in range(depth - 1):  # each step over its parent's output hidden, after the real slots
                 self._set_hidden(hidden, first=False)
-                logits, _, ks, vs = forward(tok, pos, _causal(cols, pos, keys.dtype),
-                                            mx.concatenate([pos, pos, pos + 1]), ks, vs)
+                logits, _, ks, vs = forward(tok, pos[s : s + 1], masks[s : s + 1], spans[s], ks, vs)
                 hidden = head.out_hidden[0]
                 tok = mx.argmax(logits, axis=-1).astype(mx.uint32)
                 out.append(tok)
                 rows.append(logits)
-                pos = pos + 1
             return mx.concatenate(out), (mx.concatenate(rows) if kind == "tree" else None), ks[0], vs[0]
 
         def lanes(tokens, slot_rows, count, L0, keys, values):
