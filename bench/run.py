@@ -1168,7 +1168,7 @@ def run_round_host(args):
             inner = self.drafter.ahead
             return None if inner is None else timed("draft", inner)
 
-    views = {"Slice", "Reshape", "Broadcast", "ExpandDims", "Squeeze", "Transpose", "Flatten", "Unflatten",
+    views = {"Slice", "Split", "Reshape", "Broadcast", "ExpandDims", "Squeeze", "Transpose", "Flatten", "Unflatten",
              "AsStrided", "StopGradient", "Depends"}
     results = {a: [] for a in names}
 

@@ -27,7 +27,6 @@ import numpy as np
 import mlx.core as mx
 
 from ..draft import Draft, Layout
-from ..tree import eagle2_candidates
 from ..verify import grown, install, whole_buffer_forward
 from .model import (ModelDrafter, _logprobs, _top_k, keep_best, keeps_every_sibling, one_lane_parents, runners_up,
                     kept_nodes)
@@ -48,6 +47,14 @@ def _causal(columns, positions, dtype):
 
 # a one-token step's `start` (written at pos; the mask's bounds pos, pos + 1) from its position
 _SPAN = mx.array([0, 0, 1], mx.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def _ranges(*sizes):
+    """0..n-1 (int32) for each size: the aranges a queued head draft reads (its columns, slots,
+    steps, top-k), made once per shape, where one made inside a compiled draft is a kernel
+    every round."""
+    return tuple(mx.array(np.arange(n, dtype=np.int32)) for n in sizes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -223,11 +230,13 @@ class HeadDrafter(ModelDrafter):
         else:  # slot j: the token after row j of the path (the last accepted one's: the root)
             prev = q["prev"] if path is None else path
             P = prev.shape[0]
-            tokens = mx.where(mx.arange(P) == count - 1, root.astype(mx.uint32), mx.concatenate([prev[1:], prev[:1]]))
+            tokens = mx.where(_ranges(P)[0] == count - 1, root.astype(mx.uint32),
+                              mx.concatenate([prev[1:], prev[:1]]))
             slot_rows = self._target_rows(rows[:P])
         P = tokens.shape[0]
         keys, values = self._buffers(q["bound"] + P + self.depth * lanes)
-        out = self._ahead_fn(kind)(tokens, slot_rows, count, q["L0"], keys, values)
+        ranges = _ranges(keys.shape[2], P, max(self.depth - 1, 1), self.topk)
+        out = self._ahead_fn(kind)(tokens, slot_rows, count, q["L0"], keys, values, ranges)
         c.keys, c.values = out[-2:]
         first, second = out[0], out[1]
         q.update(L0=q["L0"] + count, bound=q["bound"] + P, last=(slot_rows, count))
@@ -262,14 +271,14 @@ class HeadDrafter(ModelDrafter):
         install(head)
         forward = whole_buffer_forward(head, ())
 
-        def chain(tokens, slot_rows, count, L0, keys, values):
-            logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values)
+        def chain(tokens, slot_rows, count, L0, keys, values, ranges):
+            logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values, ranges)
             tok = mx.argmax(logits, axis=-1).astype(mx.uint32)
             out, rows = [tok], [logits]
             # every step's position, mask and bounds at once: a step then slices them (views),
             # where making its own would launch three kernels a step
-            pos = L0 + count + mx.arange(max(depth - 1, 1), dtype=mx.int32)
-            masks, spans = _causal(mx.arange(keys.shape[2]), pos, keys.dtype), pos[:, None] + _SPAN
+            pos = L0 + count + ranges[2]
+            masks, spans = _causal(ranges[0], pos, keys.dtype), pos[:, None] + _SPAN
             for s in range(depth - 1):  # each step over its parent's output hidden, after the real slots
                 self._set_hidden(hidden, first=False)
                 logits, _, ks, vs = forward(tok, pos[s : s + 1], masks[s : s + 1], spans[s], ks, vs)
@@ -279,7 +288,7 @@ class HeadDrafter(ModelDrafter):
                 rows.append(logits)
             return mx.concatenate(out), (mx.concatenate(rows) if kind == "tree" else None), ks[0], vs[0]
 
-        def lanes(tokens, slot_rows, count, L0, keys, values):
+        def lanes(tokens, slot_rows, count, L0, keys, values, ranges):
             # ModelDrafter._tree's steps: step s (1..S-1) forwards the L lanes at depth s
             # (position base + s - 1) into columns base + (s - 1) L.., each seeing the history
             # and the real slots (the columns before base) and, among the R step rows, its
@@ -287,84 +296,100 @@ class HeadDrafter(ModelDrafter):
             # keep their shapes from step to step (the step is an input): unrolled, every step's
             # shapes differed and each was a kernel compile of its own on a fresh GPU (minutes)
             start, step, rank, steps = self._lanes_fns(forward)
-            state, ks, vs = start(tokens, slot_rows, count, L0, keys, values)
-            for s in steps:
-                state, ks, vs = step(s, state, ks, vs)
-            return (*rank(*state[-3:]), ks[0], vs[0])
+            state, first, ks, vs = start(tokens, slot_rows, count, L0, keys, values, ranges)
+            later = []
+            for own, offsets in steps:
+                state, made, ks, vs = step(own, offsets, state, ks, vs)
+                later.append(made)
+            return (*rank(first, later), ks[0], vs[0])
 
         fn = self.__dict__[("_compiled_ahead", kind)] = lanes if kind == "lanes" else mx.compile(chain)
         return fn
 
-    def _slots(self, forward, tokens, slot_rows, count, L0, keys, values):
+    def _slots(self, forward, tokens, slot_rows, count, L0, keys, values, ranges):
         """The slots' forward at L0.. (inside a compiled function): the last real slot's logits
         [1, V] and output hidden [1, H], then the K and V buffers (lists of one)."""
         P = tokens.shape[0]
-        positions = L0 + mx.arange(P, dtype=mx.int32)
+        positions = L0 + ranges[1]
         self._set_hidden(slot_rows, first=True)
-        logits, _, ks, vs = forward(tokens, positions, _causal(mx.arange(keys.shape[2]), positions, keys.dtype),
+        logits, _, ks, vs = forward(tokens, positions, _causal(ranges[0], positions, keys.dtype),
                                     mx.stack([L0, L0, L0 + P]), [keys], [values])
         last = (count - 1).reshape(1)
         return mx.take(logits, last, axis=0), mx.take(self.model.out_hidden[0], last, axis=0), ks, vs
 
     def _lanes_fns(self, forward):
-        """`_ahead_fn`'s EAGLE-2 tree as three compiled functions and the step indices: `start`
-        (the slots' forward and the root's children: the lanes' state), `step` (one step of the
-        lanes) and `rank` (keep_best over every candidate). The state: the base column, the lanes' tokens,
-        scores, candidate ids, parents' output hidden and visible step rows [L, R], the step
-        rows' ancestors-or-self [R, R], and the candidates' tokens, scores and parents [C]."""
+        """`_ahead_fn`'s EAGLE-2 tree as three compiled functions and each step's constants:
+        `start` (the slots' forward and the root's children: the lanes' state), `step` (one step
+        of the lanes; it gives out that step's candidates) and `rank` (keep_best over every
+        candidate). The state: the base column, the round's column masks (history; step rows;
+        each column's step row), the lanes' tokens, scores, candidate ids, parents' output hidden
+        and visible step rows [L, R]. A step's candidates: tokens and scores [L * K] and the
+        lanes' candidate ids [L] (their parents).
+
+        Queued rounds are host-bound on a GPU, and every kernel a step launches costs host time:
+        what does not change within a round (its column masks) is made once in `start`, what
+        does not change between rounds (each step's own rows, offsets) once per drafter, and
+        the candidates are joined once in `rank` rather than written a step at a time."""
         fns = self.__dict__.get("_compiled_lanes")
         if fns is not None:
             return fns
         head, S, K, L = self.model, self.depth, self.topk, self.lanes
-        R, C = (S - 1) * L, eagle2_candidates(K, L, S)  # step rows, candidates
+        R = (S - 1) * L  # step rows
 
-        def start(tokens, slot_rows, count, L0, keys, values):
-            logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values)
+        def start(tokens, slot_rows, count, L0, keys, values, ranges):
+            logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values, ranges)
             idx, lp = _top_k(_logprobs(logits), K)  # the root's children
             scores = mx.minimum(lp[0], 0)
-            choice = mx.arange(K) if L == K else mx.argsort(-scores)[:L]
-            rest = C - K  # (filled step by step)
-            cands = (mx.concatenate([idx[0].astype(mx.uint32), mx.zeros((rest,), mx.uint32)]),
-                     mx.concatenate([scores.astype(mx.float32), mx.zeros((rest,), mx.float32)]),
-                     mx.full((C,), -1, mx.int32))
-            state = ((L0 + count).astype(mx.int32), idx[0][choice].astype(mx.uint32), scores[choice],
-                     choice.astype(mx.int32), mx.broadcast_to(hidden, (L, hidden.shape[-1])),
-                     mx.zeros((L, R), mx.bool_), mx.zeros((R, R), mx.bool_)) + cands
-            return state, ks, vs
+            choice = ranges[3] if L == K else mx.argsort(-scores)[:L]
+            base = (L0 + count).astype(mx.int32)
+            rel = ranges[0] - base  # the step rows' columns are 0..R-1
+            state = (base, rel < 0, (rel >= 0) & (rel < R), mx.clip(rel, 0, R - 1),
+                     idx[0][choice].astype(mx.uint32), scores[choice], choice.astype(mx.int32),
+                     mx.broadcast_to(hidden, (L, hidden.shape[-1])), mx.zeros((L, R), mx.bool_))
+            return state, (idx[0].astype(mx.uint32), scores.astype(mx.float32)), ks, vs
 
-        def step(s, state, ks, vs):
-            base, lane_tokens, lane_scores, lane_cands, lane_hidden, lane_seen, seen, c_tok, c_score, c_parent = state
-            first = (s - 1) * L
-            rows = lane_seen | (mx.arange(R)[None] == (first + mx.arange(L))[:, None])  # [L, R]
-            seen = mx.slice_update(seen, rows, first.reshape(1), axes=(0,))
-            rel = mx.arange(ks[0].shape[2]) - base  # the step rows' columns are 0..R-1
-            visible = mx.take(rows, mx.clip(rel, 0, R - 1), axis=1)
-            mask = _additive((rel < 0)[None] | ((rel < R)[None] & visible), ks[0].dtype)
+        def step(own, offsets, state, ks, vs):
+            # own: [L, R] each lane's own step row; offsets: the forward's `start` less the base
+            # column (its first step row, 0, R), its position less the base, its first candidate id
+            base, history, window, column, lane_tokens, lane_scores, lane_cands, lane_hidden, lane_seen = state
+            rows = lane_seen | own  # [L, R]
+            mask = _additive(history[None] | (window[None] & mx.take(rows, column, axis=1)), ks[0].dtype)
             self._set_hidden(lane_hidden, first=False)
-            logits, _, ks, vs = forward(lane_tokens, mx.broadcast_to(base + s - 1, (L,)), mask,
-                                        mx.stack([base + first, base, base + R]), ks, vs)
+            logits, _, ks, vs = forward(lane_tokens, mx.broadcast_to(base + offsets[3], (L,)), mask,
+                                        base + offsets[:3], ks, vs)
             idx, lp = _top_k(_logprobs(logits), K)
             scores = (lane_scores[:, None] + mx.minimum(lp, 0)).reshape(-1)
-            at = (K + first * K).reshape(1)  # this step's L * K candidates
-            c_tok = mx.slice_update(c_tok, idx.reshape(-1).astype(mx.uint32), at, axes=(0,))
-            c_score = mx.slice_update(c_score, scores.astype(mx.float32), at, axes=(0,))
-            c_parent = mx.slice_update(c_parent, mx.repeat(lane_cands, K), at, axes=(0,))
             choice = mx.argsort(-scores)[:L]  # the next lanes among this step's L * K
-            state = (base, idx.reshape(-1)[choice].astype(mx.uint32), scores[choice],
-                     (at + choice).astype(mx.int32), head.out_hidden[0][choice // K],
-                     mx.take(seen, first + choice // K, axis=0), seen, c_tok, c_score, c_parent)
-            return state, ks, vs
+            parent = choice // K
+            state = (base, history, window, column, idx.reshape(-1)[choice].astype(mx.uint32), scores[choice],
+                     (offsets[4] + choice).astype(mx.int32), head.out_hidden[0][parent], rows[parent])
+            return state, (idx.reshape(-1).astype(mx.uint32), scores.astype(mx.float32), lane_cands), ks, vs
 
         depths = np.concatenate([np.ones(K, np.int32), np.repeat(np.arange(2, S + 1, dtype=np.int32), L * K)])
 
-        def rank(c_tok, c_score, c_parent):
+        def rank(first, later):
+            # candidates in creation order: the root's K children, then each step's L * K (the
+            # children of that step's lanes, K each)
+            c_tok = mx.concatenate([first[0]] + [t for t, _, _ in later])
+            c_score = mx.concatenate([first[1]] + [c for _, c, _ in later])
+            if later:
+                lanes = mx.stack([p for _, _, p in later])[:, :, None]  # [S - 1, L, 1]
+                c_parent = mx.concatenate([mx.full((K,), -1, mx.int32),
+                                           mx.broadcast_to(lanes, (S - 1, L, K)).reshape(-1)])
+            else:
+                c_parent = mx.full((K,), -1, mx.int32)
             _, parents, tree_depths, tokens, anc = keep_best(mx.zeros((1,), mx.uint32), c_tok, c_score, c_parent,
                                                              depths, self._lanes_budget())
             return tokens, parents, tree_depths, anc
 
-        # (the step indices 1..S-1 as device scalars, made once: a host array each round waits
-        # on the queue to be copied)
-        steps = [mx.array(s, mx.int32) for s in range(1, S)]
+        # each step's constants, made once (a host array each round waits on the queue to be
+        # copied, and one made inside a step is a launch of its own)
+        steps = []
+        for s in range(1, S):
+            own = np.zeros((L, R), bool)
+            own[np.arange(L), (s - 1) * L + np.arange(L)] = True
+            first = (s - 1) * L
+            steps.append((mx.array(own), mx.array([first, 0, R, s - 1, K + first * K], mx.int32)))
         fns = self.__dict__["_compiled_lanes"] = (mx.compile(start), mx.compile(step), mx.compile(rank), steps)
         return fns
 
