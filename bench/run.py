@@ -1123,9 +1123,20 @@ def run_round_host(args):
     round's other ops and the loop's own work). One more generation per arm counts the
     primitives each round's graph holds (views included; `kernels` leaves out the view kinds).
     The verify's timed checks launch inside it: their launches count as verify and as launch
-    (the rest then reads negative), in the first prompts a shape meets."""
+    (the rest then reads negative), in the first prompts a shape meets. `--cpu-queued`: on CPU,
+    the GPU's queued rounds, for their kernel counts (CPU graphs hold more primitives than a
+    GPU's: RMSNorm, RoPE and attention are several ops there; CPU times are not speed)."""
     import mlx_treespec.queued as queued
 
+    if args.cpu_queued:
+        if mx.default_device() != mx.cpu:
+            sys.exit("round-host: --cpu-queued is for CPU (a GPU queues its rounds already)")
+        gpu_path = verify.pad_keys_default
+        verify.pad_keys_default = lambda: True
+        try:
+            return run_round_host(argparse.Namespace(**dict(vars(args), cpu_queued=False)))
+        finally:
+            verify.pad_keys_default = gpu_path
     names = [a for a in args.arms.split(",") if a and a not in ("plain", "mlx-plain")]
     target, tok = load_target(args.target)
     texts = load_prompts(args.prompts.split(",")[0])[: args.n]
@@ -1616,6 +1627,9 @@ def main(argv=None):
                    help="proj: the drafter's bits, a comma list (0: unquantized, in --dtype); 'same': the target's")
     p.add_argument("--costs", default=None, help="proj: round costs measured elsewhere (JSON) instead of timing here")
     p.add_argument("--history", type=int, default=512)
+    p.add_argument("--cpu-queued", action="store_true",
+                   help="round-host on CPU: run the GPU's queued rounds (whole-buffer verify) to count each round's "
+                        "kernels; CPU times are not speed")
     p.add_argument("--contexts", default="1024,8192,32768", help="long: committed tokens before the verify")
     p.add_argument("--nodes", type=int, default=32, help="long: tree nodes (and causal tokens) per forward")
     p.add_argument("--nodes-list", default="2,3,5,8,10,12,15,20,30,45", help="bound: tree sizes")

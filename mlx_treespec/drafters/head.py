@@ -313,7 +313,7 @@ class HeadDrafter(ModelDrafter):
         positions = L0 + ranges[1]
         self._set_hidden(slot_rows, first=True)
         logits, _, ks, vs = forward(tokens, positions, _causal(ranges[0], positions, keys.dtype),
-                                    mx.stack([L0, L0, L0 + P]), [keys], [values])
+                                    L0 + mx.array([0, 0, P], mx.int32), [keys], [values])
         last = (count - 1).reshape(1)
         return mx.take(logits, last, axis=0), mx.take(self.model.out_hidden[0], last, axis=0), ks, vs
 
