@@ -8,6 +8,7 @@
     python bench/run.py long --config bench/configs/qwen3_8b.json --contexts 1024,8192,32768 --q-bits 0,4
     python bench/run.py pieces --target demo --history 300 --repeats 30   # a DDTree round's pieces
     python bench/run.py round-host --target demo --arms eagle3-chain:10,eagle3-tree:4:10:40:1 --n 4   # queued rounds' host ms
+    python bench/run.py draft-kernels --target demo --arms eagle3-chain:10,eagle3-chain:6   # kernels a head draft launches
     python bench/run.py comm --target demo-hybrid --arms plain,dflash:7,ddtree:12 --n 4   # sharded: collectives
     python bench/run.py bound --target demo --arms eagle3 --prompts unseen --n 8 --max-tokens 128 --depth 12
         # a head's best static tree of N nodes, with hindsight, against its chain of N (CPU, exact)
@@ -1179,8 +1180,7 @@ def run_round_host(args):
             inner = self.drafter.ahead
             return None if inner is None else timed("draft", inner)
 
-    views = {"Slice", "Split", "Reshape", "Broadcast", "ExpandDims", "Squeeze", "Transpose", "Flatten", "Unflatten",
-             "AsStrided", "StopGradient", "Depends"}
+    views = VIEWS
     results = {a: [] for a in names}
 
     def run(a, i, order):
@@ -1253,6 +1253,57 @@ def run_round_host(args):
            "after the launch (\"+ add\": a second kernel that feeds the op's output to the next op):", "",
            "| op | build us | launch us | device us |", "|---|---|---|---|"]
     md += [f"| {k} | {v['build_us']:.1f} | {v['launch_us']:.1f} | {v['device_us']:.1f} |" for k, v in launches.items()]
+    write(args, report, md)
+
+
+VIEWS = {"Slice", "Split", "Reshape", "Broadcast", "ExpandDims", "Squeeze", "Transpose", "Flatten", "Unflatten",
+         "AsStrided", "StopGradient", "Depends"}  # primitives that launch no kernel
+
+
+def draft_kernels(target, drafter, prompt):
+    """The kernels (primitives but views, by kind) in the graph of one queued draft of a head
+    drafter from `prompt` prefilled: its slots' forward, steps and, for a lane tree, re-rank."""
+    import io
+    import re
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(target)
+    with verify.capturing(target, drafter.capture) as cap:
+        target(mx.array(prompt[:-1])[None], cache=cache)
+        hidden = cap.hidden()
+    drafter.prefill(prompt, hidden)
+    kind = {"chain_ahead": "chain", "tree_ahead": "tree", "lanes_ahead": "lanes"}[drafter.ahead.__name__]
+    out = drafter._steps_ahead(mx.array([prompt[-1]], mx.uint32), None, None, None, kind)
+    arrays = [out[0]] + (list(out[1].device) if kind == "lanes" else [out[1]] if kind == "tree" else [])
+    buf = io.StringIO()
+    mx.export_to_dot(buf, *arrays)
+    return collections.Counter(k for k in re.findall(r'label ="([^"]+)"', buf.getvalue()) if k not in VIEWS)
+
+
+def run_draft_kernels(args):
+    """Kernels in one queued draft's graph per head arm (the first unseen prompt, 64 tokens, as
+    its prefill): arms of two depths give a step's kernels, (A_S - A_s) / (S - s)."""
+    target, tok = load_target(args.target)
+    texts = load_prompts(args.prompts.split(",")[0])[:1]
+    prompt = encode_prompts(tok, texts)[0][:64]
+    arms = Arms(target, args.target, texts, args.draft_model, args.dflash, dict(mtp=args.mtp, eagle3=args.eagle3))
+    rows = []
+    for a in args.arms.split(","):
+        drafter = arms.maker(a)()
+        if getattr(drafter, "ahead", None) is None or not hasattr(drafter, "_steps_ahead"):
+            sys.exit(f"draft-kernels: arm {a} is not a head drafting ahead (mtp-..., eagle3-...)")
+        counts = draft_kernels(target, drafter, prompt)
+        rows.append(dict(arm=a, kernels=sum(counts.values()), by_kind=dict(counts)))
+        log(f"{a}: {rows[-1]['kernels']} kernels")
+    report = dict(meta=run_meta(section=args.section, target=args.target, arms=args.arms.split(",")), arms=rows)
+    md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
+          f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
+          "Kernels (primitives but views) in one queued draft's graph: the slots' forward, the steps, a lane "
+          "tree's re-rank.", "", "| arm | kernels | the most frequent |", "|---|---|---|"]
+    md += [f"| {r['arm']} | {r['kernels']} | " + ", ".join(f"{k} {v}" for k, v in
+                                                       collections.Counter(r["by_kind"]).most_common(8)) + " |"
+           for r in rows]
     write(args, report, md)
 
 
@@ -1592,7 +1643,7 @@ def _json(o):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "round-host", "comm", "comm-rank",
+    p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "round-host", "draft-kernels", "comm", "comm-rank",
                                        "paths", "bound", "unseen-prompts", "table"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
     p.add_argument("--target", default="demo")
@@ -1649,7 +1700,7 @@ def main(argv=None):
     if args.arms is None and args.command != "proj":
         args.arms = "plain,chain:7,tree:3:8"
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
-     "pieces": run_pieces, "round-host": run_round_host, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
+     "pieces": run_pieces, "round-host": run_round_host, "draft-kernels": run_draft_kernels, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
      "unseen-prompts": make_unseen_prompts, "table": run_table}[args.command](args)
 
 

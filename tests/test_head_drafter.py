@@ -1,5 +1,8 @@
 """MTP and EAGLE-3 heads as drafters: exact output for chains, one-lane and EAGLE-2 trees, on the
 heads' published layouts, hybrid targets included (CPU, tiny random heads)."""
+import os
+import sys
+
 import numpy as np
 import pytest
 import mlx.core as mx
@@ -349,30 +352,6 @@ def test_queued_head_trees_after_a_one_token_prompt_over_a_prompt_cache(tmp_path
         assert stats.drafter[0] == "queued", shape
 
 
-def _draft_kernels(head, target, prompt, opts, kind):
-    """Kernels (primitives but views) in the graph of one queued head draft from a prefilled
-    prompt: the slots' forward, the steps and, for lanes, the re-rank."""
-    import io
-    import re
-    from collections import Counter
-
-    from mlx_treespec.verify import capturing
-
-    drafter = HeadDrafter(head, **opts)
-    cache = make_prompt_cache(target)
-    with capturing(target, drafter.capture) as cap:
-        target(mx.array(prompt[:-1])[None], cache=cache)
-        hidden = cap.hidden()
-    drafter.prefill(prompt, hidden)
-    out = drafter._steps_ahead(mx.array([prompt[-1]], mx.uint32), None, None, None, kind)
-    arrays = [out[0]] + (list(out[1].device) if kind == "lanes" else [])
-    buf = io.StringIO()
-    mx.export_to_dot(buf, *arrays)
-    views = {"Slice", "Split", "Reshape", "Broadcast", "ExpandDims", "Squeeze", "Transpose", "Flatten", "Unflatten",
-             "AsStrided", "StopGradient", "Depends"}
-    return Counter(k for k in re.findall(r'label ="([^"]+)"', buf.getvalue()) if k not in views)
-
-
 def test_queued_lane_steps_launch_what_a_chain_step_launches(tmp_path, monkeypatch):
     # a queued round on a GPU is host-bound: each kernel a draft step launches costs host time.
     # A lane step adds the ranking's own ops to a chain step's (top-k, scores, the next lanes'
@@ -385,11 +364,14 @@ def test_queued_lane_steps_launch_what_a_chain_step_launches(tmp_path, monkeypat
     head, target = make_eagle3(tmp_path, "safeailab")[:2]
     prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
 
-    def per_step(kind, **opts):
-        deep, shallow = (_draft_kernels(head, target, prompt, dict(opts, depth=d), kind) for d in (6, 3))
+    def per_step(**opts):  # (bench/run.py's draft-kernels section counts the same way)
+        deep, shallow = (draft_kernels(target, HeadDrafter(head, **dict(opts, depth=d)), prompt) for d in (6, 3))
         return {k: (deep[k] - shallow[k]) / 3 for k in deep | shallow}
 
-    chain, lanes = per_step("chain", topk=1), per_step("lanes", topk=3, lanes=3, budget=12)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from run import draft_kernels
+
+    chain, lanes = per_step(topk=1), per_step(topk=3, lanes=3, budget=12)
     assert chain["Matmul"] > 0 and abs(lanes["Matmul"] - chain["Matmul"]) < 1  # (the re-rank's grow with S)
     for kind in ("Arange", "DynamicSliceUpdate", "Concatenate"):
         assert lanes.get(kind, 0) == chain.get(kind, 0), (kind, lanes, chain)
