@@ -67,7 +67,8 @@ def ship_eagle3(src, dst, bits, group_size):
     try:
         head = load_eagle3(src, target)
         config = json.loads((Path(src) / "config.json").read_text())
-        weights = shipped_weights(head, config, bits, group_size)
+        shipped_weights(head, config, bits, group_size)
+        weights = head.raw_weights()  # (the loader fuses q/k/v and gate/up: the checkpoint names them apart)
         weights.update({k: raw[k] for k in ("d2t", "t2d")})
         return _write(dst, weights, config, src)
     finally:

@@ -310,6 +310,27 @@ def test_fused_projections_are_the_separate_layers(tmp_path, kind):
     assert all(mx.array_equal(a, b).item() for a, b in zip(fused, separate))
 
 
+def test_eagle3_raw_weights_round_trip(tmp_path):
+    # what bench/ship_heads.py saves from a loaded, quantized head (head.raw_weights(), the
+    # SafeAILab names with q/k/v and gate/up split again, plus d2t / t2d) loads back to it
+    head, target, W, _, _, _ = make_eagle3(tmp_path, "safeailab")
+    nn.quantize(head, group_size=32, bits=4)
+    raw = head.raw_weights()
+    assert "midlayer.self_attn.k_proj.scales" in raw and not any("qkv" in k or "gate_up" in k for k in raw)
+    folder = save_folder(tmp_path / "again", safeailab_config(eagle_aux_hidden_state_layer_ids=[1, 3, 4],
+                                                              quantization={"group_size": 32, "bits": 4}),
+                         dict(raw, d2t=W["d2t"], t2d=W["t2d"]))
+    again = load_eagle3(str(folder), target)
+    want = dict(tree_flatten(head.parameters()))  # (quantized: compared as the loader dequantizes)
+    got = dict(tree_flatten(again.parameters()))
+    assert "midlayer.self_attn.qkv_proj.weight" in got
+    lin = head.midlayer.self_attn.qkv_proj
+    assert mx.array_equal(got["midlayer.self_attn.qkv_proj.weight"],
+                          mx.dequantize(lin.weight, lin.scales, lin.biases, group_size=32, bits=4).astype(
+                              got["midlayer.self_attn.qkv_proj.weight"].dtype)).item()
+    assert {k for k in got} == {k.replace(".scales", ".weight") for k in want if not k.endswith(".biases")}
+
+
 def test_fuse_linears_refuses_quantized_layers():
     from mlx_treespec.drafters import fuse_linears
 

@@ -53,6 +53,24 @@ def fuse_linears(module, names, fused):
     mx.eval(lin.parameters())
 
 
+def split_fused(weights, parts):
+    """Flat weights (name -> array) with each fused layer's tensors (weight, bias, and a
+    quantized layer's scales and biases: all one row per output) split back into the layers it
+    replaced: `parts` maps a fused layer's name ("midlayer.self_attn.qkv_proj") to its layers'
+    (name, rows) in output order. What a checkpoint names (`fuse_linears` runs after loading)."""
+    out = {}
+    for k, v in weights.items():
+        prefix, _, leaf = k.rpartition(".")
+        if prefix not in parts:
+            out[k] = v
+            continue
+        names, rows = zip(*parts[prefix])
+        owner = prefix.rpartition(".")[0]
+        for name, piece in zip(names, mx.split(v, np.cumsum(rows[:-1]).tolist(), axis=0)):
+            out[f"{owner}.{name}.{leaf}"] = piece
+    return out
+
+
 def check_budget_depth(budget, max_depth):
     """The bounds every model-free drafter shares: both count draft nodes, root excluded."""
     check_int(budget, "budget (draft nodes without the root)", 0, MAX_NODES - 1)

@@ -44,12 +44,13 @@ import os
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .mtp import HeadModule, _one_line, load_checked, quantize_like, read_tensors, step_rows, target_io
 from ..verify import layer_span
-from . import GatedMLP, dequantize_linears, fuse_linears
+from . import GatedMLP, dequantize_linears, fuse_linears, split_fused
 
 __all__ = ["Eagle3Head", "load_eagle3", "default_capture"]
 
@@ -153,6 +154,16 @@ class Eagle3Head(HeadModule):
         fuse_linears(self.midlayer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
         fuse_linears(self.midlayer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
         return self
+
+    def raw_weights(self):
+        """This head's tensors under the SafeAILab names `load_eagle3` reads (fused layers split
+        again; quantized leaves as they are), without `d2t` / `t2d`."""
+        at, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        q, kv = at.n_heads * at.head_dim, at.n_kv * at.head_dim
+        inter = mlp.gate_up_proj.weight.shape[0] // 2 if "gate_up_proj" in mlp else 0  # (rows: quantized too)
+        return split_fused(dict(tree_flatten(self.parameters())),
+                           {"midlayer.self_attn.qkv_proj": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
+                            "midlayer.mlp.gate_up_proj": [("gate_proj", inter), ("up_proj", inter)]})
 
     def set_vocab_map(self, d2t):
         """d2t (int [Vd]): target id of draft id i is i + d2t[i]; None: the identity (Vd == V).

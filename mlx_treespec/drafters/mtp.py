@@ -36,13 +36,12 @@ import sys
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP
-from . import dequantize_linears, fuse_linears, target_io  # noqa: F401 (eagle3.py imports it from here)
+from . import dequantize_linears, fuse_linears, split_fused, target_io  # noqa: F401 (eagle3.py imports it from here)
 from ..verify import layer_span
 
 __all__ = ["MTPHead", "load_mtp", "target_io", "read_tensors", "quantize_like"]
@@ -206,10 +205,6 @@ class _FusedMLP(Qwen3NextMLP):
         return self.down_proj(swiglu(gate, up))
 
 
-# fused layer -> the layers it replaced, in output order (`MTPHead.fuse`, `raw_weights`)
-_FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
-
-
 _FAMILIES = {  # mlx-lm module of the text model -> its decoder layer class
     "mlx_lm.models.qwen3_5": "DecoderLayer",
     "mlx_lm.models.qwen3_next": "Qwen3NextDecoderLayer",
@@ -292,10 +287,10 @@ class MTPHead(HeadModule):
         (`fuse_linears`): each step launches three fewer. After loading, on float layers
         (checkpoints name the separate ones; `raw_weights` splits them again)."""
         layer = self.layers[0]
-        fuse_linears(layer.self_attn, _FUSED["self_attn.qkv_proj"], "qkv_proj")
+        fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
         layer.self_attn.__class__ = _FusedAttention
         if type(layer.mlp) is Qwen3NextMLP:  # (a MoE block keeps its experts' own layout)
-            fuse_linears(layer.mlp, _FUSED["mlp.gate_up_proj"], "gate_up_proj")
+            fuse_linears(layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
             layer.mlp.__class__ = _FusedMLP
         return self
 
@@ -304,23 +299,16 @@ class MTPHead(HeadModule):
         (w, not 1 + w), fused layers split again; quantized leaves as they are (`.scales` /
         `.biases`). Experts stay in mlx-lm's stacked `switch_mlp.*` form, which `load_mtp`
         reads too."""
-        out = {}
-        layer = self.layers[0]
+        at, weights = self.layers[0].self_attn, {}
         for k, v in tree_flatten(self.parameters()):
             if v.ndim == 1 and mx.issubdtype(v.dtype, mx.floating) and _is_norm(k):
                 v = v - mx.array(1.0, v.dtype)
-            fused = next((f for f in _FUSED if k.startswith(f"layers.0.{f}.")), None)
-            if fused is None:
-                out["mtp." + k] = v
-                continue
-            owner, leaf = fused.split(".")[0], k.rsplit(".", 1)[1]
-            parts = _FUSED[fused]
-            sizes = ([2 * layer.self_attn.num_attention_heads * layer.self_attn.head_dim]
-                     + [layer.self_attn.num_key_value_heads * layer.self_attn.head_dim] * 2) \
-                if owner == "self_attn" else [v.shape[0] // 2] * 2
-            for name, piece in zip(parts, mx.split(v, list(np.cumsum(sizes[:-1])), axis=0)):
-                out[f"mtp.layers.0.{owner}.{name}.{leaf}"] = piece
-        return out
+            weights["mtp." + k] = v
+        q, kv = 2 * at.num_attention_heads * at.head_dim, at.num_key_value_heads * at.head_dim
+        mlp = self.layers[0].mlp
+        inter = mlp.gate_up_proj.weight.shape[0] // 2 if "gate_up_proj" in mlp else 0  # (rows: quantized too)
+        return split_fused(weights, {"mtp.layers.0.self_attn.qkv_proj": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
+                                     "mtp.layers.0.mlp.gate_up_proj": [("gate_proj", inter), ("up_proj", inter)]})
 
     def __call__(self, inputs, cache=None, hidden=None):
         if self._embed is None:
