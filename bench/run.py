@@ -750,13 +750,13 @@ def _draft_cost(family, target, cfg, head_cfg, args, q):
     if family == "mtp":
         from mlx_treespec.drafters.mtp import MTPHead
 
-        head = quantize(MTPHead(target))
+        head = quantize(MTPHead(target).fuse())  # (as a loaded head runs: fused projections)
     else:
         from mlx_treespec.drafters.eagle3 import Eagle3Head, _config
 
         c, _, ids = _config(head_cfg, args.head_config)
         c.update(n_aux=len(ids), vocab_size=cfg["vocab_size"])
-        head = quantize(Eagle3Head(c, ids)).bind(target)
+        head = quantize(Eagle3Head(c, ids).fuse()).bind(target)
         head.set_vocab_map(mx.zeros((c["draft_vocab_size"],), mx.int32))
     step = {L: time_head(head, history=args.history, rows=L) for L in (1, 2, 4)}
 
@@ -1132,12 +1132,14 @@ def run_round_host(args):
     if args.cpu_queued:
         if mx.default_device() != mx.cpu:
             sys.exit("round-host: --cpu-queued is for CPU (a GPU queues its rounds already)")
+        import mlx_treespec.adaptive as adaptive  # (it imports the rule by name)
+
         gpu_path = verify.pad_keys_default
-        verify.pad_keys_default = lambda: True
+        verify.pad_keys_default = adaptive.pad_keys_default = lambda: True
         try:
             return run_round_host(argparse.Namespace(**dict(vars(args), cpu_queued=False)))
         finally:
-            verify.pad_keys_default = gpu_path
+            verify.pad_keys_default = adaptive.pad_keys_default = gpu_path
     names = [a for a in args.arms.split(",") if a and a not in ("plain", "mlx-plain")]
     target, tok = load_target(args.target)
     texts = load_prompts(args.prompts.split(",")[0])[: args.n]

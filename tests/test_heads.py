@@ -331,13 +331,19 @@ def test_eagle3_raw_weights_round_trip(tmp_path):
     assert {k for k in got} == {k.replace(".scales", ".weight") for k in want if not k.endswith(".biases")}
 
 
-def test_fuse_linears_refuses_quantized_layers():
+def test_fuse_linears_refuses_quantized_layers_and_keeps_mixed_dtypes_apart():
     from mlx_treespec.drafters import fuse_linears
 
     m = nn.Module()
     m.a, m.b = nn.Linear(64, 8), nn.QuantizedLinear(64, 8)
     with pytest.raises(ValueError, match="float nn.Linear"):
         fuse_linears(m, ("a", "b"), "ab")
+    # joined, a float16 layer's output would be promoted to float32: both stay as they are
+    m.b = nn.Linear(64, 8)
+    m.b.set_dtype(mx.float16)
+    assert fuse_linears(m, ("a", "b"), "ab") is False and "a" in m and "b" in m and "ab" not in m
+    m.b.set_dtype(mx.float32)
+    assert fuse_linears(m, ("a", "b"), "ab") is True and "a" not in m and m.ab.weight.shape == (16, 64)
 
 
 def path_of(parents, i):

@@ -37,10 +37,14 @@ def fuse_linears(module, names, fused):
     layer `fused` whose output is theirs side by side (callers split it). A queued head round on
     a GPU is host-bound, a matmul is its costliest launch, and every head step runs these
     (bench/RESULTS.md, "Head steps with fewer launches"). Each output column is the same dot
-    product as before. A missing bias is zeros."""
+    product as before (on CPU bit for bit; a GPU's GEMM may tile a wider output otherwise). A
+    missing bias is zeros. Layers of different dtypes stay as they are (joined, they would be
+    promoted): returns whether it fused."""
     parts = [module[n] for n in names]
     if not all(type(p) is nn.Linear for p in parts):
         raise ValueError(f"fuse_linears takes float nn.Linear layers, got {[type(p).__name__ for p in parts]}")
+    if len({p.weight.dtype for p in parts} | {p.bias.dtype for p in parts if "bias" in p}) > 1:
+        return False
     lin = nn.Linear(parts[0].weight.shape[1], sum(p.weight.shape[0] for p in parts),
                     bias=any("bias" in p for p in parts))
     lin.weight = mx.concatenate([p.weight for p in parts])
@@ -51,6 +55,7 @@ def fuse_linears(module, names, fused):
         delattr(module, n)
     setattr(module, fused, lin)
     mx.eval(lin.parameters())
+    return True
 
 
 def split_fused(weights, parts):

@@ -150,9 +150,12 @@ class Eagle3Head(HeadModule):
 
     def fuse(self):
         """One matmul for q, k and v, one for the MLP's gate and up (`fuse_linears`): each step
-        launches three fewer. After loading: checkpoints name the separate layers."""
-        fuse_linears(self.midlayer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-        fuse_linears(self.midlayer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
+        launches three fewer. After loading: checkpoints name the separate layers. Once: a
+        fused layer stays fused."""
+        if "q_proj" in self.midlayer.self_attn:
+            fuse_linears(self.midlayer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
+        if "gate_proj" in self.midlayer.mlp:
+            fuse_linears(self.midlayer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
         return self
 
     def raw_weights(self):

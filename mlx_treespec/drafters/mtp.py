@@ -284,13 +284,14 @@ class MTPHead(HeadModule):
 
     def fuse(self):
         """One matmul for q (with its gate), k and v, one for a dense MLP's gate and up
-        (`fuse_linears`): each step launches three fewer. After loading, on float layers
-        (checkpoints name the separate ones; `raw_weights` splits them again)."""
+        (`fuse_linears`): each step launches three fewer (two with MoE experts, which keep their
+        own layout). After loading, on float layers (checkpoints name the separate ones;
+        `raw_weights` splits them again). Once: a fused layer stays fused."""
         layer = self.layers[0]
-        fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-        layer.self_attn.__class__ = _FusedAttention
-        if type(layer.mlp) is Qwen3NextMLP:  # (a MoE block keeps its experts' own layout)
-            fuse_linears(layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
+        if type(layer.self_attn) is Qwen3NextAttention and \
+                fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"):
+            layer.self_attn.__class__ = _FusedAttention
+        if type(layer.mlp) is Qwen3NextMLP and fuse_linears(layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj"):
             layer.mlp.__class__ = _FusedMLP
         return self
 
