@@ -157,31 +157,26 @@ def separate_projections(head):
     layers its checkpoint names, run as before the fusion: the A/B arm of the heads' fused
     projections (ARM/separate)."""
     import mlx.nn as nn
-    from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP
+    from mlx.utils import tree_flatten
 
-    def split(module, fused, names, sizes, cls=None):
-        lin = module[fused]
-        for name, w, b in zip(names, mx.split(lin.weight, list(np.cumsum(sizes[:-1])), axis=0),
-                              mx.split(lin.bias, list(np.cumsum(sizes[:-1]))) if "bias" in lin else [None] * 3):
+    from mlx_treespec.drafters import split_fused
+
+    fused = head.fused_layers()
+    weights = split_fused(dict(tree_flatten(head.parameters())), fused)
+    modules = dict(head.named_modules())
+    for path, parts in fused.items():
+        owner_path, _, name = path.rpartition(".")
+        owner = modules[owner_path]
+        for part_name, _ in parts:
+            w, b = weights[f"{owner_path}.{part_name}.weight"], weights.get(f"{owner_path}.{part_name}.bias")
             part = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
             part.weight = w
             if b is not None:
                 part.bias = b
-            setattr(module, name, part)
-        delattr(module, fused)
-        if cls is not None:
-            module.__class__ = cls
-
-    if hasattr(head, "midlayer"):  # EAGLE-3
-        at, mlp = head.midlayer.self_attn, head.midlayer.mlp
-        split(at, "qkv_proj", ("q_proj", "k_proj", "v_proj"), [at.n_heads * at.head_dim] + [at.n_kv * at.head_dim] * 2)
-    else:  # MTP
-        at, mlp = head.layers[0].self_attn, head.layers[0].mlp
-        split(at, "qkv_proj", ("q_proj", "k_proj", "v_proj"),
-              [2 * at.num_attention_heads * at.head_dim] + [at.num_key_value_heads * at.head_dim] * 2, Qwen3NextAttention)
-    if "gate_up_proj" in mlp:
-        split(mlp, "gate_up_proj", ("gate_proj", "up_proj"), [mlp.gate_up_proj.weight.shape[0] // 2] * 2,
-              None if hasattr(head, "midlayer") else Qwen3NextMLP)
+            setattr(owner, part_name, part)
+        delattr(owner, name)
+        if type(owner).__name__.startswith("_Fused"):  # (MTP: mlx-lm's own layer class again)
+            owner.__class__ = type(owner).__base__
     mx.eval(head.parameters())
     return head
 

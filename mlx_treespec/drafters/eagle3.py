@@ -158,15 +158,21 @@ class Eagle3Head(HeadModule):
             fuse_linears(self.midlayer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
         return self
 
+    def fused_layers(self):
+        """Each fused layer's parameter path -> the layers it joins, (name, output rows) in order."""
+        at, mlp, out = self.midlayer.self_attn, self.midlayer.mlp, {}
+        if "qkv_proj" in at:
+            q, kv = at.n_heads * at.head_dim, at.n_kv * at.head_dim
+            out["midlayer.self_attn.qkv_proj"] = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+        if "gate_up_proj" in mlp:
+            half = mlp.gate_up_proj.weight.shape[0] // 2  # (rows: a quantized layer's too)
+            out["midlayer.mlp.gate_up_proj"] = [("gate_proj", half), ("up_proj", half)]
+        return out
+
     def raw_weights(self):
         """This head's tensors under the SafeAILab names `load_eagle3` reads (fused layers split
         again; quantized leaves as they are), without `d2t` / `t2d`."""
-        at, mlp = self.midlayer.self_attn, self.midlayer.mlp
-        q, kv = at.n_heads * at.head_dim, at.n_kv * at.head_dim
-        inter = mlp.gate_up_proj.weight.shape[0] // 2 if "gate_up_proj" in mlp else 0  # (rows: quantized too)
-        return split_fused(dict(tree_flatten(self.parameters())),
-                           {"midlayer.self_attn.qkv_proj": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
-                            "midlayer.mlp.gate_up_proj": [("gate_proj", inter), ("up_proj", inter)]})
+        return split_fused(dict(tree_flatten(self.parameters())), self.fused_layers())
 
     def set_vocab_map(self, d2t):
         """d2t (int [Vd]): target id of draft id i is i + d2t[i]; None: the identity (Vd == V).

@@ -295,21 +295,28 @@ class MTPHead(HeadModule):
             layer.mlp.__class__ = _FusedMLP
         return self
 
+    def fused_layers(self):
+        """Each fused layer's parameter path -> the layers it joins, (name, output rows) in order."""
+        at, mlp, out = self.layers[0].self_attn, self.layers[0].mlp, {}
+        if "qkv_proj" in at:
+            q, kv = 2 * at.num_attention_heads * at.head_dim, at.num_key_value_heads * at.head_dim
+            out["layers.0.self_attn.qkv_proj"] = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
+        if "gate_up_proj" in mlp:
+            half = mlp.gate_up_proj.weight.shape[0] // 2  # (rows: a quantized layer's too)
+            out["layers.0.mlp.gate_up_proj"] = [("gate_proj", half), ("up_proj", half)]
+        return out
+
     def raw_weights(self):
         """This head's tensors in the layout `load_mtp` reads: `mtp.` names, zero-centred norms
         (w, not 1 + w), fused layers split again; quantized leaves as they are (`.scales` /
         `.biases`). Experts stay in mlx-lm's stacked `switch_mlp.*` form, which `load_mtp`
         reads too."""
-        at, weights = self.layers[0].self_attn, {}
+        weights = {}
         for k, v in tree_flatten(self.parameters()):
             if v.ndim == 1 and mx.issubdtype(v.dtype, mx.floating) and _is_norm(k):
                 v = v - mx.array(1.0, v.dtype)
             weights["mtp." + k] = v
-        q, kv = 2 * at.num_attention_heads * at.head_dim, at.num_key_value_heads * at.head_dim
-        mlp = self.layers[0].mlp
-        inter = mlp.gate_up_proj.weight.shape[0] // 2 if "gate_up_proj" in mlp else 0  # (rows: quantized too)
-        return split_fused(weights, {"mtp.layers.0.self_attn.qkv_proj": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
-                                     "mtp.layers.0.mlp.gate_up_proj": [("gate_proj", inter), ("up_proj", inter)]})
+        return split_fused(weights, {"mtp." + k: v for k, v in self.fused_layers().items()})
 
     def __call__(self, inputs, cache=None, hidden=None):
         if self._embed is None:
