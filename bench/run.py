@@ -21,9 +21,9 @@ suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselin
 drafts with the I-th folder its drafter's option names (--draft-model, --dflash, --mtp and --eagle3
 take comma lists: two heads in one interleaved run), /sync without queued rounds, auto:dflash/chains
 queueing the primary's chains instead of its trees, HEAD-chain:K/astree a head's chains queued as
-trees of no leaves, HEAD-ARM/separate a head whose fused projections are split back into the
-checkpoint's separate layers (suffixes in that order: ARM[/dI][/sync], ARM[/chains], ARM[/astree],
-ARM[/separate]).
+trees of no leaves, ARM/separate every linear layer run on its own, where the library joins
+those that read one input (mlx_treespec/join.py; suffixes in that order: ARM[/dI][/sync],
+ARM[/chains], ARM[/astree], ARM[/separate]).
  Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
@@ -31,6 +31,7 @@ bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and devic
 """
 import argparse
 import collections
+import contextlib
 import gzip
 import json
 import random
@@ -102,15 +103,15 @@ class Arms:
             self._drafters["dflash", which] = bind_dflash(self._folder("dflash", which), self.target)
         return self._drafters["dflash", which]
 
-    def head(self, kind, which=1, separate=False):
-        if (kind, which, separate) not in self._drafters:
+    def head(self, kind, which=1):
+        if (kind, which) not in self._drafters:
             from mlx_treespec.drafters.eagle3 import load_eagle3
             from mlx_treespec.drafters.mtp import load_mtp
 
             load = load_mtp if kind == "mtp" else load_eagle3
             head = load(self._folder(kind, which), self.target)
-            self._drafters[kind, which, separate] = separate_projections(head) if separate else head
-        return self._drafters[kind, which, separate]
+            self._drafters[kind, which] = head
+        return self._drafters[kind, which]
 
     def runner(self, arm):
         from mlx_lm.generate import generate_step, speculative_generate_step
@@ -122,25 +123,27 @@ class Arms:
             return lambda p, n: _timed(t for t, _, _ in speculative_generate_step(
                 mx.array(p), self.target, self.draft_model(), num_draft_tokens=k, max_tokens=n))
         make = self.maker(arm)
-        return lambda p, n: generate_once(self.target, make(), p, n)
+        return lambda p, n: run_once(self.target, make(), p, n)
 
     def maker(self, arm):
         """A function making the arm's drafter: a fresh one per prompt, as each library call
         makes one (an adaptive one starts from the target's start-up costs, measured at the
         warm-up and then read from disk)."""
         arm, separate = (arm[: -len("/separate")], True) if arm.endswith("/separate") else (arm, False)
+        arm_in = arm
         arm, as_tree = (arm[: -len("/astree")], True) if arm.endswith("/astree") else (arm, False)
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
         arm, which = arm.rsplit("/d", 1) if "/d" in arm and arm.rsplit("/d", 1)[1].isdigit() else (arm, 1)
         spec, which = DraftSpec.parse(arm), int(which)
         source = {"model": lambda: self.draft_model(which), "dflash": lambda: self.dflash(which),
-                  "mtp": lambda: self.head("mtp", which, separate),
-                  "eagle3": lambda: self.head("eagle3", which, separate)}.get(spec.drafter)
-        if separate and spec.drafter not in ("mtp", "eagle3"):
-            raise ValueError("ARM/separate takes a head's arm (mtp-..., eagle3-...)")
+                  "mtp": lambda: self.head("mtp", which),
+                  "eagle3": lambda: self.head("eagle3", which)}.get(spec.drafter)
         make = (lambda: spec.build(source(), target=self.target)) if source else \
             (lambda: spec.build(None, target=self.target))
+        if separate:  # "ARM/separate": every linear layer on its own (join.py's A/B arm)
+            inner = self.maker(arm_in)
+            return lambda: Separate(inner(), self.target)
         if as_tree and (unqueued or chains):
             raise ValueError("ARM/astree queues a head's chains as trees: it takes no /sync or /chains")
         if unqueued:  # "ARM/sync": the same drafter through the round loop (one host sync a round)
@@ -152,33 +155,45 @@ class Arms:
         return make
 
 
-def separate_projections(head):
-    """A loaded head with its fused layers (drafters `fuse_linears`) split back into the separate
-    layers its checkpoint names, run as before the fusion: the A/B arm of the heads' fused
-    projections (ARM/separate)."""
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
+class Separate:
+    """A drafter whose generations run every linear layer on its own, the target's and the
+    drafter's (mlx_treespec/join.py joins those that read one input): the A/B arm
+    (ARM/separate; `run_once` runs it inside `separate`). The target and a DFlash drafter keep
+    compiled forwards of their own for it, traced without the joined matmuls."""
 
-    from mlx_treespec.drafters import split_fused
+    def __init__(self, drafter, target):
+        self.drafter, self.target = drafter, target
 
-    fused = head.fused_layers()
-    weights = split_fused(dict(tree_flatten(head.parameters())), fused)
-    modules = dict(head.named_modules())
-    for path, parts in fused.items():
-        owner_path, _, name = path.rpartition(".")
-        owner = modules[owner_path]
-        for part_name, _ in parts:
-            w, b = weights[f"{owner_path}.{part_name}.weight"], weights.get(f"{owner_path}.{part_name}.bias")
-            part = nn.Linear(w.shape[1], w.shape[0], bias=b is not None)
-            part.weight = w
-            if b is not None:
-                part.bias = b
-            setattr(owner, part_name, part)
-        delattr(owner, name)
-        if type(owner).__name__.startswith("_Fused"):  # (MTP: mlx-lm's own layer class again)
-            owner.__class__ = type(owner).__base__
-    mx.eval(head.parameters())
-    return head
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    @contextlib.contextmanager
+    def separate(self):
+        import mlx_treespec.join as joining
+
+        models = [self.target, getattr(getattr(self.drafter, "bound", None), "model", None)]
+        stores = [m.__dict__ for m in models if m is not None]
+        keys = ("_treespec_compiled_verify", "_treespec_compiled")  # (verify.py, dflash.py)
+        for d in stores:  # the joined traces aside, the separate ones in
+            for k in keys:
+                d[("joined", k)], d[k] = d.pop(k, None), d.pop(("separate", k), None)
+        running, joining.running = joining.running, contextlib.nullcontext
+        try:
+            yield
+        finally:
+            joining.running = running
+            for d in stores:
+                for k in keys:
+                    d[("separate", k)], d[k] = d.pop(k, None), d.pop(("joined", k), None)
+                    if d[k] is None:
+                        del d[k]
+
+
+def run_once(target, drafter, prompt, max_tokens):
+    """`generate_once`, inside the drafter's `separate` where it has one (ARM/separate)."""
+    separate = getattr(drafter, "separate", None)
+    with separate() if separate is not None else contextlib.nullcontext():
+        return generate_once(target, drafter, prompt, max_tokens)
 
 
 class Unqueued:
@@ -745,13 +760,13 @@ def _draft_cost(family, target, cfg, head_cfg, args, q):
     if family == "mtp":
         from mlx_treespec.drafters.mtp import MTPHead
 
-        head = quantize(MTPHead(target).fuse())  # (as a loaded head runs: fused projections)
+        head = quantize(MTPHead(target))
     else:
         from mlx_treespec.drafters.eagle3 import Eagle3Head, _config
 
         c, _, ids = _config(head_cfg, args.head_config)
         c.update(n_aux=len(ids), vocab_size=cfg["vocab_size"])
-        head = quantize(Eagle3Head(c, ids).fuse()).bind(target)
+        head = quantize(Eagle3Head(c, ids)).bind(target)
         head.set_vocab_map(mx.zeros((c["draft_vocab_size"],), mx.int32))
     step = {L: time_head(head, history=args.history, rows=L) for L in (1, 2, 4)}
 
@@ -874,9 +889,13 @@ def time_head(head, history=256, rows=1, repeats=5, warmup=2, seed=0):
     mx.eval(head(toks(history), cache=cache, hidden=hid(history, width), **kw))
     kw = {"first": False} if kw else {}
     times = []
+    from mlx_treespec.join import join, running
+
+    join(head)  # (as a drafting head runs: its projections joined)
     for r in range(warmup + repeats):
         t0 = time.perf_counter()
-        mx.eval(head(toks(rows), cache=cache, hidden=hid(rows, H), **kw))
+        with running():
+            mx.eval(head(toks(rows), cache=cache, hidden=hid(rows, H), **kw))
         t1 = time.perf_counter()
         for c in cache:
             c.trim(rows)
@@ -1187,7 +1206,7 @@ def run_round_host(args):
                 setattr(queued, v, timed(k.replace("spine ", ""), originals[k]))
         mx.async_eval = timed("launch", launch)
         try:
-            out, stats, dt = generate_once(target, Timed(makers[a]()), prompts[i], args.max_tokens)
+            out, stats, dt = run_once(target, Timed(makers[a]()), prompts[i], args.max_tokens)
         finally:
             for k, v in pieces.items():
                 if v:
@@ -1210,14 +1229,14 @@ def run_round_host(args):
 
     log(f"{len(prompts)} prompts x {args.max_tokens} tokens, {len(names)} arms")
     interleave(names, prompts, run, log=log,  # (warmed up as `loop` does)
-               warmup=lambda a: [generate_once(target, makers[a](), prompts[0], args.max_tokens)
+               warmup=lambda a: [run_once(target, makers[a](), prompts[0], args.max_tokens)
                                  for _ in range(verify.CHECKS)])
     rows = []
     for a in names:
         counts.clear()
         mx.async_eval = counted
         try:
-            generate_once(target, makers[a](), prompts[0], args.max_tokens)
+            run_once(target, makers[a](), prompts[0], args.max_tokens)
         finally:
             mx.async_eval = launch
         # (past the verify's timed checks: those rounds run the eager forward too)

@@ -23,6 +23,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from .cache import cache_kind, committed_offset, restore, snapshot
 from .draft import check_drafter
+from .join import join
 from .launch import agree, drafter_digest, in_launch, model_digest
 from .sampling import make_node_sampler
 from .support import require_tree_support
@@ -319,6 +320,7 @@ def tree_generate_step(
         require_tree_support(model)
         capture = tuple(getattr(drafter, "capture", ()))
         check_capture(model, capture)
+        join(model)  # (once; again where the target's weights changed since: join.py)
     caches = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size=max_kv_size)
     if drafter is not None:
         for c in caches:

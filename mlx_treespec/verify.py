@@ -28,6 +28,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.base import scaled_dot_product_attention as _BASE_SDPA
 
 from . import attention
+from . import join as joining
 
 from .cache import (
     cache_kind,
@@ -198,10 +199,12 @@ ROPE_KEYS = ("rope", "rotary_emb")
 
 
 def install(model):
-    """Re-class every rope module and GatedDeltaNet layer of `model` (once per module), and
-    route its model files' attention calls through `_tree_sdpa`."""
+    """Re-class every rope module and GatedDeltaNet layer of `model` (once per module), route its
+    model files' attention calls through `_tree_sdpa`, and join the linear layers that read one
+    input (join.py: one matmul each group in a tree forward)."""
     if getattr(model, "_treespec_installed", False):
         return
+    joining.join(model)
     from .gdn import forkable
 
     for _, module in model.named_modules():
@@ -478,7 +481,7 @@ def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False):
 
                 _CTX.parents = chain_plan(tokens.shape[0]) if parents is None else DevicePlan(parents)
                 _CTX.first = 0
-            with capturing(model, capture) as cap:
+            with capturing(model, capture) as cap, joining.running():
                 out = model(tokens[None], cache=bufs)[0]
                 hidden = [cap.hidden()] if capture else []
         finally:
@@ -519,10 +522,10 @@ def _compiled(model, capture, kernel=False, scans=frozenset()):
         return None, store
     fn = store["fns"].get((capture, kernel, scans))
     if fn is None:
-        # the model's arrays are inputs, read at every call: a trace never runs stale weights
-        # (an update, an in-place edit, an adapter)
+        # the model's arrays and its joined layers' are inputs, read at every call: a trace
+        # never runs stale weights (an update, an in-place edit, an adapter: join.join)
         fn = store["fns"][(capture, kernel, scans)] = mx.compile(
-            whole_buffer_forward(model, capture, scans, kernel), inputs=model.state)
+            whole_buffer_forward(model, capture, scans, kernel), inputs=[model.state, joining.arrays(model)])
     return fn, store
 
 
@@ -561,7 +564,7 @@ def compiled_forward(model, capture, n, args, reference, kernel=False, scans=fro
         return None
     # a trace that raises leaves its placeholders in the model's arrays (they are the
     # function's inputs): the first call of a shape, the one that traces, keeps them
-    saved = tree_flatten(model.parameters()) if shape not in store["checked"] else None
+    saved = (tree_flatten(model.parameters()), joining.held(model)) if shape not in store["checked"] else None
     checked = store["checked"].get(shape, 0)
     timed = 0 < checked < CHECKS
     if timed:  # the inputs' pending work (the draft, the mask, an earlier round) is neither forward's
@@ -571,7 +574,8 @@ def compiled_forward(model, capture, n, args, reference, kernel=False, scans=fro
         out, hidden, keys, values = fn(*args)
     except BaseException as e:
         if saved is not None:
-            model.update(tree_unflatten(saved))
+            model.update(tree_unflatten(saved[0]))
+            joining.put_back(model, saved[1])
         if isinstance(e, _NotCompilable) or (isinstance(e, ValueError) and "transformation" in str(e)):
             store["off"] = f"{type(e).__name__}: {e}"  # the model reads or evaluates in its forward
             return None
@@ -943,7 +947,7 @@ class TreeRound:
             _CTX.positions = positions
             if self._kernel():
                 _CTX.attend = (self._append_mask(None), self._bounds()[1:])
-            with capturing(self.model, self.capture) as cap:
+            with capturing(self.model, self.capture) as cap, joining.running():
                 out = self.model(tokens[None], cache=self.stand_ins)[0]
                 self.hidden = cap.hidden(n)
         finally:

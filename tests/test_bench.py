@@ -303,22 +303,31 @@ def test_round_host_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
         main(["round-host", "--target", "demo", "--arms", "eagle3-chain:3", "--n", "1", "--max-tokens", "8",
               "--out", str(tmp_path / "none")])
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    import mlx_treespec.join as joining
+
     kept = (queued.compiled_forward, queued.walk, queued._replay_layout, queued._spine_layout,
-            queued.replay_prefix, mx.async_eval)
-    main(["round-host", "--target", "demo", "--arms", "eagle3-chain:3,eagle3-chain:3/astree,eagle3-tree:2:3:6:1",
+            queued.replay_prefix, mx.async_eval, joining.running)
+    main(["round-host", "--target", "demo", "--arms",
+          "eagle3-chain:3,eagle3-chain:3/astree,eagle3-tree:2:3:6:1,eagle3-chain:3/separate",
           "--prompts", "unseen", "--n", "2", "--max-tokens", "12", "--out", str(tmp_path / "rh")])
     assert (queued.compiled_forward, queued.walk, queued._replay_layout, queued._spine_layout,
-            queued.replay_prefix, mx.async_eval) == kept
+            queued.replay_prefix, mx.async_eval, joining.running) == kept
     rows = {r["arm"]: r for r in read_json(tmp_path / "rh.json.gz")["arms"]}
-    assert list(rows) == ["eagle3-chain:3", "eagle3-chain:3/astree", "eagle3-tree:2:3:6:1"]
+    assert list(rows) == ["eagle3-chain:3", "eagle3-chain:3/astree", "eagle3-tree:2:3:6:1", "eagle3-chain:3/separate"]
     for arm, r in rows.items():
         assert len(r["runs"]) == 2 and r["round"] > 0 and r["draft"] > 0 and r["verify"] > 0 and r["launch"] > 0
-        assert ("walk" in r) == ("layout" in r) == (arm != "eagle3-chain:3") and r["kernels"] < r["primitives"]
+        assert ("walk" in r) == ("layout" in r) == ("tree" in arm or "astree" in arm) and r["kernels"] < r["primitives"]
         assert r.get("layout", 1) > 0  # (a one-lane tree's layout is timed too)
     # the chain as a tree runs the chain's tokens through the tree's machinery: more kernels on
     # CPU, where the walk is MLX ops (on a GPU one kernel: the H200 counted the chain's)
     assert rows["eagle3-chain:3/astree"]["kernels"] > rows["eagle3-chain:3"]["kernels"]
     assert rows["eagle3-chain:3/astree"]["emitted_per_verify"] == rows["eagle3-chain:3"]["emitted_per_verify"]
+    # ARM/separate: every linear layer on its own (join.py's A/B arm), the same tokens; a round
+    # launches more kernels: per target layer two for q/k/v, one for gate/up, and the head's
+    # three a step
+    separate = rows["eagle3-chain:3/separate"]
+    assert separate["emitted_per_verify"] == rows["eagle3-chain:3"]["emitted_per_verify"]
+    assert separate["kernels"] == rows["eagle3-chain:3"]["kernels"] + 3 * 8 + 3 * 3
     assert "| eagle3-tree:2:3:6:1 |" in (tmp_path / "rh.md").read_text()
     # HEAD-chain:K/astree: the head's chain queued as a tree (the queued path, as on a GPU):
     # plain decoding's tokens in the chain's rounds; only a head's chain arm takes it

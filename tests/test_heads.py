@@ -282,17 +282,18 @@ def _bench_run():
 
 
 @pytest.mark.parametrize("kind", ["mtp", "eagle3"])
-def test_fused_projections_are_the_separate_layers(tmp_path, kind):
-    # loaded heads run q/k/v and the MLP's gate/up as one matmul each (three launches fewer a
-    # step); each output column is the same dot product, so on CPU the logits and hidden are
-    # the separate layers' bit for bit (bench/run.py's ARM/separate splits them back)
+def test_joined_head_steps_are_the_separate_layers(tmp_path, kind):
+    # a drafting head runs q/k/v and the MLP's gate/up as one matmul each (join.py: three
+    # launches fewer a step); each output column is the same dot product, so on CPU the logits
+    # and hidden are the separate layers' bit for bit
+    from mlx_treespec.join import join, joined_groups, running
+
     if kind == "mtp":
         head, _, _, _ = make_mtp(tmp_path, "qwen3_5_tied")
-        at, mlp, width = head.layers[0].self_attn, head.layers[0].mlp, head.args.hidden_size
+        width, owners = head.args.hidden_size, {"layers.0.self_attn", "layers.0.mlp"}
     else:
         head, _, _, _, _, _ = make_eagle3(tmp_path, "safeailab")
-        at, mlp, width = head.midlayer.self_attn, head.midlayer.mlp, 3 * H
-    assert "qkv_proj" in at and "q_proj" not in at and "gate_up_proj" in mlp and "up_proj" not in mlp
+        width, owners = 3 * H, {"midlayer.self_attn", "midlayer.mlp"}
     rng = np.random.default_rng(3)
     tokens = mx.array(rng.integers(0, tiny.VOCAB, 6).astype(np.uint32))
     hidden = _normal(rng, 6, width, std=1.0)
@@ -303,47 +304,37 @@ def test_fused_projections_are_the_separate_layers(tmp_path, kind):
         own = head.out_hidden[:, -2:] if kind == "eagle3" else hidden[None, 4:]  # (a later step's hidden)
         return mx.concatenate([first, head(tokens[None, 4:], cache=cache, hidden=own)], axis=1), head.out_hidden
 
-    fused = run()
-    _bench_run().separate_projections(head)
-    assert "q_proj" in at and "qkv_proj" not in at and "up_proj" in mlp
     separate = run()
-    assert all(mx.array_equal(a, b).item() for a, b in zip(fused, separate))
+    names = sorted(k for k, _ in tree_flatten(head.parameters()))
+    join(head)
+    assert {owner for owner, _ in joined_groups(head)} == owners
+    assert sorted(k for k, _ in tree_flatten(head.parameters())) == names  # (the checkpoint's names)
+    with running():
+        joined = run()
+    assert all(mx.array_equal(a, b).item() for a, b in zip(joined, separate))
 
 
 def test_eagle3_raw_weights_round_trip(tmp_path):
     # what bench/ship_heads.py saves from a loaded, quantized head (head.raw_weights(), the
-    # SafeAILab names with q/k/v and gate/up split again, plus d2t / t2d) loads back to it
+    # SafeAILab names, plus d2t / t2d) loads back to it, joined or not
+    from mlx_treespec.join import join
+
     head, target, W, _, _, _ = make_eagle3(tmp_path, "safeailab")
     nn.quantize(head, group_size=32, bits=4)
+    join(head)
     raw = head.raw_weights()
-    assert "midlayer.self_attn.k_proj.scales" in raw and not any("qkv" in k or "gate_up" in k for k in raw)
+    assert "midlayer.self_attn.k_proj.scales" in raw
     folder = save_folder(tmp_path / "again", safeailab_config(eagle_aux_hidden_state_layer_ids=[1, 3, 4],
                                                               quantization={"group_size": 32, "bits": 4}),
                          dict(raw, d2t=W["d2t"], t2d=W["t2d"]))
     again = load_eagle3(str(folder), target)
     want = dict(tree_flatten(head.parameters()))  # (quantized: compared as the loader dequantizes)
     got = dict(tree_flatten(again.parameters()))
-    assert "midlayer.self_attn.qkv_proj.weight" in got
-    lin = head.midlayer.self_attn.qkv_proj
-    assert mx.array_equal(got["midlayer.self_attn.qkv_proj.weight"],
+    lin = head.midlayer.self_attn.k_proj
+    assert mx.array_equal(got["midlayer.self_attn.k_proj.weight"],
                           mx.dequantize(lin.weight, lin.scales, lin.biases, group_size=32, bits=4).astype(
-                              got["midlayer.self_attn.qkv_proj.weight"].dtype)).item()
+                              got["midlayer.self_attn.k_proj.weight"].dtype)).item()
     assert {k for k in got} == {k.replace(".scales", ".weight") for k in want if not k.endswith(".biases")}
-
-
-def test_fuse_linears_refuses_quantized_layers_and_keeps_mixed_dtypes_apart():
-    from mlx_treespec.drafters import fuse_linears
-
-    m = nn.Module()
-    m.a, m.b = nn.Linear(64, 8), nn.QuantizedLinear(64, 8)
-    with pytest.raises(ValueError, match="float nn.Linear"):
-        fuse_linears(m, ("a", "b"), "ab")
-    # joined, a float16 layer's output would be promoted to float32: both stay as they are
-    m.b = nn.Linear(64, 8)
-    m.b.set_dtype(mx.float16)
-    assert fuse_linears(m, ("a", "b"), "ab") is False and "a" in m and "b" in m and "ab" not in m
-    m.b.set_dtype(mx.float32)
-    assert fuse_linears(m, ("a", "b"), "ab") is True and "a" not in m and m.ab.weight.shape == (16, 64)
 
 
 def path_of(parents, i):

@@ -25,55 +25,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=bias)
 
     def __call__(self, x):
-        if "gate_up_proj" in self:  # (fused by `fuse_linears`)
-            gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(nn.silu(gate) * up)
-
-
-def fuse_linears(module, names, fused):
-    """Replace the float linear layers `names` of `module`, which read one input, by one linear
-    layer `fused` whose output is theirs side by side (callers split it). A queued head round on
-    a GPU is host-bound, a matmul is its costliest launch, and every head step runs these
-    (bench/RESULTS.md, "Head steps with fewer launches"). Each output column is the same dot
-    product as before (on CPU bit for bit; a GPU's GEMM may tile a wider output otherwise). A
-    missing bias is zeros. Layers of different dtypes stay as they are (joined, they would be
-    promoted): returns whether it fused."""
-    parts = [module[n] for n in names]
-    if not all(type(p) is nn.Linear for p in parts):
-        raise ValueError(f"fuse_linears takes float nn.Linear layers, got {[type(p).__name__ for p in parts]}")
-    if len({p.weight.dtype for p in parts} | {p.bias.dtype for p in parts if "bias" in p}) > 1:
-        return False
-    lin = nn.Linear(parts[0].weight.shape[1], sum(p.weight.shape[0] for p in parts),
-                    bias=any("bias" in p for p in parts))
-    lin.weight = mx.concatenate([p.weight for p in parts])
-    if "bias" in lin:
-        lin.bias = mx.concatenate([p.bias if "bias" in p else mx.zeros((p.weight.shape[0],), p.weight.dtype)
-                                   for p in parts])
-    for n in names:
-        delattr(module, n)
-    setattr(module, fused, lin)
-    mx.eval(lin.parameters())
-    return True
-
-
-def split_fused(weights, parts):
-    """Flat weights (name -> array) with each fused layer's tensors (weight, bias, and a
-    quantized layer's scales and biases: all one row per output) split back into the layers it
-    replaced: `parts` maps a fused layer's name ("midlayer.self_attn.qkv_proj") to its layers'
-    (name, rows) in output order. What a checkpoint names (`fuse_linears` runs after loading)."""
-    out = {}
-    for k, v in weights.items():
-        prefix, _, leaf = k.rpartition(".")
-        if prefix not in parts:
-            out[k] = v
-            continue
-        names, rows = zip(*parts[prefix])
-        owner = prefix.rpartition(".")[0]
-        for name, piece in zip(names, mx.split(v, np.cumsum(rows[:-1]).tolist(), axis=0)):
-            out[f"{owner}.{name}.{leaf}"] = piece
-    return out
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 def check_budget_depth(budget, max_depth):

@@ -35,6 +35,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from ..builders import best_first_tree
 from ..draft import Draft, Layout
+from ..join import join, running
 from ..tree import MAX_NODES, chain_parents, preorder, relabel
 from ..verify import check_capture, grown
 from . import GatedMLP, dequantize_linears, target_io
@@ -204,6 +205,7 @@ def bind_dflash(drafter, target):
                          f"(0..{V - 1}): fix dflash_config.mask_token_id")
     if not 2 <= model.block_size <= MAX_NODES:
         raise ValueError(f"the DFlash block size must be in 2..{MAX_NODES}, got {model.block_size}")
+    join(model)  # (its block forward runs q/k/v and gate/up as one matmul each: join.py)
     return BoundDFlash(model, embed, lm_head)
 
 
@@ -353,6 +355,10 @@ class DFlashDrafter:
         mask_tokens = mx.full((B - 1,), int(m.mask_token_id), mx.uint32)
 
         def forward(feats, root, L0, n, keys, values):
+            with running():
+                return block(feats, root, L0, n, keys, values)
+
+        def block(feats, root, L0, n, keys, values):
             # context rows go to [L0, L0 + B), the block to [L0 + B, L0 + 2B); the block sits at
             # positions L0 + n.. (right after the real context rows)
             ctx = m.context(feats)

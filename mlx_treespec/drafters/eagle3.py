@@ -50,7 +50,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .mtp import HeadModule, _one_line, load_checked, quantize_like, read_tensors, step_rows, target_io
 from ..verify import layer_span
-from . import GatedMLP, dequantize_linears, fuse_linears, split_fused
+from . import GatedMLP, dequantize_linears
 
 __all__ = ["Eagle3Head", "load_eagle3", "default_capture"]
 
@@ -78,11 +78,7 @@ class Eagle3Attention(nn.Module):
 
     def __call__(self, x, mask=None, cache=None):
         B, L, _ = x.shape
-        if "qkv_proj" in self:  # (fused by `fuse`)
-            nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-            q, k, v = mx.split(self.qkv_proj(x), [nq, nq + nkv], axis=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(B, L, self.n_heads, -1)
         k = k.reshape(B, L, self.n_kv, -1)
         v = v.reshape(B, L, self.n_kv, -1).transpose(0, 2, 1, 3)
@@ -148,31 +144,10 @@ class Eagle3Head(HeadModule):
         self._target_head = None  # bind(): the target's lm_head, for a head without its own
         self._gather = None  # set_vocab_map: identity until a d2t is given
 
-    def fuse(self):
-        """One matmul for q, k and v, one for the MLP's gate and up (`fuse_linears`): each step
-        launches three fewer. After loading: checkpoints name the separate layers. Once: a
-        fused layer stays fused."""
-        if "q_proj" in self.midlayer.self_attn:
-            fuse_linears(self.midlayer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj")
-        if "gate_proj" in self.midlayer.mlp:
-            fuse_linears(self.midlayer.mlp, ("gate_proj", "up_proj"), "gate_up_proj")
-        return self
-
-    def fused_layers(self):
-        """Each fused layer's parameter path -> the layers it joins, (name, output rows) in order."""
-        at, mlp, out = self.midlayer.self_attn, self.midlayer.mlp, {}
-        if "qkv_proj" in at:
-            q, kv = at.n_heads * at.head_dim, at.n_kv * at.head_dim
-            out["midlayer.self_attn.qkv_proj"] = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
-        if "gate_up_proj" in mlp:
-            half = mlp.gate_up_proj.weight.shape[0] // 2  # (rows: a quantized layer's too)
-            out["midlayer.mlp.gate_up_proj"] = [("gate_proj", half), ("up_proj", half)]
-        return out
-
     def raw_weights(self):
-        """This head's tensors under the SafeAILab names `load_eagle3` reads (fused layers split
-        again; quantized leaves as they are), without `d2t` / `t2d`."""
-        return split_fused(dict(tree_flatten(self.parameters())), self.fused_layers())
+        """This head's tensors under the SafeAILab names `load_eagle3` reads (quantized leaves
+        as they are), without `d2t` / `t2d`."""
+        return dict(tree_flatten(self.parameters()))
 
     def set_vocab_map(self, d2t):
         """d2t (int [Vd]): target id of draft id i is i + d2t[i]; None: the identity (Vd == V).
@@ -394,7 +369,6 @@ def load_eagle3(folder, target_model, capture=None):
     quantize_like(head, weights, raw)
     load_checked(head, weights, f"EAGLE-3 head {folder}")
     dequantize_linears(head)  # shipped small, run as float (see drafters.dequantize_linears)
-    head.fuse()
     head.set_vocab_map(d2t)
     head.eval()
     mx.eval(head.parameters())

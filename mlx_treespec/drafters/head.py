@@ -254,7 +254,7 @@ class HeadDrafter(ModelDrafter):
         if c.keys is None:
             at = next(m for _, m in self.model.named_modules() if hasattr(m, "o_proj") and hasattr(m, "rope"))
             n_kv = getattr(at, "num_key_value_heads", None) or at.n_kv
-            k = at["qkv_proj"] if "qkv_proj" in at else at.k_proj  # (what makes the keys)
+            k = at.k_proj  # (what makes the keys)
             dtype = getattr(k, "scales", k.weight).dtype  # (a quantized head's weight is uint32)
             c.keys = c.values = mx.zeros((1, n_kv, 0, at.head_dim), dtype)
         return grown(c.keys, rows), grown(c.values, rows)

@@ -37,11 +37,9 @@ import sys
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
-from mlx_lm.models.activations import swiglu
-from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
-from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextMLP
-from . import dequantize_linears, fuse_linears, split_fused, target_io  # noqa: F401 (eagle3.py imports it from here)
+from . import dequantize_linears, target_io
 from ..verify import layer_span
 
 __all__ = ["MTPHead", "load_mtp", "target_io", "read_tensors", "quantize_like"]
@@ -174,37 +172,6 @@ class HeadModule(nn.Module):
         return [KVCache()]
 
 
-class _FusedAttention(Qwen3NextAttention):
-    """mlx-lm's Qwen3NextAttention (both families' full-attention layer), its forward repeated
-    with q (and its output gate), k and v from one matmul (`MTPHead.fuse`)."""
-
-    def __call__(self, x, mask=None, cache=None):
-        B, L, _ = x.shape
-        nq, nkv = 2 * self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        q_gate, keys, values = mx.split(self.qkv_proj(x), [nq, nq + nkv], axis=-1)
-        queries, gate = mx.split(q_gate.reshape(B, L, self.num_attention_heads, -1), 2, axis=-1)
-        gate = gate.reshape(B, L, -1)
-        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
-        keys = self.k_norm(keys.reshape(B, L, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
-        values = values.reshape(B, L, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-        if cache is not None:
-            queries = self.rope(queries, offset=cache.offset)
-            keys = self.rope(keys, offset=cache.offset)
-            keys, values = cache.update_and_fetch(keys, values)
-        else:
-            queries, keys = self.rope(queries), self.rope(keys)
-        output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
-        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(B, L, -1) * mx.sigmoid(gate))
-
-
-class _FusedMLP(Qwen3NextMLP):
-    """mlx-lm's Qwen3NextMLP with gate and up from one matmul (`MTPHead.fuse`)."""
-
-    def __call__(self, x):
-        gate, up = mx.split(self.gate_up_proj(x), 2, axis=-1)
-        return self.down_proj(swiglu(gate, up))
-
-
 _FAMILIES = {  # mlx-lm module of the text model -> its decoder layer class
     "mlx_lm.models.qwen3_5": "DecoderLayer",
     "mlx_lm.models.qwen3_next": "Qwen3NextDecoderLayer",
@@ -282,33 +249,9 @@ class MTPHead(HeadModule):
         as it is for "pre"."""
         return self._final_norm(last_layer_out) if self.hidden_kind == "post" else last_layer_out
 
-    def fuse(self):
-        """One matmul for q (with its gate), k and v, one for a dense MLP's gate and up
-        (`fuse_linears`): each step launches three fewer (two with MoE experts, which keep their
-        own layout). After loading, on float layers (checkpoints name the separate ones;
-        `raw_weights` splits them again). Once: a fused layer stays fused."""
-        layer = self.layers[0]
-        if type(layer.self_attn) is Qwen3NextAttention and \
-                fuse_linears(layer.self_attn, ("q_proj", "k_proj", "v_proj"), "qkv_proj"):
-            layer.self_attn.__class__ = _FusedAttention
-        if type(layer.mlp) is Qwen3NextMLP and fuse_linears(layer.mlp, ("gate_proj", "up_proj"), "gate_up_proj"):
-            layer.mlp.__class__ = _FusedMLP
-        return self
-
-    def fused_layers(self):
-        """Each fused layer's parameter path -> the layers it joins, (name, output rows) in order."""
-        at, mlp, out = self.layers[0].self_attn, self.layers[0].mlp, {}
-        if "qkv_proj" in at:
-            q, kv = 2 * at.num_attention_heads * at.head_dim, at.num_key_value_heads * at.head_dim
-            out["layers.0.self_attn.qkv_proj"] = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
-        if "gate_up_proj" in mlp:
-            half = mlp.gate_up_proj.weight.shape[0] // 2  # (rows: a quantized layer's too)
-            out["layers.0.mlp.gate_up_proj"] = [("gate_proj", half), ("up_proj", half)]
-        return out
-
     def raw_weights(self):
         """This head's tensors in the layout `load_mtp` reads: `mtp.` names, zero-centred norms
-        (w, not 1 + w), fused layers split again; quantized leaves as they are (`.scales` /
+        (w, not 1 + w); quantized leaves as they are (`.scales` /
         `.biases`). Experts stay in mlx-lm's stacked `switch_mlp.*` form, which `load_mtp`
         reads too."""
         weights = {}
@@ -316,7 +259,7 @@ class MTPHead(HeadModule):
             if v.ndim == 1 and mx.issubdtype(v.dtype, mx.floating) and _is_norm(k):
                 v = v - mx.array(1.0, v.dtype)
             weights["mtp." + k] = v
-        return split_fused(weights, {"mtp." + k: v for k, v in self.fused_layers().items()})
+        return weights
 
     def __call__(self, inputs, cache=None, hidden=None):
         if self._embed is None:
@@ -417,7 +360,6 @@ def load_mtp(target_folder, target_model, zero_centred=None):
     quantize_like(head, weights, config, prefix="mtp.")
     load_checked(head, weights, f"MTP weights in {target_folder}")
     dequantize_linears(head)  # shipped small, run as float (see drafters.dequantize_linears)
-    head.fuse()
     head.eval()
     mx.eval(head.parameters())
     return head

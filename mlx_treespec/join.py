@@ -1,0 +1,204 @@
+"""Linear layers that read one input, run as one matmul in the library's forwards.
+
+Queued rounds on a GPU are host-bound: every kernel a round launches costs host time, and a
+matmul is the costliest launch (bench/RESULTS.md, "Joined projections"). An attention layer's
+q, k and v projections read the same rows, as do an MLP's gate and up and a GatedDeltaNet
+layer's input projections. `join` puts each such group's arrays side by side in one buffer and
+makes every layer's own arrays views of its rows: the model keeps its parameters, their names
+and values, its memory and its own forward, which mlx-lm's plain decoding runs unchanged.
+Inside a library forward (`running`: the tree forwards of verify.py, a DFlash block) the
+first layer of a group called on an input runs the joined matmul and each layer takes its own
+columns of it; a layer called on another input runs the joined matmul over that one.
+
+Each column is the same dot product as the layer's own: on CPU bit for bit (pinned by
+`test_joined_forward_is_the_separate_forward`); a GPU's GEMM may tile a wider output otherwise,
+which the exactness probe measures as it does a verify's row count.
+"""
+import contextlib
+
+import numpy as np
+import mlx.core as mx
+import mlx.nn as nn
+
+__all__ = ["GROUPS", "join", "arrays", "running", "held", "put_back", "joined_groups"]
+
+# Layers that read one input, by attribute name, in output order: attention (mlx-lm's models,
+# the heads, DFlash), SwiGLU MLPs, GatedDeltaNet's input projections (qwen3_5, qwen3_next)
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
+          ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), ("in_proj_qkvz", "in_proj_ba"))
+
+_LEAVES = ("weight", "scales", "biases", "bias")  # a linear layer's arrays: one row per output
+_KINDS = (nn.Linear, nn.QuantizedLinear)
+_memo = None  # {id(group): (input, joined output)} while a library forward runs
+
+
+class _Group:
+    """One group's joined arrays (`joint`) and where each layer's columns start (`cuts`).
+    `stale`: a layer's arrays were set since (its `__setitem__`), so the joint may differ."""
+
+    def __init__(self, owner, names):
+        self.owner, self.names, self.stale = owner, names, False
+        self.parts = [owner[n] for n in names]
+        first = self.parts[0]
+        self.leaves = [k for k in _LEAVES if k in first]
+        self.quant = None if _base(first) is nn.Linear else \
+            dict(group_size=first.group_size, bits=first.bits, mode=first.mode)
+        self.joint = {k: mx.concatenate([p[k] for p in self.parts]) for k in self.leaves}
+        mx.eval(self.joint)
+        self.cuts = np.cumsum([0] + [p.weight.shape[0] for p in self.parts]).tolist()
+        for i, (p, a, b) in enumerate(zip(self.parts, self.cuts[:-1], self.cuts[1:])):
+            for k in self.leaves:
+                dict.__setitem__(p, k, self.joint[k][a:b])  # a view: the layer's memory is the joint's
+            _reclass(p, self, i)
+        mx.eval([p.parameters() for p in self.parts])
+
+    def intact(self):
+        """Whether every layer is still in its place with the arrays it was joined with. (Not
+        by array identity: a compiled call puts its implicit inputs back as new array objects.)"""
+        return not self.stale and all(self.owner.get(n) is p for n, p in zip(self.names, self.parts))
+
+    def matmul(self, x):
+        """The group's output for rows x: each layer's output side by side (its own arithmetic:
+        nn.Linear's addmm or matmul, nn.QuantizedLinear's quantized matmul and bias add)."""
+        j = self.joint
+        if self.quant is None:
+            return mx.addmm(j["bias"], x, j["weight"].T) if "bias" in j else x @ j["weight"].T
+        y = mx.quantized_matmul(x, j["weight"], scales=j["scales"], biases=j.get("biases"), transpose=True,
+                                **self.quant)
+        return y + j["bias"] if "bias" in j else y
+
+    def columns(self, i, x):
+        """Layer i's columns of the group's output for x (run once per input)."""
+        hit = _memo.get(id(self))
+        if hit is None or hit[0] is not x:
+            hit = _memo[id(self)] = (x, self.matmul(x))
+        return hit[1][..., self.cuts[i] : self.cuts[i + 1]]
+
+
+def _part_call(self, x):
+    group = self.__dict__.get("_treespec_group")
+    if _memo is None or group is None:  # outside a library forward: the layer's own
+        return super(type(self), self).__call__(x)
+    return group.columns(self.__dict__["_treespec_column"], x)
+
+
+def _part_setitem(self, key, value):
+    # an update, a load or an assignment of a layer's arrays: its group's joint is stale
+    group = self.__dict__.get("_treespec_group")
+    if group is not None and key in _LEAVES:
+        group.stale = True
+    super(type(self), self).__setitem__(key, value)
+
+
+def _part_delitem(self, key):
+    group = self.__dict__.get("_treespec_group")
+    if group is not None and key in _LEAVES:
+        group.stale = True
+    super(type(self), self).__delitem__(key)
+
+
+_CLASSES = {}
+
+
+def _reclass(part, group, column):
+    cls = type(part)
+    if cls not in _CLASSES.values():
+        sub = _CLASSES.get(cls)
+        if sub is None:
+            sub = _CLASSES[cls] = type(f"Joined{cls.__name__}", (cls,), {
+                "__call__": _part_call, "__setitem__": _part_setitem, "__delitem__": _part_delitem})
+        part.__class__ = sub
+    part.__dict__["_treespec_group"] = group
+    part.__dict__["_treespec_column"] = column
+
+
+def _base(module):
+    """A layer's class before `join` re-classed it."""
+    cls = type(module)
+    return cls.__mro__[1] if cls in _CLASSES.values() else cls
+
+
+def _joinable(owner, names):
+    """Whether `owner`'s layers `names` can be one matmul: all there, all float (or all
+    quantized alike), one input width, one dtype per array, all with or all without a bias."""
+    parts = [owner.get(n) for n in names]
+    if not all(isinstance(p, nn.Module) for p in parts):
+        return False
+    kinds = {_base(p) for p in parts}
+    if len(kinds) != 1 or kinds.pop() not in _KINDS:
+        return False
+    leaves = [tuple(k for k in _LEAVES if k in p) for p in parts]
+    if len(set(leaves)) != 1:
+        return False
+    if any({p[k].dtype for p in parts} != {parts[0][k].dtype} or {p[k].shape[1:] for p in parts} != {parts[0][k].shape[1:]}
+           for k in leaves[0]):
+        return False
+    quant = {(getattr(p, "group_size", None), getattr(p, "bits", None), getattr(p, "mode", None)) for p in parts}
+    return len(quant) == 1
+
+
+def _groups(model):
+    for _, module in model.named_modules():
+        for names in GROUPS:
+            if all(n in module for n in names) and _joinable(module, names):
+                yield module, names
+
+
+def join(model):
+    """Join every group of `model` (`GROUPS`) whose layers can be one matmul, once; again where
+    a group's layers changed since (new weights: its joint would be stale). A group joined for
+    another model that shares the module (a layer-skip draft) is kept. Returns the groups."""
+    groups = model.__dict__.get("_treespec_joined")
+    if groups is not None and all(g.intact() for g in groups):
+        return groups
+    groups = []
+    for module, names in _groups(model):
+        group = module[names[0]].__dict__.get("_treespec_group")
+        groups.append(group if group is not None and group.intact() else _Group(module, names))
+    model.__dict__["_treespec_joined"] = groups
+    arrays(model)
+    return groups
+
+
+def arrays(model):
+    """The model's joined arrays: one list per model, updated in place by `join`, which the
+    compiled verify takes as inputs, so a trace never runs a stale joint."""
+    out = model.__dict__.setdefault("_treespec_joints", [])
+    out[:] = [g.joint for g in model.__dict__.get("_treespec_joined", ())]
+    return out
+
+
+def held(model):
+    """The joined arrays as they are now (a trace that raises leaves its placeholders in them:
+    they are the compiled verify's inputs), for `put_back`."""
+    return [(g, dict(g.joint)) for g in model.__dict__.get("_treespec_joined", ())]
+
+
+def put_back(model, held):
+    """The joined arrays `held` saved, after the layers' own arrays were put back (as they
+    were joined: the groups are not stale)."""
+    for g, joint in held:
+        g.joint.clear()
+        g.joint.update(joint)
+        g.stale = False
+
+
+def joined_groups(model):
+    """(owner path, layer names) of each joined group of `model`."""
+    paths = {id(m): p for p, m in model.named_modules()}
+    return [(paths.get(id(g.owner), "?"), g.names) for g in model.__dict__.get("_treespec_joined", ())]
+
+
+@contextlib.contextmanager
+def running():
+    """A library forward: joined layers run their group's matmul once per input. Nests (the
+    outermost clears the outputs it kept)."""
+    global _memo
+    outer = _memo
+    if outer is None:
+        _memo = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _memo = None

@@ -1,0 +1,112 @@
+"""Joined projections (mlx_treespec/join.py): linear layers that read one input run as one
+matmul inside the library's forwards, bit for bit their own on CPU, and never stale."""
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten, tree_map
+from mlx_lm.generate import generate_step
+
+import tiny
+from mlx_treespec import RoundStats, tree_generate_step
+from mlx_treespec import join as joining
+from mlx_treespec.drafters.model import ModelDrafter
+
+PROMPT = [5, 17, 42, 8, 63, 11, 29]
+
+# family -> the groups a tiny model of it joins (one per layer each)
+JOINS = {
+    "qwen3": {("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")},
+    "qwen2": {("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")},  # (q/k/v with biases)
+    "qwen3_5": {("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
+                ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")},
+    "qwen3_next": {("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("in_proj_qkvz", "in_proj_ba")},
+}
+
+
+def _quantized(model):
+    nn.quantize(model, group_size=32, bits=4)
+    return model
+
+
+@pytest.mark.parametrize("family,quantize", [(f, False) for f in JOINS] + [("qwen3", True), ("qwen3_5", True)])
+def test_joined_forward_is_the_separate_forward(family, quantize):
+    # each joined column is the layer's own dot product: on CPU the logits are bit for bit the
+    # separate layers', in a library forward and outside one; the parameters keep their names
+    model = tiny.build(tiny.CONFIGS[family])
+    if quantize:
+        _quantized(model)
+    tokens = mx.array(PROMPT)[None]
+    separate = model(tokens)
+    names = sorted(k for k, _ in tree_flatten(model.parameters()))
+    joining.join(model)
+    assert {names for _, names in joining.joined_groups(model)} == JOINS[family]
+    assert sorted(k for k, _ in tree_flatten(model.parameters())) == names
+    with joining.running():
+        joined = model(tokens)
+    assert mx.array_equal(joined, separate).item()
+    assert mx.array_equal(model(tokens), separate).item()  # (mlx-lm's own forward, as before)
+
+
+def test_a_group_runs_one_matmul_per_input(monkeypatch):
+    model = tiny.build(tiny.CONFIGS["qwen3"])
+    groups = joining.join(model)
+    calls = []
+    matmul = joining._Group.matmul
+    monkeypatch.setattr(joining._Group, "matmul", lambda self, x: calls.append(self) or matmul(self, x))
+    model(mx.array(PROMPT)[None])
+    assert calls == []  # outside a library forward: every layer its own
+    with joining.running():
+        model(mx.array(PROMPT)[None])
+    assert len(calls) == len(groups) == 2 * tiny.CONFIGS["qwen3"]["num_hidden_layers"]
+    assert {id(g) for g in calls} == {id(g) for g in groups}
+
+
+def _generate(target, draft):
+    stats = RoundStats()
+    drafter = ModelDrafter(draft, topk=2, depth=3)
+    out = [int(t) for t, _, _ in tree_generate_step(PROMPT, target, drafter, max_tokens=24, stats=stats)]
+    return out, stats
+
+
+def _plain(model):
+    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=24)]
+
+
+def test_new_weights_join_again():
+    # weights set after a join (an update, a load) leave its joint stale: the next generation
+    # joins again, and its tokens are the new weights' own
+    target = tiny.build(tiny.CONFIGS["qwen3"])
+    draft = tiny.perturbed(target)
+    out, stats = _generate(target, draft)
+    assert out == _plain(target) and sum(stats.accepted) > 0
+    before = joining.join(target)
+    target.update(tree_map(lambda w: w * 0.9 if w.ndim == 2 else w, target.parameters()))
+    assert not any(g.intact() for g in before)
+    again, _ = _generate(target, draft)
+    assert again == _plain(target) and again != out
+    assert all(g.intact() for g in joining.join(target)) and joining.join(target)[0] is not before[0]
+
+
+def test_layers_that_cannot_be_one_matmul_stay_apart():
+    # joined, a float16 layer's output would be promoted to float32; a bias on some layers,
+    # quantization on some or at different bits, another input width: each stays as it is
+    def owner(*kv):
+        m = nn.Module()
+        m.q_proj = nn.QuantizedLinear(64, 32, bias=False) if isinstance(kv[0], nn.QuantizedLinear) else \
+            nn.Linear(64, 32, bias=False)
+        m.k_proj, m.v_proj = kv
+        return m
+
+    half = nn.Linear(64, 16, bias=False)
+    half.set_dtype(mx.float16)
+    quant = lambda bits=4: nn.QuantizedLinear(64, 16, bias=False, bits=bits)  # noqa: E731
+    plain = lambda **kw: nn.Linear(kw.get("width", 64), 16, bias=kw.get("bias", False))  # noqa: E731
+    for kv in [(plain(), half), (plain(), plain(bias=True)), (plain(), quant()), (plain(), plain(width=32)),
+               (quant(), quant(8))]:
+        assert joining.join(owner(*kv)) == []
+    m = owner(quant(), quant())
+    assert len(joining.join(m)) == 1
+    x = mx.random.normal((1, 3, 64))
+    with joining.running():
+        q, k = m.q_proj(x), m.k_proj(x)
+    assert q.shape == (1, 3, 32) and mx.array_equal(k, nn.QuantizedLinear.__call__(m.k_proj, x)).item()
