@@ -158,8 +158,9 @@ class Arms:
 class Separate:
     """A drafter whose generations run every linear layer on its own, the target's and the
     drafter's (mlx_treespec/join.py joins those that read one input): the A/B arm
-    (ARM/separate; `run_once` runs it inside `separate`). The target and a DFlash drafter keep
-    compiled forwards of their own for it, traced without the joined matmuls."""
+    (ARM/separate; `run_once` runs it inside `separate`). The joined layers get their own
+    classes back for the generation, and the target and a DFlash drafter compiled forwards of
+    their own, traced without the joined matmuls."""
 
     def __init__(self, drafter, target):
         self.drafter, self.target = drafter, target
@@ -169,24 +170,32 @@ class Separate:
 
     @contextlib.contextmanager
     def separate(self):
-        import mlx_treespec.join as joining
+        from mlx_treespec.join import join
 
-        models = [self.target, getattr(getattr(self.drafter, "bound", None), "model", None)]
-        stores = [m.__dict__ for m in models if m is not None]
-        keys = ("_treespec_compiled_verify", "_treespec_compiled")  # (verify.py, dflash.py)
-        for d in stores:  # the joined traces aside, the separate ones in
-            for k in keys:
-                d[("joined", k)], d[k] = d.pop(k, None), d.pop(("separate", k), None)
-        running, joining.running = joining.running, contextlib.nullcontext
+        bound = getattr(self.drafter, "bound", None)  # (a DFlash drafter)
+        models = [self.target, getattr(self.drafter, "model", None), getattr(bound, "model", None)]
+        models = [m for m in models if m is not None]
+        parts = [(p, type(p)) for m in models for g in join(m) for p in g.parts]
+        key = "_treespec_compiled_verify"
+        joined = self.target.__dict__.pop(key, None)
+        if ("separate", key) in self.target.__dict__:
+            self.target.__dict__[key] = self.target.__dict__[("separate", key)]
+        if bound is not None:  # (its block forward, traced at its first call: in here)
+            forward = self.drafter._forward
+            self.drafter._forward = bound.model.__dict__.get("_separate_forward") or self.drafter._compile()
+        for p, cls in parts:
+            p.__class__ = cls.__mro__[1]
         try:
             yield
         finally:
-            joining.running = running
-            for d in stores:
-                for k in keys:
-                    d[("separate", k)], d[k] = d.pop(k, None), d.pop(("joined", k), None)
-                    if d[k] is None:
-                        del d[k]
+            for p, cls in parts:
+                p.__class__ = cls
+            self.target.__dict__[("separate", key)] = self.target.__dict__.pop(key, None)
+            if joined is not None:
+                self.target.__dict__[key] = joined
+            if bound is not None:
+                bound.model.__dict__["_separate_forward"] = self.drafter._forward
+                self.drafter._forward = forward
 
 
 def run_once(target, drafter, prompt, max_tokens):
