@@ -1324,7 +1324,9 @@ def run_draft_kernels(args):
         drafter = arms.maker(a)()
         if getattr(drafter, "ahead", None) is None or not hasattr(drafter, "_steps_ahead"):
             sys.exit(f"draft-kernels: arm {a} is not a head drafting ahead (mtp-..., eagle3-...)")
-        counts = draft_kernels(target, drafter, prompt)
+        separate = getattr(drafter, "separate", None)  # (ARM/separate: its layers apart)
+        with separate() if separate is not None else contextlib.nullcontext():
+            counts = draft_kernels(target, drafter, prompt)
         rows.append(dict(arm=a, kernels=sum(counts.values()), by_kind=dict(counts)))
         log(f"{a}: {rows[-1]['kernels']} kernels")
     report = dict(meta=run_meta(section=args.section, target=args.target, arms=args.arms.split(",")), arms=rows)
