@@ -68,7 +68,7 @@ def ship_eagle3(src, dst, bits, group_size):
         head = load_eagle3(src, target)
         config = json.loads((Path(src) / "config.json").read_text())
         shipped_weights(head, config, bits, group_size)
-        weights = head.raw_weights()  # (the loader fuses q/k/v and gate/up: the checkpoint names them apart)
+        weights = head.raw_weights()  # (its checkpoint names: joined layers keep theirs)
         weights.update({k: raw[k] for k in ("d2t", "t2d")})
         return _write(dst, weights, config, src)
     finally:
