@@ -82,18 +82,20 @@ def _part_call(self, x):
     return group.columns(self.__dict__["_treespec_column"], x)
 
 
-def _part_setitem(self, key, value):
-    # an update, a load or an assignment of a layer's arrays: its group's joint is stale
-    group = self.__dict__.get("_treespec_group")
+def _stale(part, key):
+    # an update, a load, an assignment or a removal of a layer's arrays: its joint is stale
+    group = part.__dict__.get("_treespec_group")
     if group is not None and key in _LEAVES:
         group.stale = True
+
+
+def _part_setitem(self, key, value):
+    _stale(self, key)
     super(type(self), self).__setitem__(key, value)
 
 
 def _part_delitem(self, key):
-    group = self.__dict__.get("_treespec_group")
-    if group is not None and key in _LEAVES:
-        group.stale = True
+    _stale(self, key)
     super(type(self), self).__delitem__(key)
 
 
@@ -130,8 +132,7 @@ def _joinable(owner, names):
     leaves = [tuple(k for k in _LEAVES if k in p) for p in parts]
     if len(set(leaves)) != 1:
         return False
-    if any({p[k].dtype for p in parts} != {parts[0][k].dtype} or {p[k].shape[1:] for p in parts} != {parts[0][k].shape[1:]}
-           for k in leaves[0]):
+    if any(len({(p[k].dtype, p[k].shape[1:]) for p in parts}) > 1 for k in leaves[0]):
         return False
     quant = {(getattr(p, "group_size", None), getattr(p, "bits", None), getattr(p, "mode", None)) for p in parts}
     return len(quant) == 1
