@@ -22,8 +22,9 @@ drafts with the I-th folder its drafter's option names (--draft-model, --dflash,
 take comma lists: two heads in one interleaved run), /sync without queued rounds, auto:dflash/chains
 queueing the primary's chains instead of its trees, HEAD-chain:K/astree a head's chains queued as
 trees of no leaves, ARM/separate every linear layer run on its own, where the library joins
-those that read one input (mlx_treespec/join.py; suffixes in that order: ARM[/dI][/sync],
-ARM[/chains], ARM[/astree], ARM[/separate]).
+those that read one input (mlx_treespec/join.py), TREE/ranked EAGLE-2's lanes re-ranked at every
+step, where the library ranks the first lane step only (suffixes in that order: ARM[/dI][/sync],
+ARM[/chains], ARM[/astree], ARM[/ranked], ARM[/separate]).
  Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
@@ -132,6 +133,7 @@ class Arms:
         warm-up and then read from disk)."""
         arm, separate = (arm[: -len("/separate")], True) if arm.endswith("/separate") else (arm, False)
         arm_in = arm
+        arm, ranked = (arm[: -len("/ranked")], True) if arm.endswith("/ranked") else (arm, False)
         arm, as_tree = (arm[: -len("/astree")], True) if arm.endswith("/astree") else (arm, False)
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
@@ -145,6 +147,8 @@ class Arms:
         if separate:  # "ARM/separate": every linear layer on its own (join.py's A/B arm)
             inner = self.maker(arm_in)
             return lambda: Separate(inner(), self.target)
+        if ranked:  # "TREE/ranked": EAGLE-2's lanes re-ranked at every step (ranked_lane_steps' A/B arm)
+            return lambda: every_step_ranked(make())
         if as_tree and (unqueued or chains):
             raise ValueError("ARM/astree queues a head's chains as trees: it takes no /sync or /chains")
         if unqueued:  # "ARM/sync": the same drafter through the round loop (one host sync a round)
@@ -154,6 +158,15 @@ class Arms:
         if chains:  # "auto:KIND/chains": the adaptive drafter queueing its primary's chains
             return lambda: ChainsQueued.of(make())
         return make
+
+
+def every_step_ranked(drafter):
+    """A lane-tree drafter (model or head, lanes >= 2) whose lanes are re-ranked at every step, as
+    EAGLE-2 ranks them, where the library ranks the first lane step only (`ranked_lane_steps`)."""
+    if not (hasattr(drafter, "ranked_lane_steps") and drafter.topk > 1 and drafter.lanes > 1):
+        raise ValueError("ARM/ranked takes a tree arm of two or more lanes (tree:K:S:B:L, mtp-tree, eagle3-tree)")
+    drafter.ranked_lane_steps = drafter.depth
+    return drafter
 
 
 class Separate:

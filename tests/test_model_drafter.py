@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 
 from mlx_treespec.builders import Eagle2Builder
-from mlx_treespec.drafters.model import keep_best
+from mlx_treespec.drafters.model import keep_best, lane_candidates
 from mlx_treespec.tree import DraftTree
 
 
@@ -56,6 +56,36 @@ def test_keep_best_nan_scores_rank_last():
     assert sorted(np.array(sel).tolist()) == [0, 2, 3]
     assert np.array(sel).tolist()[0] == 2  # the best one leads (all are at depth 1)
     assert sorted(np.array(tokens).tolist()[1:]) == [10, 12, 13]
+
+
+@pytest.mark.parametrize("G", [1, 3])
+def test_lane_candidates_score_as_eagle2_scores_each_lane(G):
+    # after the ranked lane steps each lane goes on by its own argmax; its steps' candidates are
+    # each lane's top K, scored as EAGLE-2 scores a candidate (the lane's score so far plus the
+    # token's log-prob, at most 0), the argmax in its top-K slot, its parent the lane's node
+    # (the argmax of the step before); an argmax tied beyond the top K still takes a slot
+    rng = np.random.default_rng(G)
+    L, K, V, first = 2, 3, 9, 7
+    logits = rng.normal(size=(G, L, V)).astype(np.float32)
+    logits[-1, 1, :5] = 2.0  # five tie for the top: the argmax (token 0) must still be kept
+    argmax = logits.argmax(-1)
+    lane_scores, lane_cands = np.array([-0.5, -1.25], np.float32), np.array([3, 5], np.int32)
+    tok, score, parent, ids = (np.array(a) for a in lane_candidates(
+        mx.array(lane_scores), mx.array(lane_cands), mx.array(logits), mx.array(argmax), first, K))
+    tok, score, parent = tok.reshape(G, L, K), score.reshape(G, L, K), parent.reshape(G, L, K)
+    lp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    running, node = lane_scores.astype(np.float64), lane_cands
+    for g in range(G):
+        for i in range(L):
+            assert len(set(tok[g, i].tolist())) == K and argmax[g, i] in tok[g, i]
+            # the lane's K best (up to ties at the K-th)
+            assert lp[g, i, tok[g, i]].min() >= np.sort(lp[g, i])[-K] - 1e-6
+            np.testing.assert_allclose(score[g, i], running[i] + np.minimum(lp[g, i, tok[g, i]], 0), atol=1e-5)
+            assert (parent[g, i] == node[i]).all()
+            slot = tok[g, i].tolist().index(argmax[g, i])
+            assert ids[g, i] == first + (g * L + i) * K + slot
+        running = running + np.minimum(lp[g, np.arange(L), argmax[g]], 0)
+        node = ids[g]
 
 
 CACHE_SHAPES = [dict(draft_block_size=4), dict(tree_topk=3, tree_depth=4, tree_budget=12),

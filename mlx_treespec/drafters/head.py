@@ -17,7 +17,8 @@ are real, the last is the root's) and takes `depth` one-token steps after them, 
 compiled function over whole K/V buffers (verify.whole_buffer_forward with the head as the
 model); `tree_ahead` adds each step's runners-up as leaves (a one-lane tree whose siblings all
 stay: model.one_lane_parents), from the same steps' logits; `lanes_ahead` drafts any other tree
-(EAGLE-2 lanes) as the round loop's `_tree` does, a compiled call a step. Step rows land after
+(EAGLE-2 lanes, ranked once, then each lane its own argmax) as the round loop's `_tree` does, a
+compiled call a step. Step rows land after
 the real slots and are overwritten by the next round's, as the round loop's head cache keeps
 only first-pass slots.
 """
@@ -28,8 +29,8 @@ import mlx.core as mx
 
 from ..draft import Draft, Layout
 from ..verify import grown, install, whole_buffer_forward
-from .model import (ModelDrafter, _logprobs, _top_k, keep_best, keeps_every_sibling, one_lane_parents, runners_up,
-                    kept_nodes)
+from .model import (ModelDrafter, _logprobs, _top_k, keep_best, keeps_every_sibling,
+                    kept_nodes, lane_candidates, one_lane_parents, runners_up)
 
 __all__ = ["HeadDrafter"]
 
@@ -296,13 +297,22 @@ class HeadDrafter(ModelDrafter):
             # ancestors and itself. Each step is one call of one compiled function whose arrays
             # keep their shapes from step to step (the step is an input): unrolled, every step's
             # shapes differed and each was a kernel compile of its own on a fresh GPU (minutes)
-            start, step, rank, steps = self._lanes_fns(forward)
+            start, step, argmax_inputs, argmax_step, rank, steps = self._lanes_fns(forward)
             state, first, ks, vs = start(tokens, slot_rows, count, L0, keys, values, ranges)
-            later = []
-            for own, offsets in steps:
-                state, made, ks, vs = step(own, offsets, state, ks, vs)
+            later, own = [], ()
+            for own_rows, offsets in steps:
+                state, made, ks, vs = step(own_rows, offsets, state, ks, vs)
                 later.append(made)
-            return (*rank(first, later), ks[0], vs[0])
+            if depth - 1 > self.ranked_lane_steps:  # then each lane by its own argmax
+                masks, positions, starts = argmax_inputs(state, ks)
+                toks, hidden, logits, argmaxes = state[4], state[7], [], []
+                for g in range(masks.shape[0]):  # (slices of arrays made once: views)
+                    toks, hidden, made, ks, vs = argmax_step(masks[g], positions[g], starts[g], toks, hidden,
+                                                             ks, vs)
+                    logits.append(made)
+                    argmaxes.append(toks)
+                own = (state[5], state[6], logits, argmaxes)
+            return (*rank(first, later, own), ks[0], vs[0])
 
         fn = self.__dict__[("_compiled_ahead", kind)] = lanes if kind == "lanes" else mx.compile(chain)
         return fn
@@ -319,23 +329,28 @@ class HeadDrafter(ModelDrafter):
         return mx.take(logits, last, axis=0), mx.take(self.model.out_hidden[0], last, axis=0), ks, vs
 
     def _lanes_fns(self, forward):
-        """`_ahead_fn`'s EAGLE-2 tree as three compiled functions and each step's constants:
-        `start` (the slots' forward and the root's children: the lanes' state), `step` (one step
-        of the lanes; it gives out that step's candidates) and `rank` (keep_best over every
-        candidate). The state: the base column, the round's column masks (history; step rows;
-        each column's step row), the lanes' tokens, scores, candidate ids, parents' output hidden
-        and visible step rows [L, R]. A step's candidates: tokens and scores [L * K] and the
-        lanes' candidate ids [L] (their parents).
+        """`_ahead_fn`'s EAGLE-2 tree as compiled functions and each step's constants: `start`
+        (the slots' forward and the root's children: the lanes' state), `step` (one ranked
+        step of the lanes; it gives out that step's candidates), `argmax_inputs` (the masks,
+        positions and bounds of every later step, at once), `argmax_step` (one step in which
+        each lane goes on by its own argmax: a chain step's work over L rows) and `rank` (the
+        argmax steps' candidates, then keep_best over every candidate). The state: the base
+        column, the round's column masks (history; step rows; each column's step row), the
+        lanes' tokens, scores, candidate ids, parents' output hidden and visible step rows
+        [L, R]. A ranked step's candidates: tokens and scores [L * K] and the lanes' candidate
+        ids [L] (their parents).
 
         Queued rounds are host-bound on a GPU, and every kernel a step launches costs host time:
-        what does not change within a round (its column masks) is made once in `start`, what
-        does not change between rounds (each step's own rows, offsets) once per drafter, and
-        the candidates are joined once in `rank` rather than written a step at a time."""
+        what does not change within a round (its column masks, the argmax steps' masks) is made
+        once in `start` or `argmax_inputs`, what does not change between rounds (each step's
+        own rows, offsets) once per drafter, and the candidates are joined once in `rank`
+        rather than written a step at a time."""
         fns = self.__dict__.get("_compiled_lanes")
         if fns is not None:
             return fns
         head, S, K, L = self.model, self.depth, self.topk, self.lanes
         R = (S - 1) * L  # step rows
+        ranked = min(self.ranked_lane_steps, S - 1)
 
         def start(tokens, slot_rows, count, L0, keys, values, ranges):
             logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values, ranges)
@@ -366,32 +381,61 @@ class HeadDrafter(ModelDrafter):
                      (offsets[4] + choice).astype(mx.int32), head.out_hidden[0][parent], rows[parent])
             return state, (idx.reshape(-1).astype(mx.uint32), scores.astype(mx.float32), lane_cands), ks, vs
 
+        # the argmax steps (ranked + 1 .. S - 1): step s's lane i writes step row (s - 1) L + i
+        # and sees what its lane saw entering them, and its own rows of these steps up to s
+        argmax_steps = np.arange(ranked + 1, S)
+        own_after = np.zeros((len(argmax_steps), L, R), bool)
+        for g, s in enumerate(argmax_steps):
+            for t in argmax_steps[: g + 1]:
+                own_after[g, np.arange(L), (t - 1) * L + np.arange(L)] = True
+        own_after = mx.array(own_after)
+        argmax_offsets = mx.array(np.stack([(argmax_steps - 1) * L, 0 * argmax_steps, R + 0 * argmax_steps], 1)
+                                  .astype(np.int32).reshape(-1, 3))
+        argmax_positions = mx.array(np.repeat((argmax_steps - 1)[:, None], L, 1).astype(np.int32))
+
+        def argmax_inputs(state, ks):
+            base, history, window, column, _, _, _, _, lane_seen = state
+            rows = lane_seen[None] | own_after  # [G, L, R]
+            visible = history[None, None] | (window[None, None] & mx.take(rows, column, axis=2))
+            return _additive(visible, ks[0].dtype), base + argmax_positions, base + argmax_offsets
+
+        def argmax_step(mask, positions, bounds, lane_tokens, lane_hidden, ks, vs):
+            self._set_hidden(lane_hidden, first=False)
+            logits, _, ks, vs = forward(lane_tokens, positions, mask, bounds, ks, vs)
+            return mx.argmax(logits, axis=-1).astype(mx.uint32), head.out_hidden[0], logits, ks, vs
+
         depths = np.concatenate([np.ones(K, np.int32), np.repeat(np.arange(2, S + 1, dtype=np.int32), L * K)])
 
-        def rank(first, later):
+        def rank(first, later, own):
             # candidates in creation order: the root's K children, then each step's L * K (the
             # children of that step's lanes, K each)
-            c_tok = mx.concatenate([first[0]] + [t for t, _, _ in later])
-            c_score = mx.concatenate([first[1]] + [c for _, c, _ in later])
+            c_tok = [first[0]] + [t for t, _, _ in later]
+            c_score = [first[1]] + [c for _, c, _ in later]
+            c_parent = [mx.full((K,), -1, mx.int32)]
             if later:
-                lanes = mx.stack([p for _, _, p in later])[:, :, None]  # [S - 1, L, 1]
-                c_parent = mx.concatenate([mx.full((K,), -1, mx.int32),
-                                           mx.broadcast_to(lanes, (S - 1, L, K)).reshape(-1)])
-            else:
-                c_parent = mx.full((K,), -1, mx.int32)
-            _, parents, tree_depths, tokens, anc = keep_best(mx.zeros((1,), mx.uint32), c_tok, c_score, c_parent,
-                                                             depths, self._lanes_budget())
+                lanes = mx.stack([p for _, _, p in later])[:, :, None]  # [steps, L, 1]
+                c_parent.append(mx.broadcast_to(lanes, (len(later), L, K)).reshape(-1))
+            if own:
+                tok, score, parent, _ = lane_candidates(own[0], own[1], mx.stack(own[2]), mx.stack(own[3]),
+                                                        K + len(later) * L * K, K)
+                c_tok.append(tok.astype(mx.uint32))
+                c_score.append(score.astype(mx.float32))
+                c_parent.append(parent)
+            _, parents, tree_depths, tokens, anc = keep_best(
+                mx.zeros((1,), mx.uint32), mx.concatenate(c_tok), mx.concatenate(c_score),
+                mx.concatenate(c_parent), depths, self._lanes_budget())
             return tokens, parents, tree_depths, anc
 
-        # each step's constants, made once (a host array each round waits on the queue to be
-        # copied, and one made inside a step is a launch of its own)
+        # each ranked step's constants, made once (a host array each round waits on the queue to
+        # be copied, and one made inside a step is a launch of its own)
         steps = []
-        for s in range(1, S):
+        for s in range(1, ranked + 1):
             own = np.zeros((L, R), bool)
             own[np.arange(L), (s - 1) * L + np.arange(L)] = True
             first = (s - 1) * L
             steps.append((mx.array(own), mx.array([first, 0, R, s - 1, K + first * K], mx.int32)))
-        fns = self.__dict__["_compiled_lanes"] = (mx.compile(start), mx.compile(step), mx.compile(rank), steps)
+        fns = self.__dict__["_compiled_lanes"] = (mx.compile(start), mx.compile(step), mx.compile(argmax_inputs),
+                                                  mx.compile(argmax_step), mx.compile(rank), steps)
         return fns
 
     def queued_read(self, emitted):

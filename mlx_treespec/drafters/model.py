@@ -3,6 +3,8 @@
 Each step forwards the current lanes on the draft model over its own cache, with the tree mask
 (through the same TreeRound the target uses), and expands them from the draft logits; lanes,
 re-rank and the tree's topology stay on the device, so the round's one host sync is the walk's.
+Lanes are ranked at the first lane step (`ranked_lane_steps`), then each goes on by its own
+argmax (docs/design.md, "Lanes ranked once").
 A chain is the tree with one lane and one child per node: plain one-token steps, a trim for
 commit, as in mlx-lm's speculative loop. One lane with K children is that chain plus its best
 siblings as leaves.
@@ -48,33 +50,36 @@ def keep_best(root, tokens, scores, parents, depths, budget):
     Returns (candidate id of nodes 1..budget, parents, depths, tokens, ancestors-or-self rows).
     """
     n_cand, n = int(scores.shape[0]), budget + 1
-    ids = mx.arange(n_cand)
+    # (index constants made once per shape: an arange or eye is a launch of its own each round)
+    ids = cached_array(np.arange(n_cand, dtype=np.int32))
+    nodes = cached_array(np.arange(n, dtype=np.int32))
+    minus_one, zero = cached_array(np.full(1, -1, np.int32)), cached_array(np.zeros(1, np.int32))
     score = scores.astype(mx.float32)
     score = mx.where(mx.isnan(score), -mx.inf, score)
     beats = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (ids[None, :] < ids[:, None]))
     rank = beats.sum(axis=1)  # how many candidates beat this one: a permutation of 0..C-1
     sel = mx.sort(mx.where(rank < budget, ids, n_cand + ids))[:budget]  # ascending ids
     node_of = mx.zeros((n_cand,), mx.int32)
-    node_of[sel] = mx.arange(1, n, dtype=mx.int32)
+    node_of[sel] = nodes[1:]
     cand_parent = parents[sel]
-    tree_parents = mx.concatenate([mx.full((1,), -1, mx.int32), mx.where(
+    tree_parents = mx.concatenate([minus_one, mx.where(
         cand_parent < 0, 0, node_of[mx.maximum(cand_parent, 0)]).astype(mx.int32)])
     cand_depths = cached_array(np.asarray(depths, np.int32))
-    tree_depths = mx.concatenate([mx.zeros((1,), mx.int32), cand_depths[sel]])
+    tree_depths = mx.concatenate([zero, cand_depths[sel]])
     # ancestors-or-self: reachability along parent links, by squaring (paths double each time)
-    reach = mx.eye(n) + (tree_parents[:, None] == mx.arange(n)[None, :]).astype(mx.float32)
+    reach = cached_array(np.eye(n, dtype=np.float32)) + (tree_parents[:, None] == nodes[None, :]).astype(mx.float32)
     for _ in range(int(np.max(depths, initial=1) - 1).bit_length()):
         reach = mx.minimum(reach @ reach, 1.0)
     anc = reach > 0
     # renumber: the spine first
     leaf = 1 + mx.argmax(cand_depths[sel] * (n_cand + 1) - rank[sel])
-    key = mx.where(anc[leaf], tree_depths, n + mx.arange(n, dtype=mx.int32))
+    key = mx.where(anc[leaf], tree_depths, n + nodes)
     perm = mx.argsort(key)
     new_of = mx.zeros((n,), mx.int32)
-    new_of[perm] = mx.arange(n, dtype=mx.int32)
+    new_of[perm] = nodes
     moved = tree_parents[perm]
     tree_parents = mx.where(moved < 0, -1, new_of[mx.maximum(moved, 0)])
-    sel = mx.concatenate([mx.full((1,), -1, sel.dtype), sel])[perm][1:]
+    sel = mx.concatenate([minus_one, sel])[perm][1:]
     root = root if isinstance(root, mx.array) else mx.array([root], mx.uint32)
     tree_tokens = mx.concatenate([root, tokens.astype(mx.uint32)[sel]])
     return sel, tree_parents, tree_depths[perm], tree_tokens, anc[perm][:, perm]
@@ -105,6 +110,38 @@ def runners_up(logits, chain, K):
     [S, V], chain [S]: the spine is its step's argmax), step by step, mx uint32 [S * (K - 1)]."""
     logits = mx.put_along_axis(logits, chain[:, None].astype(mx.int32), mx.array(-mx.inf, logits.dtype), axis=-1)
     return mx.argpartition(-logits, kth=K - 2, axis=-1)[:, : K - 1].reshape(-1).astype(mx.uint32)
+
+
+def lane_candidates(lane_scores, lane_cands, logits, tokens, first, K):
+    """The candidates of G lane steps in which each lane went on by its own argmax, from their
+    logits at once (the round loop's `_tree` and the queued `lanes_ahead` both call this, so
+    both rank the same scores).
+
+    `lane_scores` [L]: each lane's score entering the first of the steps; `lane_cands` [L]: the
+    candidate id of the node each lane forwarded there; `logits` [G, L, V]: the steps' logits;
+    `tokens` [G, L]: their argmaxes (each lane's next node); `first`: the first candidate id of
+    those steps. Each lane's K best tokens are its candidates, its argmax among them (in its top-K
+    slot; in slot 0 if more than K tie for the top) and scored as EAGLE-2 scores any candidate:
+    the lane's score plus the token's log-prob (at most 0). Returns the candidates' tokens,
+    scores, parents (row-major: step, lane, K) and the candidate id of each step's argmax [G, L].
+    """
+    G, L = tokens.shape
+    tokens = tokens.astype(mx.int32)
+    lp = _logprobs(logits)
+    idx, top = _top_k(lp, K)  # [G, L, K]
+    hit = idx == tokens[..., None]
+    slot = mx.where(hit.any(axis=-1), mx.argmax(hit, axis=-1), 0).astype(mx.int32)
+    in_slot = cached_array(np.arange(K, dtype=np.int32)) == slot[..., None]
+    taken = mx.take_along_axis(lp, tokens[..., None], axis=-1)  # [G, L, 1]
+    idx = mx.where(in_slot, tokens[..., None], idx)
+    step = mx.minimum(mx.where(in_slot, taken, top), 0)
+    # each step's lane score: the entering score plus the argmaxes' log-probs before it
+    before = mx.cumsum(mx.minimum(taken[..., 0], 0), axis=0, inclusive=False)  # [G, L]
+    scores = lane_scores[None, :, None] + before[..., None] + step
+    ids = first + cached_array(np.arange(0, G * L * K, K, dtype=np.int32).reshape(G, L)) + slot  # the argmaxes
+    parents = mx.concatenate([lane_cands.reshape(1, L).astype(mx.int32), ids[:-1]])
+    parents = mx.broadcast_to(parents[..., None], (G, L, K))
+    return idx.reshape(-1), scores.reshape(-1), parents.reshape(-1), ids
 
 
 def model_probe_parents(topk, lanes, depth, budget):
@@ -138,6 +175,11 @@ class ModelDrafter:
     defaulted by `DraftSpec`; this class takes them as given."""
 
     capture = ()  # reads no target hidden state
+    # EAGLE-2's lanes are re-ranked at this many lane steps, then each lane goes on by its own
+    # argmax: the re-rank after the first lane step is what buys most of EAGLE-2's tokens, and an
+    # argmax step costs a chain step where a ranked one adds the ranking's kernels
+    # (bench/RESULTS.md, "Lanes ranked once")
+    ranked_lane_steps = 1
 
     def __init__(self, model, topk=1, depth=8, budget=None, prefill_step_size=2048, lanes=None):
         # its steps fork over the round's tree as a target's verify does; positions a tree cannot
@@ -264,14 +306,17 @@ class ModelDrafter:
                      forwards=S)
 
     def _tree(self, root, logits, rnd, depth, budget):
-        """EAGLE-2 (L >= 2 lanes), ranked on the device: the host sees the tree only at the
+        """EAGLE-2 lanes (L >= 2), ranked on the device: the host sees the tree only at the
         walk's sync.
 
-        Candidates get ids in order of creation (row-major within a step); each step's best K
-        become the next lanes; the tree keeps the best `budget` of all candidates (higher score,
-        then lower id), numbered as `keep_best` says. Lanes' visibility rows
-        are built on the device too, except over rotating draft caches, whose key layout needs
-        the lanes' parents on the host (one sync per step there).
+        Candidates get ids in order of creation (row-major within a step). The root's best L
+        children are the first lanes; the first lane step's best L candidates of its L * K are
+        the next (EAGLE-2's re-rank, at `ranked_lane_steps` steps); from then on each lane goes on
+        by its own argmax, a chain step's work, and those steps' candidates are scored at once
+        (`lane_candidates`). The tree keeps the best `budget` of all candidates (higher score,
+        then lower id), numbered as `keep_best` says. Lanes' visibility rows are built on the
+        device too, except over rotating draft caches, whose key layout needs the lanes'
+        parents on the host (one sync per ranked step there).
         """
         K, L = self.topk, self.lanes
         root_node = rnd.size - 1
@@ -287,6 +332,7 @@ class ModelDrafter:
         forwarded, forwarded_at = [], []  # candidates run as lanes, and their round nodes
         visible = cached_array(rnd.ancestors) if rnd.all_append else None  # [m, m] over round nodes
         n_cand = K
+        own = None  # the argmax steps': (lane scores and candidates entering them, first id, logits, argmaxes)
         for s in range(1, depth):
             first = rnd.size
             if visible is None:
@@ -298,19 +344,36 @@ class ModelDrafter:
                                        feeds=lane_parents)
                 visible = mx.concatenate(
                     [mx.concatenate([visible, mx.zeros((first, L), mx.bool_)], axis=1), rows], axis=0)
-            forwarded.append(lane_cands)
             forwarded_at.append(mx.arange(first, first + L))
+            cand_depths.append(np.full(L * K, s + 1, np.int32))
+            if own is not None or s > self.ranked_lane_steps:  # each lane by its own argmax
+                if own is None:
+                    own = (lane_scores, lane_cands, n_cand, [], [])
+                    forwarded.append(lane_cands)
+                own[3].append(logits)
+                lane_tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
+                own[4].append(lane_tokens)
+                lane_parents = mx.array(first + np.arange(L))  # each lane its own parent
+                n_cand += L * K
+                continue
+            forwarded.append(lane_cands)
             idx, lp = _top_k(_logprobs(logits), K)
             step_scores = (lane_scores[:, None] + mx.minimum(lp, 0)).reshape(-1)
             tokens.append(idx.reshape(-1))
             scores.append(step_scores)
             parents.append(mx.repeat(lane_cands, K))
-            cand_depths.append(np.full(L * K, s + 1, np.int32))
             choice = mx.argsort(-step_scores)[:L]  # the next lanes among this step's L*K
             lane_tokens, lane_scores = idx.reshape(-1)[choice], step_scores[choice]
             lane_cands = n_cand + choice
             lane_parents = first + choice // K
             n_cand += L * K
+        if own is not None:
+            c_tok, c_score, c_parent, argmax_ids = lane_candidates(
+                own[0], own[1], mx.stack(own[3]), mx.stack(own[4]), own[2], K)
+            tokens.append(c_tok)
+            scores.append(c_score)
+            parents.append(c_parent)
+            forwarded.extend(argmax_ids[:-1])  # each argmax was its lane's node a step later
         sel, tree_parents, tree_depths, tree_tokens, anc = keep_best(
             root, mx.concatenate(tokens), mx.concatenate(scores), mx.concatenate(parents),
             np.concatenate(cand_depths), budget)
