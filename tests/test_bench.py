@@ -333,6 +333,13 @@ def test_round_host_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
     # plain decoding's tokens in the chain's rounds; only a head's chain arm takes it
     target, tok = load_target("demo")
     arms = Arms(target, "demo", [])
+    # TREE/ranked: EAGLE-2's lanes ranked at every step, the A/B arm of the library's rule
+    # (ranked at the first lane step only); a chain or a one-lane tree has no lanes to rank
+    assert arms.maker("eagle3-tree:2:4:8:2/ranked")().ranked_lane_steps == 4
+    assert arms.maker("eagle3-tree:2:4:8:2")().ranked_lane_steps == 1
+    for arm in ("eagle3-chain:3/ranked", "eagle3-tree:2:4:8:1/ranked"):
+        with pytest.raises(ValueError, match="ARM/ranked takes a tree arm of two or more lanes"):
+            arms.maker(arm)()
     prompt = encode_prompts(tok, load_prompts("unseen")[:1])[0][:48]
     want = [int(t) for t, _ in generate_step(mx.array(prompt), target, max_tokens=24)]
     target.__dict__.pop("_treespec_compiled_verify", None)
