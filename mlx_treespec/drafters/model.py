@@ -12,8 +12,8 @@ siblings as leaves.
 A hybrid draft model (GatedDeltaNet layers, e.g. a small qwen3_5 for a qwen3_5 target) drafts
 the same shapes: each step's nodes start from their parents' recurrent states (the round's
 tree scan over every node so far), and commit replays the accepted tokens from the committed
-state (gdn.gdn_layer_commit). Its lanes' parents are read on the host (one sync a step for
-EAGLE-2 trees, as over rotating draft caches).
+state (gdn.gdn_layer_commit). Its lanes' parents are read on the host (one sync a ranked lane
+step, as over rotating draft caches).
 """
 from dataclasses import dataclass
 
