@@ -333,6 +333,27 @@ def test_queued_lane_trees_draft_what_the_round_loop_drafts(tmp_path, monkeypatc
             assert paths == by_position[pos], pos
 
 
+@pytest.mark.parametrize("queued", [False, True])
+def test_lane_trees_of_any_depth_are_plain_decoding(tmp_path, monkeypatch, queued):
+    # a lane tree of 1..5 steps ranked at 1 or 2 of them (none left to go by argmax, one, or
+    # several), through the round loop and queued: plain decoding's tokens, and queued rounds
+    # where asked
+    import mlx_treespec.verify as verify
+
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: queued)
+    head, target = make_eagle3(tmp_path, "safeailab")[:2]
+    prompt = np.random.default_rng(1).integers(0, tiny.VOCAB, 12).tolist()
+    ref = plain(target, prompt)
+    for depth in (1, 2, 3, 5):
+        for ranked in (1, 2):
+            drafter = HeadDrafter(head, topk=3, lanes=2, depth=depth, budget=min(6, 3 + 6 * (depth - 1)))
+            drafter.ranked_lane_steps = ranked
+            stats = RoundStats()
+            out = [t for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=N, stats=stats)]
+            assert out == ref, (depth, ranked)
+            assert (stats.drafter[0] == "queued") == queued, (depth, ranked)
+
+
 def test_queued_head_trees_after_a_one_token_prompt_over_a_prompt_cache(tmp_path, monkeypatch):
     # a one-token prompt over a prompt cache that holds an earlier turn: rounds queue (the cache
     # holds keys) but the head has no target row to continue from, so its first queued draft is
