@@ -303,7 +303,7 @@ class HeadDrafter(ModelDrafter):
             for own_rows, offsets in steps:
                 state, made, ks, vs = step(own_rows, offsets, state, ks, vs)
                 later.append(made)
-            if depth - 1 > self.ranked_lane_steps:  # then each lane by its own argmax
+            if len(steps) < depth - 1:  # steps past the ranked ones: each lane by its own argmax
                 masks, positions, starts = argmax_inputs(state, ks)
                 toks, hidden, logits, argmaxes = state[4], state[7], [], []
                 for g in range(masks.shape[0]):  # (slices of arrays made once: views)

@@ -332,7 +332,8 @@ class ModelDrafter:
         forwarded, forwarded_at = [], []  # candidates run as lanes, and their round nodes
         visible = cached_array(rnd.ancestors) if rnd.all_append else None  # [m, m] over round nodes
         n_cand = K
-        own = None  # the argmax steps': (lane scores and candidates entering them, first id, logits, argmaxes)
+        entering = None  # the argmax steps': the lanes' scores and candidate ids entering them, their first id
+        argmax_logits, argmax_tokens = [], []
         for s in range(1, depth):
             first = rnd.size
             if visible is None:
@@ -346,14 +347,14 @@ class ModelDrafter:
                     [mx.concatenate([visible, mx.zeros((first, L), mx.bool_)], axis=1), rows], axis=0)
             forwarded_at.append(mx.arange(first, first + L))
             cand_depths.append(np.full(L * K, s + 1, np.int32))
-            if own is not None or s > self.ranked_lane_steps:  # each lane by its own argmax
-                if own is None:
-                    own = (lane_scores, lane_cands, n_cand, [], [])
+            if s > self.ranked_lane_steps:  # each lane by its own argmax
+                if entering is None:
+                    entering = (lane_scores, lane_cands, n_cand)
                     forwarded.append(lane_cands)
-                own[3].append(logits)
+                argmax_logits.append(logits)
                 lane_tokens = mx.argmax(logits, axis=-1).astype(mx.uint32)
-                own[4].append(lane_tokens)
-                lane_parents = mx.array(first + np.arange(L))  # each lane its own parent
+                argmax_tokens.append(lane_tokens)
+                lane_parents = cached_array(np.arange(first, first + L))  # each lane its own parent
                 n_cand += L * K
                 continue
             forwarded.append(lane_cands)
@@ -367,9 +368,9 @@ class ModelDrafter:
             lane_cands = n_cand + choice
             lane_parents = first + choice // K
             n_cand += L * K
-        if own is not None:
+        if entering is not None:
             c_tok, c_score, c_parent, argmax_ids = lane_candidates(
-                own[0], own[1], mx.stack(own[3]), mx.stack(own[4]), own[2], K)
+                entering[0], entering[1], mx.stack(argmax_logits), mx.stack(argmax_tokens), entering[2], K)
             tokens.append(c_tok)
             scores.append(c_score)
             parents.append(c_parent)
