@@ -53,6 +53,8 @@ from mlx_treespec.cli import resolve_model_path  # noqa: E402
 from mlx_treespec.harness import (encode_prompts, first_divergence, generate_once, interleave,  # noqa: E402
                                   load_prompts, record, run_meta, spread)
 from mlx_treespec.spec import DraftSpec  # noqa: E402
+from mlx_treespec.static_tree import (best_rank_tree, fit_static_tree, head_ranks, rank_rounds,  # noqa: E402
+                                      save_static_paths)
 from mlx_treespec.tree import MAX_NODES  # noqa: E402
 
 # the drafter each demo target uses, by kind
@@ -495,69 +497,6 @@ def run_acceptance(args):
     write(args, report, md)
 
 
-def head_ranks(target, head, kind, prompt, max_tokens, depth, cap=8):
-    """Per position of the target's greedy continuation of `prompt` (rounds may start there): the
-    rank of the target's next token at each of `depth` head steps drafted along the target's own
-    tokens (each step over its parent's output hidden, as a chain that matched so far), capped
-    at `cap` (`cap`: no tree node of rank below cap holds it)."""
-    from mlx_lm.generate import generate_step
-    from mlx_treespec.verify import capturing
-
-    s = list(prompt) + [int(t) for t, _ in generate_step(mx.array(prompt), target, max_tokens=max_tokens)]
-    with capturing(target, head.capture) as cap_:
-        target(mx.array(s)[None])
-        rows = cap_.hidden()
-    rows = head.target_hidden(rows) if kind == "mtp" else rows
-    flag = (lambda first: dict(first=first)) if kind == "eagle3" else (lambda first: {})
-    cache = head.make_cache()
-    logits = head(mx.array(s[1:])[None], cache=cache, hidden=rows[:-1][None], **flag(True))[0]
-    hidden, K, V = head.out_hidden[0], cache[0].keys, cache[0].values  # slot t predicts s[t + 2]
-    out = []
-    for t in range(max(len(prompt) - 2, 0), len(s) - depth - 1):  # (depth `depth` reads s[t + 1 + depth])
-        c = head.make_cache()[0]
-        c.keys, c.values, c.offset = K[:, :, : t + 1], V[:, :, : t + 1], t + 1
-        lg, h, ranks = logits[t], hidden[t : t + 1], []
-        for d in range(1, depth + 1):
-            true = s[t + 1 + d]
-            ranks.append(min(int(mx.sum(lg > lg[true]).item()), cap))
-            if d < depth:
-                lg = head(mx.array([[true]]), cache=[c], hidden=h[None], **flag(False))[0, 0]
-                h = head.out_hidden[0]
-        out.append(tuple(ranks))
-    return out
-
-
-def rank_rounds(per_prompt, tree):
-    """Rounds as the loop runs them over each prompt's rank sequences (`head_ranks`), drafting the
-    rank-space `tree` (a set of rank prefixes: the chain is {(0,), (0, 0), ...}): each round
-    accepts its longest prefix in the tree and the next starts after the tokens it emitted.
-    -> (emitted per verify, the rank sequences the rounds started at)."""
-    emitted, starts = 0, []
-    for seqs in per_prompt:
-        t = 0
-        while t < len(seqs):
-            r, a = seqs[t], 0
-            while a < len(r) and r[: a + 1] in tree:
-                a += 1
-            starts.append(r)
-            emitted += a + 1
-            t += a + 1
-    return emitted / max(len(starts), 1), starts
-
-
-def best_rank_tree(starts, n, cap):
-    """The n rank prefixes most often accepted at these round starts, prefix-closed (a child is
-    never accepted more often than its parent; ties go to the shallower, then lower ranks)."""
-    count = collections.Counter(r[:d] for r in starts for d in range(1, len(r) + 1) if r[d - 1] < cap)
-    tree = set()
-    for k in sorted(count, key=lambda k: (-count[k], len(k), k)):
-        if len(tree) == n:
-            break
-        if all(k[:d] in tree for d in range(1, len(k))):
-            tree.add(k)
-    return tree
-
-
 def run_bound(args):
     """A head's best static tree of N nodes, chosen with hindsight, against its chain of N (CPU,
     exact: teacher-forced head steps and the target's greedy text; rounds simulated as the loop
@@ -576,14 +515,14 @@ def run_bound(args):
         prompts = encode_prompts(tok, load_prompts(pset)[: args.n])
         per_prompt = []
         for i, p in enumerate(prompts):
-            per_prompt.append(head_ranks(target, head, kind, p, args.max_tokens, args.depth, cap))
+            per_prompt.append(head_ranks(target, head, p, args.max_tokens, args.depth, cap))
             log(f"{pset} prompt {i}: {len(per_prompt[-1])} positions")
         rows = []
         for n in [int(x) for x in args.nodes_list.split(",")]:
             chain, starts = rank_rounds(per_prompt, {(0,) * d for d in range(1, min(n, args.depth) + 1)})
             best = chain
             for _ in range(3):  # refit to the starts the tree's own rounds reach
-                tree = best_rank_tree(starts, n, cap)
+                tree = set(best_rank_tree(starts, n, cap))
                 emitted, starts = rank_rounds(per_prompt, tree)
                 best = max(best, emitted)
             rows.append(dict(nodes=n, chain=chain, chain_nodes=min(n, args.depth), tree=best))
@@ -1645,6 +1584,75 @@ def make_unseen_prompts(args):
     print(f"wrote {len(doc['prompts'])} prompts to {path}")
 
 
+def make_train_prompts(args):
+    """Prompts from the demo corpus's training split, as the demo pair's trainer splits it: this
+    machine's Python stdlib, files whose sha1(relpath) % 50 != 0 (bench/train_demo_pair.py), the
+    first by sha1 of the path with >= 3000 characters; each ~200 characters from a seeded random
+    line start, extended to the line's end. What a head's static tree is fitted on
+    (`fit-tree`): text like the training text, and neither evaluation set."""
+    import hashlib
+    import sysconfig
+
+    rng = random.Random(0)
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    files = []
+    for f in stdlib.rglob("*.py"):
+        rel = "stdlib/" + f.relative_to(stdlib).as_posix()
+        if "site-packages" in rel or int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 50 == 0:
+            continue
+        files.append((hashlib.sha1(rel.encode()).hexdigest(), rel, f))
+    prompts = []
+    for _, rel, f in sorted(files):
+        try:
+            text = f.read_text()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(text) < 3000:
+            continue
+        lines = text.splitlines(keepends=True)
+        starts = [sum(len(l) for l in lines[:i]) for i in range(len(lines)) if i and lines[i].strip()]
+        s = rng.choice(starts[: max(len(starts) * 3 // 4, 1)])
+        end = text.find("\n", s + 200)
+        prompts.append(dict(source=rel, prompt=text[s : end + 1 if end > 0 else None]))
+        if len(prompts) == args.n:
+            break
+    doc = dict(about="The demo corpus's training split (this machine's Python stdlib, sha1(relpath) % 50 != 0): "
+                     "what static trees are fitted on (bench/run.py train-prompts)", commit=run_meta()["commit"],
+               prompts=prompts)
+    path = ROOT / "bench" / "train_prompts.json.gz"
+    path.write_bytes(gzip.compress((json.dumps(doc, indent=1) + "\n").encode(), mtime=0))
+    print(f"wrote {len(prompts)} prompts to {path}")
+
+
+def run_fit_tree(args):
+    """Fits a head's static tree (mlx_treespec/static_tree.py) on `--prompts` (default: train, the
+    demo corpus's training split) and writes it into the head's folder as static_tree.json:
+    `--nodes` paths, `--depth` the deepest step. CPU, exact (teacher-forced head steps over the
+    target's greedy text)."""
+    target, tok = load_target(args.target)
+    kind = args.arms
+    if kind not in ("mtp", "eagle3"):
+        raise SystemExit(f"fit-tree: --arms names one head, mtp or eagle3, got {kind!r}")
+    arms = Arms(target, args.target, [], head_names=dict(mtp=args.mtp, eagle3=args.eagle3))
+    head, folder = arms.head(kind), arms._folder(kind, 1)
+    prompts = encode_prompts(tok, load_prompts(args.prompts)[: args.n])
+    paths, emitted, chain = fit_static_tree(target, head, prompts, nodes=args.nodes, depth=args.depth,
+                                            max_tokens=args.max_tokens)
+    report = dict(meta=run_meta(section=args.section, target=args.target, arms=[kind], max_tokens=args.max_tokens),
+                  fit=dict(prompts=args.prompts, n=len(prompts), nodes=args.nodes, depth=args.depth,
+                           emitted_per_verify=emitted, chain=chain, paths=[list(p) for p in paths]))
+    save_static_paths(folder, paths, meta=dict(fitted_by=f"bench/run.py {' '.join(sys.argv[1:])}",
+                                               emitted_per_verify_in_fit=round(emitted, 3),
+                                               chain_of_depth_in_fit=round(chain, 3)))
+    md = [f"# {args.section}: the {kind} head's static tree on {args.target} (commit {_commit(report['meta'])})", "",
+          f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
+          f"Fitted on {len(prompts)} {args.prompts} prompts x {args.max_tokens} tokens: {len(paths)} paths, "
+          f"emitted per verify in the fit's rounds {emitted:.3f} (the chain of {args.depth}: {chain:.3f}); "
+          f"written to {folder}/static_tree.json.", "", "Paths in the order taken: " +
+          " ".join("".join(map(str, p)) for p in paths), ""]
+    write(args, report, md)
+
+
 def write(args, report, md, echo=True):
     text = "\n".join(md) + "\n"
     if echo:
@@ -1690,7 +1698,7 @@ def _json(o):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "round-host", "draft-kernels", "comm", "comm-rank",
-                                       "paths", "bound", "unseen-prompts", "table"])
+                                       "paths", "bound", "fit-tree", "unseen-prompts", "train-prompts", "table"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
     p.add_argument("--target", default="demo")
     p.add_argument("--draft-model", default=None, help="draft model(s), comma separated: an arm ending in /di "
@@ -1728,9 +1736,10 @@ def main(argv=None):
                    help="round-host on CPU: run the GPU's queued rounds (whole-buffer verify) to count each round's "
                         "kernels; CPU times are not speed")
     p.add_argument("--contexts", default="1024,8192,32768", help="long: committed tokens before the verify")
-    p.add_argument("--nodes", type=int, default=32, help="long: tree nodes (and causal tokens) per forward")
+    p.add_argument("--nodes", type=int, default=32, help="long: tree nodes (and causal tokens) per forward; "
+                   "fit-tree: the static tree's paths")
     p.add_argument("--nodes-list", default="2,3,5,8,10,12,15,20,30,45", help="bound: tree sizes")
-    p.add_argument("--depth", type=int, default=12, help="bound: the deepest head step")
+    p.add_argument("--depth", type=int, default=12, help="bound, fit-tree: the deepest head step")
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--overhead-ms", type=float, default=0.5)
     p.add_argument("--rounds", action="store_true",
@@ -1747,7 +1756,8 @@ def main(argv=None):
         args.arms = "plain,chain:7,tree:3:8"
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
      "pieces": run_pieces, "round-host": run_round_host, "draft-kernels": run_draft_kernels, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
-     "unseen-prompts": make_unseen_prompts, "table": run_table}[args.command](args)
+     "fit-tree": run_fit_tree, "unseen-prompts": make_unseen_prompts, "train-prompts": make_train_prompts,
+     "table": run_table}[args.command](args)
 
 
 if __name__ == "__main__":

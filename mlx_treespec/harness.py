@@ -28,7 +28,7 @@ __all__ = ["load_prompts", "encode_prompts", "generate_once", "interleave", "spr
 _BENCH = Path(__file__).resolve().parents[1] / "bench"
 # Named prompt sets (bench/*.json): the demo pair's held-out training split, and source text the
 # demo models never saw in training (this project's own code, written after they were trained)
-PROMPT_SETS = {"heldout": "heldout_prompts.json.gz", "unseen": "unseen_prompts.json.gz"}
+PROMPT_SETS = {"heldout": "heldout_prompts.json.gz", "unseen": "unseen_prompts.json.gz", "train": "train_prompts.json.gz"}
 
 
 def _editing():

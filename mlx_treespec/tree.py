@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 # The most nodes a round verifies, root included: DDTree's best-first trees kept gaining past 64
-# nodes where a verify's rows cost little (bench/RESULTS.md, "DDTree past 64 nodes").
+# nodes where a verify's rows cost little (bench/RESULTS.md at e45f48f, "DDTree past 64 nodes").
 MAX_NODES = 256
 
 _INT64_MAX = np.iinfo(np.int64).max

@@ -222,7 +222,7 @@ def probe_parents(topk, depth, budget, block_size=16):
 def default_budget(block_size):
     """DDTree nodes per round when none is given: twice the block's predictions (31 for B = 16;
     32 verify rows, a power of two), at most 63. Larger trees only where asked for: past 64 rows
-    a verify's cost depends on the device (bench/RESULTS.md, "DDTree past 64 nodes")."""
+    a verify's cost depends on the device (bench/RESULTS.md at e45f48f, "DDTree past 64 nodes")."""
     return min(2 * (block_size - 1) + 1, 63)
 
 
