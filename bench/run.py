@@ -1256,9 +1256,11 @@ def draft_kernels(target, drafter, prompt):
         target(mx.array(prompt[:-1])[None], cache=cache)
         hidden = cap.hidden()
     drafter.prefill(prompt, hidden)
-    kind = {"chain_ahead": "chain", "tree_ahead": "tree", "lanes_ahead": "lanes"}[drafter.ahead.__name__]
+    kind = {"chain_ahead": "chain", "tree_ahead": "tree", "lanes_ahead": "lanes",
+            "static_ahead": "static"}[drafter.ahead.__name__]
     out = drafter._steps_ahead(mx.array([prompt[-1]], mx.uint32), None, None, None, kind)
     arrays = [out[0]] + (list(out[1].device) if kind == "lanes" else [out[1]] if kind == "tree" else [])
+    # (a static tree's layout is a constant: its tokens are the graph)
     buf = io.StringIO()
     mx.export_to_dot(buf, *arrays)
     return collections.Counter(k for k in re.findall(r'label ="([^"]+)"', buf.getvalue()) if k not in VIEWS)

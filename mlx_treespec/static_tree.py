@@ -38,8 +38,9 @@ class StaticTree:
     `parents`, `ranks` (each node's rank among its parent's children), `depth`, `topk` (the
     largest rank + 1). The drafting plan: `rows[s]` the nodes step s forwards (step 0: the root;
     later steps `width` rows, -1 where a row is padding), `row_of[n]` the row node n is
-    forwarded in (-1: a leaf), and `source[n]` where node n's token is in the steps' ranked
-    candidates, flattened: step 0's K, then each later step's width * K."""
+    forwarded in (-1: a leaf), and `source[n - 1]` where node n's token is among the steps'
+    ranked candidates stacked ([1 + (depth - 1) * width, topk]: step 0's row, then each later
+    step's `width`): (row, rank)."""
 
     def __init__(self, paths, n=None):
         paths = [tuple(int(r) for r in p) for p in paths]
@@ -73,11 +74,9 @@ class StaticTree:
         for s, nodes in enumerate(by_depth):
             self.row_of[nodes] = np.arange(len(nodes))
             self.rows.append(np.array(nodes + [-1] * ((1 if s == 0 else self.width) - len(nodes)), np.int64))
-        K = self.topk
-        step_start = [0] + [K + (s - 1) * self.width * K for s in range(1, self.depth)]
-        p = self.parents[1:]
-        self.source = np.array([step_start[self.depths[q]] + self.row_of[q] * K + r
-                                for q, r in zip(p, self.ranks[1:])], np.int64)
+        first_row = [0] + [1 + (s - 1) * self.width for s in range(1, self.depth)]
+        self.source = np.array([(first_row[self.depths[q]] + self.row_of[q], r)
+                                for q, r in zip(self.parents[1:], self.ranks[1:])], np.int64).reshape(-1, 2)
 
     def within(self, depth):
         """The nodes at most `depth` deep, as a tree of their own (a round near max_tokens)."""
@@ -115,10 +114,10 @@ def static_tree(paths, n):
 
 
 def ranked_top(logits, k):
-    """Each row's k best tokens, best first (logits [R, V] -> int32 [R, k]): the ranks a static
-    tree names (equal logits: either order). One sort of the row: MLX partitions by sorting
-    too, and a sort and a slice launch fewer kernels than a partition and a sort of its k."""
-    return mx.argsort(-logits, axis=-1)[:, :k].astype(mx.int32)
+    """Each row's k best tokens, best first (logits [R, V] -> uint32 [R, k]): the ranks a static
+    tree names (equal logits: either order). One sort of the row, read backwards (a view): MLX
+    partitions by sorting too, and a negation or a cast would be a kernel of its own a step."""
+    return mx.argsort(logits, axis=-1)[:, ::-1][:, :k]
 
 
 # ---------------------------------------------------------------------------- the file

@@ -30,8 +30,9 @@ def test_layout_and_plan():
     # step 0 forwards the root; step s the depth-s nodes with children, padded to the width
     assert [r.tolist() for r in t.rows] == [[0], [1, 2, -1], [4, 5, 6], [7, -1, -1]]
     assert t.width == 3 and t.row_of.tolist() == [0, 0, 1, -1, 0, 1, 2, 0, -1, -1, -1, -1]
-    # each node's token in the steps' flattened candidates (step 0: K of them, then W * K a step)
-    assert t.source.tolist() == [0, 1, 4, 5, 6, 10, 20, 21, 25, 30, 35]
+    # each node's token among the steps' candidates stacked (step 0's row, then W rows a step): (row, rank)
+    assert t.source.tolist() == [[0, 0], [0, 1], [0, 4], [1, 0], [1, 1], [2, 0], [4, 0], [4, 1], [5, 0],
+                                 [6, 0], [7, 0]]
     seen = t.visible_rows()  # [steps - 1, W, step rows]: its ancestors' rows and its own
     assert seen.shape == (3, 3, 9)
     assert np.flatnonzero(seen[2, 0]).tolist() == [0, 3, 6]  # (0, 0, 0): (0,), (0, 0), itself

@@ -343,36 +343,44 @@ class HeadDrafter(ModelDrafter):
         S, W, K = tree.depth, tree.width, tree.topk
         R = max(S - 1, 1) * W
         seen = mx.array(tree.visible_rows())  # [S - 1, W, R]
-        tok_src, hid_src, bounds = [], [], []
+        # each step's rows: the row of its parent in the last step's candidates, and its rank
+        # there (padding: row 0, rank 0); its parent row's output hidden is its input
+        tok_row, tok_rank = [], []
         for s in range(1, S):
             nodes = tree.rows[s]
             real = nodes >= 0
-            # a row's token: its rank among its parent row's candidates (the previous step's)
             parent_row = np.where(real, tree.row_of[tree.parents[np.maximum(nodes, 0)]], 0)
-            tok_src.append(mx.array(np.where(real, parent_row * K + tree.ranks[np.maximum(nodes, 0)], 0)
-                                    .astype(np.int32)))
-            hid_src.append(mx.array(parent_row.astype(np.int32)))
-            bounds.append(mx.array([(s - 1) * W, 0, R], mx.int32))
-        source = mx.array(tree.source.astype(np.int32))
+            tok_row.append(mx.array(parent_row.astype(np.int32)))
+            tok_rank.append(mx.array(np.where(real, tree.ranks[np.maximum(nodes, 0)], 0).astype(np.int32)))
+        src_row, src_rank = (mx.array(a.astype(np.int32)) for a in tree.source.T)
+        # each step's position less the base and its forward's bounds (its first step row, 0, R)
+        steps = np.arange(max(S - 1, 1), dtype=np.int32)
+        step_pos = mx.array(steps)
+        step_bounds = mx.array(np.stack([steps * W, 0 * steps, R + 0 * steps], 1).astype(np.int32))
 
         def static(tokens, slot_rows, count, L0, keys, values, ranges):
             logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values, ranges)
-            top = ranked_top(logits, K).reshape(-1)
+            top = ranked_top(logits, K)
             tops = [top]
             base = (L0 + count).astype(mx.int32)
             rel = ranges[0] - base  # the step rows' columns are 0..R-1
             history, window, column = rel < 0, (rel >= 0) & (rel < R), mx.clip(rel, 0, R - 1)
             masks = _additive(history[None, None] | (window[None, None] & mx.take(seen, column, axis=2)),
                               keys.dtype)  # [S - 1, W, columns]
+            # every step's positions and bounds at once: a step slices them (views)
+            positions, bounds = base + step_pos, base + step_bounds
             for s in range(1, S):
-                self._set_hidden(mx.take(hidden, hid_src[s - 1], axis=0), first=False)
-                logits, _, ks, vs = forward(mx.take(top, tok_src[s - 1]).astype(mx.uint32),
-                                            mx.broadcast_to(base + (s - 1), (W,)), masks[s - 1],
-                                            base + bounds[s - 1], ks, vs)
+                # (step 1's rows all read the root's hidden: a broadcast, not a gather)
+                rows_hidden = mx.broadcast_to(hidden, (W, hidden.shape[-1])) if s == 1 else \
+                    mx.take(hidden, tok_row[s - 1], axis=0)
+                self._set_hidden(rows_hidden, first=False)
+                logits, _, ks, vs = forward(top[tok_row[s - 1], tok_rank[s - 1]],
+                                            mx.broadcast_to(positions[s - 1 : s], (W,)), masks[s - 1],
+                                            bounds[s - 1], ks, vs)
                 hidden = head.out_hidden[0]
-                top = ranked_top(logits, K).reshape(-1)
+                top = ranked_top(logits, K)
                 tops.append(top)
-            return mx.take(mx.concatenate(tops), source).astype(mx.uint32), ks[0], vs[0]
+            return mx.concatenate(tops)[src_row, src_rank], ks[0], vs[0]
 
         return static
 

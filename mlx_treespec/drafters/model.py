@@ -330,18 +330,20 @@ class ModelDrafter:
         root_node = rnd.size - 1
         round_node = np.full(tree.size + 1, -1, np.int64)  # draft node -> round node it was forwarded as
         round_node[0] = root_node
-        tops = [ranked_top(logits, K).reshape(-1)]  # each step's rows' candidates, best first
+        tops = [ranked_top(logits, K)]  # each step's rows' candidates, best first
         for s in range(1, tree.depth):
             nodes = tree.rows[s][tree.rows[s] >= 0]
-            toks = mx.concatenate(tops)[cached_array(tree.source[nodes - 1].astype(np.int32))]
+            toks = tops[-1][cached_array(tree.row_of[tree.parents[nodes]].astype(np.int32)),  # (parents: last step's)
+                            cached_array(tree.ranks[nodes].astype(np.int32))]
             parents = round_node[tree.parents[nodes]]
             first = rnd.size
-            logits = self._forward(rnd, toks.astype(mx.uint32), parents, feeds=parents)
+            logits = self._forward(rnd, toks, parents, feeds=parents)
             round_node[nodes] = np.arange(first, first + len(nodes))
             top = ranked_top(logits, K)  # [rows, K], padded to the tree's width
             pad = tree.width - len(nodes)
-            tops.append((mx.pad(top, ((0, pad), (0, 0))) if pad else top).reshape(-1))
-        tokens = mx.concatenate([root, mx.concatenate(tops)[cached_array(tree.source.astype(np.int32))].astype(mx.uint32)])
+            tops.append(mx.pad(top, ((0, pad), (0, 0))) if pad else top)
+        rows, ranks = (cached_array(a.astype(np.int32)) for a in tree.source.T)
+        tokens = mx.concatenate([root, mx.concatenate(tops)[rows, ranks]])
         forwarded = round_node.copy()
         forwarded[0] = -1
         return Draft(tokens, _static_layout(tree), ModelDraftState(rnd, forwarded, root_node),
