@@ -400,7 +400,7 @@ class AdaptiveDrafter:
     def queues_trees(self):
         # DDTree's trees queue; a head's one-lane tree adds a few percent to its chain's
         # emitted per verify for its verify's extra rows, and queued in the adaptive rounds it
-        # lost to the head's chain (bench/RESULTS.md, "Head trees queued ahead"): a head queues
+        # lost to the head's chain (bench/RESULTS.md at a9f0a7f, "Head trees queued ahead"): a head queues
         # its chain here
         from .drafters.head import HeadDrafter
 

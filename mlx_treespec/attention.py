@@ -30,7 +30,7 @@ ROWS = 64  # query rows per block (4 warps of 16: the mma fragments' rows)
 HEAD_DIMS = (64, 128)
 DTYPES = (mx.float16, mx.bfloat16)
 # Tile and split sizes, and the width from which the kernel runs, from sweeps on the H100 and
-# H200 (bench/RESULTS.md, "Tree attention at long context"): tiles of 32 or 64 columns and
+# H200 (bench/RESULTS.md at a9f0a7f, "Tree attention at long context"): tiles of 32 or 64 columns and
 # splits of 512 or more columns, at most 32 of them, were within a few percent of the best at
 # 1k, 8k and 32k keys; with 2k-column buffers (a 1k context) cuDNN's masked attention was the
 # faster, from 9k columns on the kernel
