@@ -191,26 +191,6 @@ def test_derived_prompt_sets():
     assert len(long) == 4 and len(long[0]) == total and long[0].startswith(unseen[0]) and heldout[0] in long[0]
 
 
-def test_rank_rounds_and_the_best_static_tree():
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from run import best_rank_tree, rank_rounds
-
-    # one prompt, 8 round-start positions: the head's second choice is right at depth 1 half the time
-    seqs = [(0, 0), (1, 0), (0, 0), (1, 0), (0, 5), (1, 5), (5, 0), (0, 0)]
-    chain = {(0,), (0, 0)}
-    emitted, starts = rank_rounds([seqs], chain)
-    # rounds start at 0 (accepts 2: emits 3), 3 (rank 1: emits 1), 4 (emits 2), 6 (emits 1), 7 (emits 3)
-    assert starts == [seqs[0], seqs[3], seqs[4], seqs[6], seqs[7]]
-    assert emitted == (3 + 1 + 2 + 1 + 3) / 5
-    tree = best_rank_tree(starts, 2, cap=8)
-    assert tree == {(0,), (0, 0)}  # (0,) at 3 starts, (0, 0) at 2, (1,) at 1
-    wide = best_rank_tree([(1, 0), (1, 0), (0, 3)], 2, cap=8)
-    assert wide == {(1,), (1, 0)}  # prefix-closed: (1, 0) only under (1,)
-    assert best_rank_tree([(8, 0)], 3, cap=8) == set()  # rank cap: no node holds it
-    emitted, _ = rank_rounds([[(1, 0), (1, 0), (0, 0)]], {(1,), (1, 0)})
-    assert emitted == 3.0  # the first round emits 3 and ends the prompt
-
-
 def test_bound_section_tiny(tmp_path):
     text = run(["bound", "--target", "demo", "--arms", "eagle3", "--prompts", "unseen", "--n", "1",
                 "--max-tokens", "12", "--depth", "3", "--nodes-list", "2,6", "--out", str(tmp_path / "b")])
@@ -227,12 +207,13 @@ def test_head_ranks_are_a_fresh_head_pass_over_each_prefix():
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_treespec.verify import capturing
-    from run import Arms, head_ranks, load_target
+    from mlx_treespec.static_tree import head_ranks
+    from run import Arms, load_target
 
     target, tok = load_target("demo")
     head = Arms(target, "demo", []).head("eagle3")
     prompt, depth, n = tok.encode("def parse(text):\n    return"), 2, 6
-    ranks = head_ranks(target, head, "eagle3", prompt, n, depth)
+    ranks = head_ranks(target, head, prompt, n, depth)
     s = prompt + [int(t) for t, _ in generate_step(mx.array(prompt), target, max_tokens=n)]
     starts = range(len(prompt) - 2, len(s) - depth - 1)  # every start whose `depth` tokens exist
     assert len(ranks) == len(starts)

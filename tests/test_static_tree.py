@@ -13,8 +13,8 @@ from mlx_treespec import RoundStats, make_drafter, tree_generate_step
 from mlx_treespec.drafters.eagle3 import load_eagle3
 from mlx_treespec.drafters.head import HeadDrafter
 from mlx_treespec.spec import DraftSpec
-from mlx_treespec.static_tree import (StaticTree, fit_static_tree, load_static_paths, rank_rounds,
-                                      save_static_paths, static_tree)
+from mlx_treespec.static_tree import (StaticTree, best_rank_tree, fit_static_tree, load_static_paths,
+                                      rank_rounds, save_static_paths, static_tree)
 
 # the shape of a fitted tree: a spine, a lane from the root's second child and one from the
 # spine's second node, leaves of rank 1 and 4
@@ -137,13 +137,17 @@ def test_fit_save_load_and_options(tmp_path):
         load_static_paths(folder)
 
 
-def test_rank_rounds_simulates_the_loop():
-    # each round accepts its longest path in the tree, emits it and the target's next token
-    seqs = [[(0, 0, 5), (1, 0, 0), (0, 3, 0), (0, 0, 0), (2, 2, 2)]]
+def test_rank_rounds_and_the_best_static_tree():
+    # one prompt, 8 round-start positions: the head's second choice is right at depth 1 half the time
+    seqs = [(0, 0), (1, 0), (0, 0), (1, 0), (0, 5), (1, 5), (5, 0), (0, 0)]
     chain = {(0,), (0, 0)}
-    emitted, starts = rank_rounds(seqs, chain)
-    assert starts == [(0, 0, 5), (0, 0, 0)] and emitted == 3.0
-    emitted, starts = rank_rounds(seqs, chain | {(1,), (1, 0)})
-    assert starts == [(0, 0, 5), (0, 0, 0)]  # (the rounds start where the last one's tokens end)
-    emitted, starts = rank_rounds([[(1, 0, 0), (0, 0, 0), (0, 0, 0), (5, 0, 0)]], chain | {(1,), (1, 0)})
-    assert starts == [(1, 0, 0), (5, 0, 0)] and emitted == 2.0
+    emitted, starts = rank_rounds([seqs], chain)
+    # rounds start at 0 (accepts 2: emits 3), 3 (rank 1: emits 1), 4 (emits 2), 6 (emits 1), 7 (emits 3)
+    assert starts == [seqs[0], seqs[3], seqs[4], seqs[6], seqs[7]]
+    assert emitted == (3 + 1 + 2 + 1 + 3) / 5
+    assert best_rank_tree(starts, 2, cap=8) == [(0,), (0, 0)]  # (0,) at 3 starts, (0, 0) at 2, (1,) at 1
+    # a parent before its children: (1, 0) only under (1,); in the order taken
+    assert best_rank_tree([(1, 0), (1, 0), (0, 3)], 2, cap=8) == [(1,), (1, 0)]
+    assert best_rank_tree([(8, 0)], 3, cap=8) == []  # rank cap: no node holds it
+    emitted, _ = rank_rounds([[(1, 0), (1, 0), (0, 0)]], {(1,), (1, 0)})
+    assert emitted == 3.0  # the first round emits 3 and ends the prompt
