@@ -36,6 +36,7 @@ import contextlib
 import gzip
 import itertools
 import json
+import os
 import random
 import statistics
 import sys
@@ -1650,7 +1651,7 @@ def run_fit_tree(args):
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
           f"Fitted on {len(prompts)} {args.prompts} prompts x {args.max_tokens} tokens: {len(paths)} paths, "
           f"emitted per verify in the fit's rounds {emitted:.3f} (the chain of {args.depth}: {chain:.3f}); "
-          f"written to {folder}/static_tree.json.", "", "Paths in the order taken: " +
+          f"written to {os.path.relpath(folder, ROOT)}/static_tree.json.", "", "Paths in the order taken: " +
           " ".join("".join(map(str, p)) for p in paths), ""]
     write(args, report, md)
 
