@@ -37,8 +37,9 @@ class StaticTree:
     Nodes: 0 the root, then the paths by depth, then by ranks (a parent before its children).
     `parents`, `ranks` (each node's rank among its parent's children), `depth`, `topk` (the
     largest rank + 1). The drafting plan: `rows[s]` the nodes step s forwards (step 0: the root;
-    later steps `width` rows, -1 where a row is padding), `row_of[n]` the row node n is
-    forwarded in (-1: a leaf), and `source[n - 1]` where node n's token is among the steps'
+    later steps `width` rows, -1 where a row is padding, real rows first), `row_of[n]` the row
+    node n is forwarded in (-1: a leaf), `inputs[s - 1]` step s's rows' (parent row, rank)
+    among the last step's candidates, and `source[n - 1]` where node n's token is among the steps'
     ranked candidates stacked ([1 + (depth - 1) * width, topk]: step 0's row, then each later
     step's `width`): (row, rank)."""
 
@@ -74,9 +75,19 @@ class StaticTree:
         for s, nodes in enumerate(by_depth):
             self.row_of[nodes] = np.arange(len(nodes))
             self.rows.append(np.array(nodes + [-1] * ((1 if s == 0 else self.width) - len(nodes)), np.int64))
+        # step s's rows (s >= 1): the row of each one's parent among the last step's candidates
+        # and its rank there (padding: 0, 0), as mx int32 [width] each, made once
+        self.inputs = []
+        for s in range(1, self.depth):
+            nodes = self.rows[s]
+            real = nodes >= 0
+            node = np.maximum(nodes, 0)
+            self.inputs.append(tuple(mx.array(np.where(real, a, 0).astype(np.int32))
+                                     for a in (self.row_of[self.parents[node]], self.ranks[node])))
         first_row = [0] + [1 + (s - 1) * self.width for s in range(1, self.depth)]
         self.source = np.array([(first_row[self.depths[q]] + self.row_of[q], r)
                                 for q, r in zip(self.parents[1:], self.ranks[1:])], np.int64).reshape(-1, 2)
+        self.token_source = tuple(mx.array(a.astype(np.int32)) for a in self.source.T)  # (rows, ranks), made once
 
     def within(self, depth):
         """The nodes at most `depth` deep, as a tree of their own (a round near max_tokens)."""

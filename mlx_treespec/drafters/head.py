@@ -343,16 +343,6 @@ class HeadDrafter(ModelDrafter):
         S, W, K = tree.depth, tree.width, tree.topk
         R = max(S - 1, 1) * W
         seen = mx.array(tree.visible_rows())  # [S - 1, W, R]
-        # each step's rows: the row of its parent in the last step's candidates, and its rank
-        # there (padding: row 0, rank 0); its parent row's output hidden is its input
-        tok_row, tok_rank = [], []
-        for s in range(1, S):
-            nodes = tree.rows[s]
-            real = nodes >= 0
-            parent_row = np.where(real, tree.row_of[tree.parents[np.maximum(nodes, 0)]], 0)
-            tok_row.append(mx.array(parent_row.astype(np.int32)))
-            tok_rank.append(mx.array(np.where(real, tree.ranks[np.maximum(nodes, 0)], 0).astype(np.int32)))
-        src_row, src_rank = (mx.array(a.astype(np.int32)) for a in tree.source.T)
         # each step's position less the base and its forward's bounds (its first step row, 0, R)
         steps = np.arange(max(S - 1, 1), dtype=np.int32)
         step_pos = mx.array(steps)
@@ -371,16 +361,17 @@ class HeadDrafter(ModelDrafter):
             positions, bounds = base + step_pos, base + step_bounds
             for s in range(1, S):
                 # (step 1's rows all read the root's hidden: a broadcast, not a gather)
+                parent_row, rank = tree.inputs[s - 1]  # (each row's parent row and rank, last step's)
                 rows_hidden = mx.broadcast_to(hidden, (W, hidden.shape[-1])) if s == 1 else \
-                    mx.take(hidden, tok_row[s - 1], axis=0)
+                    mx.take(hidden, parent_row, axis=0)
                 self._set_hidden(rows_hidden, first=False)
-                logits, _, ks, vs = forward(top[tok_row[s - 1], tok_rank[s - 1]],
+                logits, _, ks, vs = forward(top[parent_row, rank],
                                             mx.broadcast_to(positions[s - 1 : s], (W,)), masks[s - 1],
                                             bounds[s - 1], ks, vs)
                 hidden = head.out_hidden[0]
                 top = ranked_top(logits, K)
                 tops.append(top)
-            return mx.concatenate(tops)[src_row, src_rank], ks[0], vs[0]
+            return mx.concatenate(tops)[tree.token_source], ks[0], vs[0]
 
         return static
 

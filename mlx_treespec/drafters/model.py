@@ -333,8 +333,8 @@ class ModelDrafter:
         tops = [ranked_top(logits, K)]  # each step's rows' candidates, best first
         for s in range(1, tree.depth):
             nodes = tree.rows[s][tree.rows[s] >= 0]
-            toks = tops[-1][cached_array(tree.row_of[tree.parents[nodes]].astype(np.int32)),  # (parents: last step's)
-                            cached_array(tree.ranks[nodes].astype(np.int32))]
+            parent_row, rank = tree.inputs[s - 1]  # (the real rows come first)
+            toks = tops[-1][parent_row[: len(nodes)], rank[: len(nodes)]]
             parents = round_node[tree.parents[nodes]]
             first = rnd.size
             logits = self._forward(rnd, toks, parents, feeds=parents)
@@ -342,8 +342,7 @@ class ModelDrafter:
             top = ranked_top(logits, K)  # [rows, K], padded to the tree's width
             pad = tree.width - len(nodes)
             tops.append(mx.pad(top, ((0, pad), (0, 0))) if pad else top)
-        rows, ranks = (cached_array(a.astype(np.int32)) for a in tree.source.T)
-        tokens = mx.concatenate([root, mx.concatenate(tops)[rows, ranks]])
+        tokens = mx.concatenate([root, mx.concatenate(tops)[tree.token_source]])
         forwarded = round_node.copy()
         forwarded[0] = -1
         return Draft(tokens, _static_layout(tree), ModelDraftState(rnd, forwarded, root_node),
