@@ -305,6 +305,20 @@ class LaneOracle(tiny.FollowsText, HeadDrafter):
         return self.hand_back_after is None or self.queued_rounds < self.hand_back_after
 
 
+def assert_same_root_paths(host, queued, stats, hand_back, depth):
+    """The oracle's queued trees propose the round loop's root paths at each text position both
+    drafted at full `depth` (queued trees among them, at least `hand_back` or 4), rounds accept
+    drafts, and some accepted path left the spine."""
+    assert sum(stats.accepted) > 0 and queued.off_spine > 0
+    by_position = {pos: paths for pos, d, paths, _ in host.raw if d == depth}
+    compared = [(pos, from_queue) for pos, _, _, from_queue in queued.raw if pos in by_position]
+    assert len(compared) >= len(by_position) - 1, (compared, sorted(by_position))
+    assert sum(from_queue for _, from_queue in compared) >= min(hand_back or 4, 4), compared
+    for pos, _, paths, _ in queued.raw:
+        if pos in by_position:
+            assert paths == by_position[pos], pos
+
+
 @pytest.mark.parametrize("kind, hand_back, ranked", [("mtp-qwen3_5_tied", None, 1), ("eagle3-safeailab", 3, 1),
                                                      ("eagle3-safeailab", None, 4)])
 def test_queued_lane_trees_draft_what_the_round_loop_drafts(tmp_path, monkeypatch, kind, hand_back, ranked):
@@ -323,14 +337,7 @@ def test_queued_lane_trees_draft_what_the_round_loop_drafts(tmp_path, monkeypatc
     host, queued, stats = _round_loop_then_queued(oracle, head, target, prompt, opts, hand_back, monkeypatch)
     assert host.ahead == host.lanes_ahead
     assert all(n == 11 for n, k in zip(stats.nodes, stats.drafter) if k == "queued")
-    assert sum(stats.accepted) > 0 and queued.off_spine > 0
-    by_position = {pos: paths for pos, depth, paths, _ in host.raw if depth == 4}
-    compared = [(pos, from_queue) for pos, _, _, from_queue in queued.raw if pos in by_position]
-    assert len(compared) >= len(by_position) - 1, (compared, sorted(by_position))
-    assert sum(from_queue for _, from_queue in compared) >= min(hand_back or 4, 4), compared
-    for pos, _, paths, _ in queued.raw:
-        if pos in by_position:
-            assert paths == by_position[pos], pos
+    assert_same_root_paths(host, queued, stats, hand_back, depth=4)
 
 
 @pytest.mark.parametrize("queued", [False, True])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import tiny
-from test_head_drafter import N, LaneOracle, _round_loop_then_queued, plain
+from test_head_drafter import N, LaneOracle, _round_loop_then_queued, assert_same_root_paths, plain
 from test_heads import make_eagle3, make_mtp
 from mlx_treespec import RoundStats, make_drafter, tree_generate_step
 from mlx_treespec.drafters.eagle3 import load_eagle3
@@ -74,14 +74,7 @@ def test_queued_static_trees_draft_what_the_round_loop_drafts(tmp_path, monkeypa
     host, queued, stats = _round_loop_then_queued(StaticOracle, head, target, prompt, opts, hand_back, monkeypatch)
     assert host.ahead == host.static_ahead and host.queues_trees
     assert all(n == 12 for n, k in zip(stats.nodes, stats.drafter) if k == "queued")
-    assert sum(stats.accepted) > 0 and queued.off_spine > 0
-    by_position = {pos: paths for pos, depth, paths, _ in host.raw if depth == 4}
-    compared = [(pos, from_queue) for pos, _, _, from_queue in queued.raw if pos in by_position]
-    assert len(compared) >= len(by_position) - 1, (compared, sorted(by_position))
-    assert sum(from_queue for _, from_queue in compared) >= min(hand_back or 4, 4), compared
-    for pos, _, paths, _ in queued.raw:
-        if pos in by_position:
-            assert paths == by_position[pos], pos
+    assert_same_root_paths(host, queued, stats, hand_back, depth=4)
 
 
 @pytest.mark.parametrize("queued", [False, True])
