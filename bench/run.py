@@ -12,6 +12,7 @@
     python bench/run.py comm --target demo-hybrid --arms plain,dflash:7,ddtree:12 --n 4   # sharded: collectives
     python bench/run.py bound --target demo --arms eagle3 --prompts unseen --n 8 --max-tokens 128 --depth 12
         # a head's best static tree of N nodes, with hindsight, against its chain of N (CPU, exact)
+    python bench/run.py attn --rows 1,2,4,8,16,32,64 --widths 1024,4096   # fused vs composed attention
     python bench/run.py paths      # verify paths on this device (tiny models: latent attention, hybrid drafters)
     python bench/run.py unseen-prompts        # (re)writes bench/unseen_prompts.json.gz
 
@@ -23,8 +24,10 @@ take comma lists: two heads in one interleaved run), /sync without queued rounds
 queueing the primary's chains instead of its trees, HEAD-chain:K/astree a head's chains queued as
 trees of no leaves, ARM/separate every linear layer run on its own, where the library joins
 those that read one input (mlx_treespec/join.py), TREE/ranked EAGLE-2's lanes re-ranked at every
-step, where the library ranks the first lane step only (suffixes in that order: ARM[/dI][/sync],
-ARM[/chains], ARM[/astree], ARM[/ranked], ARM[/separate]).
+step, where the library ranks the first lane step only, HEAD-ARM/fused a head's queued draft
+attending through MLX's fused call, where the library composes masked attention from ops
+(attention.composed_attention) (suffixes in that order: ARM[/dI][/sync], ARM[/chains],
+ARM[/astree], ARM[/ranked], ARM[/fused], ARM[/separate]).
  Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
@@ -136,6 +139,7 @@ class Arms:
         warm-up and then read from disk)."""
         arm, separate = (arm[: -len("/separate")], True) if arm.endswith("/separate") else (arm, False)
         arm_in = arm
+        arm, fused = (arm[: -len("/fused")], True) if arm.endswith("/fused") else (arm, False)
         arm, ranked = (arm[: -len("/ranked")], True) if arm.endswith("/ranked") else (arm, False)
         arm, as_tree = (arm[: -len("/astree")], True) if arm.endswith("/astree") else (arm, False)
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
@@ -150,6 +154,9 @@ class Arms:
         if separate:  # "ARM/separate": every linear layer on its own (join.py's A/B arm)
             inner = self.maker(arm_in)
             return lambda: Separate(inner(), self.target)
+        if fused:  # "HEAD-ARM/fused": the fused attention call in a head's draft (composed_attention's A/B arm)
+            inner = self.maker(arm_in[: -len("/fused")])
+            return lambda: fused_attention(inner())
         if ranked:  # "TREE/ranked": EAGLE-2's lanes re-ranked at every step (ranked_lane_steps' A/B arm)
             return lambda: every_step_ranked(make())
         if as_tree and (unqueued or chains):
@@ -169,6 +176,15 @@ def every_step_ranked(drafter):
     if not (hasattr(drafter, "ranked_lane_steps") and drafter.topk > 1 and drafter.lanes > 1):
         raise ValueError("ARM/ranked takes a tree arm of two or more lanes (tree:K:S:B:L, mtp-tree, eagle3-tree)")
     drafter.ranked_lane_steps = drafter.depth
+    return drafter
+
+
+def fused_attention(drafter):
+    """A head drafter whose queued draft attends through MLX's fused call, where the library
+    composes masked attention from ops (`HeadDrafter.composed_attention`)."""
+    if not hasattr(drafter, "composed_attention"):
+        raise ValueError("ARM/fused takes a head arm (mtp-..., eagle3-...)")
+    drafter.composed_attention = False
     return drafter
 
 
@@ -1267,6 +1283,53 @@ def draft_kernels(target, drafter, prompt):
     return collections.Counter(k for k in re.findall(r'label ="([^"]+)"', buf.getvalue()) if k not in VIEWS)
 
 
+def run_attn(args):
+    """Masked attention of R query rows over a K/V buffer (float16, random): MLX's fused call
+    (on CUDA: cuDNN from two rows on) against the same arithmetic as composed ops
+    (attention.composed_attention), each compiled, 200 calls chained (each call's output is
+    the next call's queries): microseconds a call, host and device together. Shapes: the demo
+    EAGLE-3 head's attention (6 query heads, 2 K/V heads, dim 64) and an 8B target's (32, 8, 128)."""
+    from mlx_treespec.attention import composed_attention
+
+    shapes = {"demo head (6/2 x 64)": (6, 2, 64), "8B (32/8 x 128)": (32, 8, 128)}
+    rows_list = [int(r) for r in args.rows.split(",")]
+    widths = [int(w) for w in args.widths.split(",")]
+    out, calls = [], 200
+    for name, (Hq, Hkv, D) in shapes.items():
+        for W in widths:
+            k = mx.random.normal((1, Hkv, W, D)).astype(mx.float16)
+            v = mx.random.normal((1, Hkv, W, D)).astype(mx.float16)
+            for R in rows_list:
+                q0 = mx.random.normal((1, Hq, R, D)).astype(mx.float16)
+                seen = mx.arange(W)[None] < (W // 2 + mx.arange(R)[:, None])
+                mask = mx.where(seen, mx.array(0, mx.float16), mx.array(mx.finfo(mx.float16).min, mx.float16))
+                fns = {"fused": mx.compile(lambda q, k, v, m: mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask=m)),
+                       "composed": mx.compile(lambda q, k, v, m: composed_attention(q, k, v, m, D ** -0.5))}
+                row = dict(shape=name, width=W, rows=R)
+                for rep in range(3):  # (interleaved; the last two kept: the first pays the traces)
+                    for arm, fn in fns.items():
+                        q = q0
+                        mx.eval(q)
+                        t = time.perf_counter()
+                        for _ in range(calls):
+                            q = fn(q, k, v, mask)
+                        mx.eval(q)
+                        us = (time.perf_counter() - t) / calls * 1e6
+                        if rep:
+                            row[arm] = min(row.get(arm, us), us)
+                out.append(row)
+                print(f"{name} W={W} R={R}: fused {row['fused']:.1f} us, composed {row['composed']:.1f} us", flush=True)
+    report = dict(meta=run_meta(section=args.section), rows=out)
+    md = [f"# {args.section}: masked attention, fused call against composed ops ({_commit(report['meta'])})", "",
+          f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
+          "Microseconds a call (200 chained, compiled, float16; best of two after a warm-up), device: "
+          f"{report['meta'].get('device', '?')}.", "",
+          "| shape | key columns | query rows | fused us | composed us | fused / composed |", "|---|---|---|---|---|---|"]
+    md += [f"| {r['shape']} | {r['width']} | {r['rows']} | {r['fused']:.1f} | {r['composed']:.1f} | {r['fused'] / r['composed']:.2f} |"
+           for r in out]
+    write(args, report, md)
+
+
 def run_draft_kernels(args):
     """Kernels in one queued draft's graph per head arm (the first unseen prompt, 64 tokens, as
     its prefill): arms of two depths give a step's kernels, (A_S - A_s) / (S - s)."""
@@ -1701,8 +1764,10 @@ def _json(o):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "round-host", "draft-kernels", "comm", "comm-rank",
-                                       "paths", "bound", "fit-tree", "unseen-prompts", "train-prompts", "table"])
+                                       "paths", "bound", "fit-tree", "unseen-prompts", "train-prompts", "table", "attn"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64", help="attn: query rows")
+    p.add_argument("--widths", default="1024,4096", help="attn: key columns")
     p.add_argument("--target", default="demo")
     p.add_argument("--draft-model", default=None, help="draft model(s), comma separated: an arm ending in /di "
                                                             "drafts with the i-th (chain:4/d2)")
@@ -1758,7 +1823,7 @@ def main(argv=None):
     if args.arms is None and args.command != "proj":
         args.arms = "plain,chain:7,tree:3:8"
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
-     "pieces": run_pieces, "round-host": run_round_host, "draft-kernels": run_draft_kernels, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
+     "pieces": run_pieces, "round-host": run_round_host, "draft-kernels": run_draft_kernels, "attn": run_attn, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
      "fit-tree": run_fit_tree, "unseen-prompts": make_unseen_prompts, "train-prompts": make_train_prompts,
      "table": run_table}[args.command](args)
 
