@@ -338,3 +338,23 @@ def test_round_host_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
         ChainAsTree(arms.maker("eagle3-tree:2:4:8:1")())
     with pytest.raises(ValueError, match="no /sync"):
         arms.maker("eagle3-chain:4/sync/astree")
+
+
+def test_attn_section_tiny(tmp_path):
+    # fused against composed attention: one row per shape, width and row count, both timed
+    run(["attn", "--rows", "1,3", "--widths", "16", "--out", str(tmp_path / "a")])
+    rows = read_json(tmp_path / "a.json.gz")["rows"]
+    assert [(r["width"], r["rows"]) for r in rows] == [(16, 1), (16, 3)] * 2
+    assert all(r["fused"] > 0 and r["composed"] > 0 for r in rows)
+
+
+def test_fused_arm_turns_a_heads_composed_attention_off():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import run as bench
+
+    class Head:
+        composed_attention = True
+
+    assert bench.fused_attention(Head()).composed_attention is False
+    with pytest.raises(ValueError, match="head arm"):
+        bench.fused_attention(object())
