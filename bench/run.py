@@ -24,10 +24,8 @@ take comma lists: two heads in one interleaved run), /sync without queued rounds
 queueing the primary's chains instead of its trees, HEAD-chain:K/astree a head's chains queued as
 trees of no leaves, ARM/separate every linear layer run on its own, where the library joins
 those that read one input (mlx_treespec/join.py), TREE/ranked EAGLE-2's lanes re-ranked at every
-step, where the library ranks the first lane step only, HEAD-ARM/fused a head's queued draft
-attending through MLX's fused call, where the library composes masked attention from ops
-(attention.composed_attention) (suffixes in that order: ARM[/dI][/sync], ARM[/chains],
-ARM[/astree], ARM[/ranked], ARM[/fused], ARM[/separate]).
+step, where the library ranks the first lane step only (suffixes in that order: ARM[/dI][/sync],
+ARM[/chains], ARM[/astree], ARM[/ranked], ARM[/separate]).
  Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
@@ -139,7 +137,6 @@ class Arms:
         warm-up and then read from disk)."""
         arm, separate = (arm[: -len("/separate")], True) if arm.endswith("/separate") else (arm, False)
         arm_in = arm
-        arm, fused = (arm[: -len("/fused")], True) if arm.endswith("/fused") else (arm, False)
         arm, ranked = (arm[: -len("/ranked")], True) if arm.endswith("/ranked") else (arm, False)
         arm, as_tree = (arm[: -len("/astree")], True) if arm.endswith("/astree") else (arm, False)
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
@@ -154,9 +151,6 @@ class Arms:
         if separate:  # "ARM/separate": every linear layer on its own (join.py's A/B arm)
             inner = self.maker(arm_in)
             return lambda: Separate(inner(), self.target)
-        if fused:  # "HEAD-ARM/fused": the fused attention call in a head's draft (composed_attention's A/B arm)
-            inner = self.maker(arm_in[: -len("/fused")])
-            return lambda: fused_attention(inner())
         if ranked:  # "TREE/ranked": EAGLE-2's lanes re-ranked at every step (ranked_lane_steps' A/B arm)
             return lambda: every_step_ranked(make())
         if as_tree and (unqueued or chains):
@@ -176,15 +170,6 @@ def every_step_ranked(drafter):
     if not (hasattr(drafter, "ranked_lane_steps") and drafter.topk > 1 and drafter.lanes > 1):
         raise ValueError("ARM/ranked takes a tree arm of two or more lanes (tree:K:S:B:L, mtp-tree, eagle3-tree)")
     drafter.ranked_lane_steps = drafter.depth
-    return drafter
-
-
-def fused_attention(drafter):
-    """A head drafter whose queued draft attends through MLX's fused call, where the library
-    composes masked attention from ops (`HeadDrafter.composed_attention`)."""
-    if not hasattr(drafter, "composed_attention"):
-        raise ValueError("ARM/fused takes a head arm (mtp-..., eagle3-...)")
-    drafter.composed_attention = False
     return drafter
 
 
@@ -1283,14 +1268,27 @@ def draft_kernels(target, drafter, prompt):
     return collections.Counter(k for k in re.findall(r'label ="([^"]+)"', buf.getvalue()) if k not in VIEWS)
 
 
+def composed_attention(q, k, v, mask, scale):
+    """MLX's fallback attention as ops (scaled queries by keys, plus the additive mask, a precise
+    softmax, by values): what its fused call runs on CPU, bit for bit."""
+    B, Hq, L, D = q.shape
+    Hkv = k.shape[1]
+    q = mx.array(scale, q.dtype) * q
+    mask = mx.broadcast_to(mask.astype(q.dtype), (B, Hq, L, k.shape[2]))
+    if Hq != Hkv:
+        q = q.reshape(B, Hkv, Hq // Hkv, L, D)
+        k, v = mx.expand_dims(k, 2), mx.expand_dims(v, 2)
+        mask = mask.reshape(B, Hkv, Hq // Hkv, L, -1)
+    out = mx.softmax(q @ k.swapaxes(-1, -2) + mask, axis=-1, precise=True) @ v
+    return out.reshape(B, Hq, L, -1) if Hq != Hkv else out
+
+
 def run_attn(args):
     """Masked attention of R query rows over a K/V buffer (float16, random): MLX's fused call
-    (on CUDA: cuDNN from two rows on) against the same arithmetic as composed ops
-    (attention.composed_attention), each compiled, 200 calls chained (each call's output is
+    (on CUDA: cuDNN from two rows on) against the same arithmetic as composed ops (MLX's own
+    fallback, `composed_attention`), each compiled, 200 calls chained (each call's output is
     the next call's queries): microseconds a call, host and device together. Shapes: the demo
     EAGLE-3 head's attention (6 query heads, 2 K/V heads, dim 64) and an 8B target's (32, 8, 128)."""
-    from mlx_treespec.attention import composed_attention
-
     shapes = {"demo head (6/2 x 64)": (6, 2, 64), "8B (32/8 x 128)": (32, 8, 128)}
     rows_list = [int(r) for r in args.rows.split(",")]
     widths = [int(w) for w in args.widths.split(",")]

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from .tree import ancestors_of
 
-__all__ = ["tree_attention", "usable", "splits_for", "composed_attention"]
+__all__ = ["tree_attention", "usable", "splits_for"]
 
 ROWS = 64  # query rows per block (4 warps of 16: the mma fragments' rows)
 HEAD_DIMS = (64, 128)
@@ -38,26 +38,6 @@ MAX_SPLITS = 32
 SPLIT_KEYS = 512
 KEY_TILE = 32
 MIN_WIDTH = 8192
-
-
-def composed_attention(q, k, v, mask, scale):
-    """Masked attention as MLX's own composed ops (its fallback's: the scaled queries by the
-    keys, plus the additive mask, a precise softmax, by the values), bitwise
-    `mx.fast.scaled_dot_product_attention` on CPU, where that is what it runs. A drafter's few-row
-    steps attend this way: on a CUDA GPU the fused call takes cuDNN for any masked forward of
-    two or more query rows, a graph launch that costs more host time a step than these few
-    kernels (bench/RESULTS.md, "Draft steps attend as composed ops")."""
-    B, Hq, L, D = q.shape
-    Hkv = k.shape[1]
-    q = mx.array(scale, q.dtype) * q
-    mask = mx.broadcast_to(mask.astype(q.dtype), (B, Hq, L, k.shape[2]))
-    if Hq != Hkv:
-        q = q.reshape(B, Hkv, Hq // Hkv, L, D)
-        k, v = mx.expand_dims(k, 2), mx.expand_dims(v, 2)
-        mask = mask.reshape(B, Hkv, Hq // Hkv, L, -1)
-    scores = mx.softmax(q @ k.swapaxes(-1, -2) + mask, axis=-1, precise=True)
-    out = scores @ v
-    return out.reshape(B, Hq, L, -1) if Hq != Hkv else out
 
 
 def splits_for(width):

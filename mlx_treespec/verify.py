@@ -62,7 +62,6 @@ class _Context:
         self.layer_ids = None  # {id(layer module): its index in the model that captures}
         self.last_layer = None  # the last decoder layer output of a capturing forward
         self.attend = None  # (the forward's additive mask, (hist, end) on the device): attention.py
-        self.composed = False  # a drafter's forward: masked attention as composed ops (attention.py)
 
 
 _CTX = _Context()
@@ -151,8 +150,6 @@ def _tree_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     attend = _CTX.attend
     if attend is not None and mask is attend[0] and sinks is None and attention.fits(queries, keys, values, mask):
         return attention.tree_attention(queries, keys, values, mask, attend[1], scale)
-    if _CTX.composed and mask is not None and not isinstance(mask, str) and sinks is None:
-        return attention.composed_attention(queries, keys, values, mask, scale)
     return _BASE_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -457,7 +454,7 @@ CHECKS = 4  # compiled calls per shape checked bitwise against the eager forward
 _clock = time.perf_counter  # times the checks' two forwards (tests replace it)
 
 
-def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False, composed=False):
+def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False):
     """A tree forward over whole KV buffers: tokens [T], positions [T], the round's additive
     mask [T, W], `start` [3] (the write offset, then the mask's bounds: every row sees the
     columns before the second, none those from the third on) and each layer's buffers in;
@@ -470,8 +467,7 @@ def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False, compos
     its scan's payload (and None) for the commit (a compiled forward gives out the payload's
     host entries, its parents and kernel flag, as they were traced: they depend on the row
     count only; a device tree's parents are an input, given back).
-    `kernel`: attention runs the tree-attention kernel (`kernel_fits`). `composed`: masked
-    attention runs as MLX's composed ops (a drafter's few-row steps: attention.composed_attention)."""
+    `kernel`: attention runs the tree-attention kernel (`kernel_fits`)."""
 
     def forward(tokens, positions, mask, start, keys, values, parents=None):
         bufs = [_ArraysLayer([k, v], None) if i in scans else _TracedAppend(k, v, start, mask)
@@ -480,7 +476,6 @@ def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False, compos
             _CTX.positions = positions
             if kernel:
                 _CTX.attend = (mask, start[1:])
-            _CTX.composed = composed
             if scans:
                 from .gdn import DevicePlan, chain_plan
 
@@ -491,7 +486,6 @@ def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False, compos
                 hidden = [cap.hidden()] if capture else []
         finally:
             _CTX.positions = _CTX.attend = None
-            _CTX.composed = False
             if scans:
                 _CTX.parents, _CTX.first = None, 0
         return (out, hidden, [b.payload if i in scans else b.keys for i, b in enumerate(bufs)],

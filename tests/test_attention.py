@@ -116,37 +116,3 @@ def test_fits_takes_checked_variants_and_shapes_the_merge_can_grid(monkeypatch):
     assert not attention.fits(*shapes(128, 8))  # checked and refused
     assert not attention.fits(*shapes(64, 8)[:3], mx.zeros((8, 256), mx.bfloat16))  # another dtype
     assert attention.fits(*shapes(64, 16383, W=8)) and not attention.fits(*shapes(64, 16384, W=8))  # 4 heads
-
-
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("Hq,Hkv,R,W", [(6, 2, 5, 37), (4, 4, 1, 20), (8, 2, 13, 300)])
-def test_composed_attention_is_the_fused_call_on_cpu(dtype, Hq, Hkv, R, W):
-    """A drafter's composed attention is MLX's own fallback arithmetic: bitwise the fused call
-    where that runs the fallback (CPU), so moving the head drafts onto it changes no CPU draft."""
-    rng = np.random.default_rng(R)
-    q, k, v = (mx.array(rng.standard_normal((1, h, n, 64)).astype(np.float32)).astype(dtype)
-               for h, n in ((Hq, R), (Hkv, W), (Hkv, W)))
-    mask = mx.where(mx.array(rng.random((R, W)) > 0.3), mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
-    with mx.stream(mx.cpu):
-        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=mask)
-        assert mx.array_equal(attention.composed_attention(q, k, v, mask, 0.125), want).item()
-        compiled = mx.compile(lambda *a: attention.composed_attention(*a, 0.125))
-        assert mx.array_equal(compiled(q, k, v, mask), want).item()
-
-
-def test_head_drafts_attend_composed_and_targets_do_not(monkeypatch):
-    """Only a forward made with composed=True (a head's queued draft) routes masked attention
-    through composed_attention; the target's verify keeps the fused call."""
-    calls = []
-    real = attention.composed_attention
-    monkeypatch.setattr(attention, "composed_attention", lambda *a: calls.append(a[0].shape) or real(*a))
-    mask = mx.zeros((3, 8))
-    q, kv = mx.zeros((1, 4, 3, 16)), mx.zeros((1, 2, 8, 16))
-    verify._CTX.composed = True
-    try:
-        verify._tree_sdpa(q, kv, kv, None, 0.25, mask)
-        verify._tree_sdpa(q, kv, kv, None, 0.25, "causal")  # (a string mask: the fused call's own)
-    finally:
-        verify._CTX.composed = False
-    verify._tree_sdpa(q, kv, kv, None, 0.25, mask)
-    assert calls == [(1, 4, 3, 16)]

@@ -69,11 +69,6 @@ class HeadDrafter(ModelDrafter):
     """`head`: an MTPHead or Eagle3Head bound to its target (drafters/mtp.py, drafters/eagle3.py);
     the shape options are a draft model's (`topk`, `lanes`, `depth`, `budget`)."""
 
-    # a queued draft's masked attention as composed ops (attention.composed_attention: on CUDA
-    # the fused call's cuDNN path costs a step of several rows more host time); `ARM/fused` in
-    # bench/run.py turns it off, its A/B arm
-    composed_attention = True
-
     def __init__(self, head, topk=1, depth=8, budget=None, lanes=None, prefill_step_size=2048, static=None):
         super().__init__(head, topk=topk, depth=depth, budget=budget, lanes=lanes,
                          prefill_step_size=prefill_step_size, static=static)
@@ -290,7 +285,7 @@ class HeadDrafter(ModelDrafter):
             return fn
         head, depth = self.model, self.depth
         install(head)
-        forward = whole_buffer_forward(head, (), composed=self.composed_attention)
+        forward = whole_buffer_forward(head, ())
 
         def chain(tokens, slot_rows, count, L0, keys, values, ranges):
             logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values, ranges)
