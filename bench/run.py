@@ -1366,6 +1366,7 @@ def launch_costs(n=200):
     perm = mx.array(np.random.default_rng(0).permutation(W).astype(np.int32))
     fused = mx.compile(lambda a: a * 0.999 + 0.5)
     mat = mx.ones((W, W)) / W
+    rows = mx.array(np.random.default_rng(1).standard_normal((4, 4096)).astype(np.float32))
     kinds = {
         "take (a gather)": lambda a: mx.take(a, perm),
         "concatenate (two slices)": lambda a: mx.concatenate([a[W // 2:], a[: W // 2]]),
@@ -1374,6 +1375,9 @@ def launch_costs(n=200):
         "[1, W] @ [W, W] matmul": lambda a: (a[None] @ mat)[0],
         "argmax (+ add)": lambda a: a + mx.argmax(a).astype(a.dtype),
         "arange (+ add)": lambda a: a + mx.arange(W, dtype=a.dtype),
+        # a static tree's step ranks each row by one sort (static_tree.ranked_top), a chain's by argmax
+        "argsort of [4, 4096] rows (+ add)": lambda a: a + mx.argsort(rows + a[0], axis=-1)[0, -1].astype(a.dtype),
+        "argmax of [4, 4096] rows (+ add)": lambda a: a + mx.argmax(rows + a[0], axis=-1)[0].astype(a.dtype),
     }
     backend = kernel_backend()
     if backend is not None:  # the device walk's kernel on a 41-node one-lane tree
