@@ -1328,6 +1328,112 @@ def run_attn(args):
     write(args, report, md)
 
 
+def run_draft_time(args):
+    """Milliseconds one queued draft of each head arm takes (the first unseen prompt's 64 tokens
+    as its prefill; its compiled function called again on the same inputs): synced (each call
+    waited for; the median of --repeats) and pipelined (--repeats calls launched, then one wait:
+    the larger of host and device time a call). An arm ending in /argmax drafts with
+    `static_tree.ranked_top` replaced by each row's argmax repeated (timing only: its ranks are
+    wrong), the sort's share of a static step. Then one op of each kind at R rows, chained 200
+    times, device us (`step_ops`): what a static step of R rows runs where a chain step runs one."""
+    import mlx_treespec.drafters.head as head_mod
+
+    target, tok = load_target(args.target)
+    texts = load_prompts(args.prompts.split(",")[0])[:1]
+    prompt = encode_prompts(tok, texts)[0][:64]
+    arms = Arms(target, args.target, texts, args.draft_model, args.dflash, dict(mtp=args.mtp, eagle3=args.eagle3))
+    ranked_top, rows = head_mod.ranked_top, []
+
+    def argmax_top(logits, k):
+        return mx.broadcast_to(mx.argmax(logits, axis=-1, keepdims=True).astype(mx.uint32), (logits.shape[0], k))
+
+    for a in args.arms.split(","):
+        arm, patched = (a[: -len("/argmax")], True) if a.endswith("/argmax") else (a, False)
+        drafter = arms.maker(arm)()
+        if getattr(drafter, "ahead", None) is None or not hasattr(drafter, "_steps_ahead"):
+            sys.exit(f"draft-time: arm {a} is not a head drafting ahead (mtp-..., eagle3-...)")
+        kind = {"chain_ahead": "chain", "tree_ahead": "tree", "lanes_ahead": "lanes",
+                "static_ahead": "static"}[drafter.ahead.__name__]
+        if kind == "lanes":
+            sys.exit(f"draft-time: arm {a} drafts an EAGLE-2 tree (a function a step): time a chain, "
+                     "one-lane or static arm")
+        head_mod.ranked_top = argmax_top if patched else ranked_top
+        try:
+            from mlx_lm.models.cache import make_prompt_cache
+
+            cache = make_prompt_cache(target)
+            with verify.capturing(target, drafter.capture) as cap:
+                target(mx.array(prompt[:-1])[None], cache=cache)
+                hidden = cap.hidden()
+            drafter.prefill(prompt, hidden)
+            fn, seen = drafter._ahead_fn(kind), []
+            drafter.__dict__[("_compiled_ahead", kind)] = lambda *x: (seen.append(x), fn(*x))[1]
+            mx.eval(drafter._steps_ahead(mx.array([prompt[-1]], mx.uint32), None, None, None, kind)[0])
+        finally:
+            head_mod.ranked_top = ranked_top
+        inputs = seen[0]
+        synced = []
+        for _ in range(args.repeats + 3):
+            t = time.perf_counter()
+            mx.eval(fn(*inputs))
+            synced.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        outs = [fn(*inputs) for _ in range(args.repeats)]
+        for o in outs:
+            mx.async_eval(o)
+        mx.eval(outs)
+        piped = (time.perf_counter() - t) / args.repeats
+        rows.append(dict(arm=a, kind=kind, depth=drafter.depth, synced_ms=1e3 * statistics.median(synced[3:]),
+                         pipelined_ms=1e3 * piped))
+        log(f"{a}: synced {rows[-1]['synced_ms']:.3f} ms, pipelined {rows[-1]['pipelined_ms']:.3f} ms")
+    ops = step_ops([int(r) for r in args.rows.split(",")])
+    report = dict(meta=run_meta(section=args.section, target=args.target, arms=args.arms.split(",")), arms=rows, ops=ops)
+    md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
+          f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
+          f"One queued draft, ms: synced (median of {args.repeats}) and pipelined ({args.repeats} launched, one wait).",
+          "", "| arm | kind | steps | synced ms | pipelined ms |", "|---|---|---|---|---|"]
+    md += [f"| {r['arm']} | {r['kind']} | {r['depth']} | {r['synced_ms']:.3f} | {r['pipelined_ms']:.3f} |" for r in rows]
+    rs = sorted({r for v in ops.values() for r in v})
+    md += ["", "One op at R rows, chained 200 times, device us an op (each \"+ add\": one more kernel):", "",
+           "| op | " + " | ".join(f"R={r}" for r in rs) + " |", "|---|" + "---|" * len(rs)]
+    md += [f"| {k} | " + " | ".join(f"{v[r]:.1f}" for r in rs) + " |" for k, v in ops.items()]
+    write(args, report, md)
+
+
+def step_ops(rows_list, n=200, H=384, F=1024, V=4096, dtype=mx.float16):
+    """Device us of one op of each kind a head step runs at R rows (the demo EAGLE-3 head's
+    widths), each fed the last one's output: {op: {R: us}}."""
+    rng = np.random.default_rng(0)
+
+    def w(*shape):
+        return mx.array((rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)).astype(dtype)
+
+    mats = {f"[R, {k}] @ [{k}, {m}]": w(m, k) for k, m in ((2 * H, H), (H, 128), (H, F), (F, H), (H, V))}
+    out = {}
+    for R in rows_list:
+        x0 = {k: w(R, m.shape[1]) for k, m in mats.items()}
+        logits = w(R, V)
+        idx = mx.array(rng.integers(0, R, R).astype(np.int32))
+        kinds = {k: (x0[k], lambda a, m=m: a + (a @ m.T)[:, : a.shape[1]].sum() * 0) for k, m in mats.items()}
+        kinds.update({
+            f"argsort of [R, {V}] (+ add)": (logits, lambda a: a + mx.argsort(a, axis=-1)[0, -1].astype(a.dtype)),
+            f"argmax of [R, {V}] (+ add)": (logits, lambda a: a + mx.argmax(a, axis=-1)[0].astype(a.dtype)),
+            f"take of R rows of [R, {H}]": (x0[f"[R, {H}] @ [{H}, 128]"], lambda a: mx.take(a, idx, axis=0)),
+        })
+        for name, (a0, f) in kinds.items():
+            fc = mx.compile(f)
+            for reps in (8, n):
+                a = a0
+                mx.eval(a)
+                for _ in range(reps):
+                    a = fc(a)
+                t = time.perf_counter()  # (nothing ran yet: the launch and the device time)
+                mx.eval(a)
+                t0 = time.perf_counter()
+            out.setdefault(name, {})[R] = 1e6 * (t0 - t) / n
+    return out
+
+
 def run_draft_kernels(args):
     """Kernels in one queued draft's graph per head arm (the first unseen prompt, 64 tokens, as
     its prefill): arms of two depths give a step's kernels, (A_S - A_s) / (S - s)."""
@@ -1765,10 +1871,10 @@ def _json(o):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "round-host", "draft-kernels", "comm", "comm-rank",
+    p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "round-host", "draft-kernels", "draft-time", "comm", "comm-rank",
                                        "paths", "bound", "fit-tree", "unseen-prompts", "train-prompts", "table", "attn"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
-    p.add_argument("--rows", default="1,2,4,8,16,32,64", help="attn: query rows")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64", help="attn: query rows; draft-time: a step's rows")
     p.add_argument("--widths", default="1024,4096", help="attn: key columns")
     p.add_argument("--target", default="demo")
     p.add_argument("--draft-model", default=None, help="draft model(s), comma separated: an arm ending in /di "
@@ -1825,7 +1931,7 @@ def main(argv=None):
     if args.arms is None and args.command != "proj":
         args.arms = "plain,chain:7,tree:3:8"
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
-     "pieces": run_pieces, "round-host": run_round_host, "draft-kernels": run_draft_kernels, "attn": run_attn, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
+     "pieces": run_pieces, "round-host": run_round_host, "draft-kernels": run_draft_kernels, "draft-time": run_draft_time, "attn": run_attn, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
      "fit-tree": run_fit_tree, "unseen-prompts": make_unseen_prompts, "train-prompts": make_train_prompts,
      "table": run_table}[args.command](args)
 
