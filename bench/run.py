@@ -11,7 +11,7 @@
     python bench/run.py draft-kernels --target demo --arms eagle3-chain:10,eagle3-chain:6   # kernels a head draft launches
     python bench/run.py comm --target demo-hybrid --arms plain,dflash:7,ddtree:12 --n 4   # sharded: collectives
     python bench/run.py bound --target demo --arms eagle3 --prompts unseen --n 8 --max-tokens 128 --depth 12
-        # a head's best static tree of N nodes, with hindsight, against its chain of N (CPU, exact)
+        # a head's best tree of N rank paths, with hindsight, against its chain of N (CPU, exact)
     python bench/run.py attn --rows 1,2,4,8,16,32,64 --widths 1024,4096   # fused vs composed attention
     python bench/run.py paths      # verify paths on this device (tiny models: latent attention, hybrid drafters)
     python bench/run.py unseen-prompts        # (re)writes bench/unseen_prompts.json.gz
@@ -37,7 +37,6 @@ import contextlib
 import gzip
 import itertools
 import json
-import os
 import random
 import statistics
 import sys
@@ -55,8 +54,6 @@ from mlx_treespec.cli import resolve_model_path  # noqa: E402
 from mlx_treespec.harness import (encode_prompts, first_divergence, generate_once, interleave,  # noqa: E402
                                   load_prompts, record, run_meta, spread)
 from mlx_treespec.spec import DraftSpec  # noqa: E402
-from mlx_treespec.static_tree import (best_rank_tree, fit_static_tree, head_ranks, rank_rounds,  # noqa: E402
-                                      save_static_paths)
 from mlx_treespec.tree import MAX_NODES  # noqa: E402
 
 # the drafter each demo target uses, by kind
@@ -499,8 +496,78 @@ def run_acceptance(args):
     write(args, report, md)
 
 
+# ---------------------------------------------------------------------------- bound: a head's ranks
+
+MAX_RANK = 8  # a rank path's ranks are 0..MAX_RANK - 1: past that, a head's candidate is seldom the target's
+
+
+def head_ranks(target, head, prompt, max_tokens, depth, cap=MAX_RANK):
+    """Per position of the target's greedy continuation of `prompt` (a round may start at any):
+    the rank of the target's next token at each of `depth` head steps drafted along the target's
+    own tokens (each step over its parent's output hidden, as a chain that matched so far),
+    capped at `cap`."""
+    from mlx_lm.generate import generate_step
+    from mlx_treespec.verify import capturing
+
+    s = list(prompt) + [int(t) for t, _ in generate_step(mx.array(prompt), target, max_tokens=max_tokens)]
+    with capturing(target, head.capture) as captured:
+        target(mx.array(s)[None])
+        rows = captured.hidden()
+    mtp = getattr(head, "target_hidden", None)
+    rows = mtp(rows) if mtp is not None else rows
+    flag = (lambda first: {}) if mtp is not None else (lambda first: dict(first=first))
+    cache = head.make_cache()
+    logits = head(mx.array(s[1:])[None], cache=cache, hidden=rows[:-1][None], **flag(True))[0]
+    hidden, K, V = head.out_hidden[0], cache[0].keys, cache[0].values  # slot t predicts s[t + 2]
+    out = []
+    for t in range(max(len(prompt) - 2, 0), len(s) - depth - 1):  # (depth `depth` reads s[t + 1 + depth])
+        c = head.make_cache()[0]
+        c.keys, c.values, c.offset = K[:, :, : t + 1], V[:, :, : t + 1], t + 1
+        lg, h, ranks = logits[t], hidden[t : t + 1], []
+        for d in range(1, depth + 1):
+            true = s[t + 1 + d]
+            ranks.append(min(int(mx.sum(lg > lg[true]).item()), cap))
+            if d < depth:
+                lg = head(mx.array([[true]]), cache=[c], hidden=h[None], **flag(False))[0, 0]
+                h = head.out_hidden[0]
+        out.append(tuple(ranks))
+    return out
+
+def rank_rounds(per_prompt, tree):
+    """Rounds as the loop runs them over each prompt's rank sequences (`head_ranks`), drafting the
+    tree (a set of rank paths: the chain is {(0,), (0, 0), ...}): each round accepts its longest
+    path in the tree and the next starts after the tokens it emitted. -> (emitted per verify,
+    the rank sequences the rounds started at)."""
+    emitted, starts = 0, []
+    for seqs in per_prompt:
+        t = 0
+        while t < len(seqs):
+            r, a = seqs[t], 0
+            while a < len(r) and r[: a + 1] in tree:
+                a += 1
+            starts.append(r)
+            emitted += a + 1
+            t += a + 1
+    return emitted / max(len(starts), 1), starts
+
+def best_rank_tree(starts, n, cap=MAX_RANK):
+    """The n rank paths most often accepted at these round starts, a parent before its
+    children, in the order taken (a child is never accepted more often than its parent; ties go
+    to the shallower, then lower ranks)."""
+    count = collections.Counter(r[:d] for r in starts for d in range(1, len(r) + 1) if r[d - 1] < cap)
+    tree = []
+    taken = set()
+    for k in sorted(count, key=lambda k: (-count[k], len(k), k)):
+        if len(tree) == n:
+            break
+        if all(k[:d] in taken for d in range(1, len(k))):
+            tree.append(k)
+            taken.add(k)
+    return tree
+
+
 def run_bound(args):
-    """A head's best static tree of N nodes, chosen with hindsight, against its chain of N (CPU,
+    """A head's best tree of N rank paths, chosen with hindsight, against its chain of N (CPU,
     exact: teacher-forced head steps and the target's greedy text; rounds simulated as the loop
     runs them). `--arms mtp` or `eagle3`; `--nodes-list` the Ns; `--depth` the deepest step."""
     target, tok = load_target(args.target)
@@ -533,7 +600,7 @@ def run_bound(args):
         report["sets"][pset] = dict(prompts=len(prompts), positions=len(first), step1_top1=top1, rows=rows)
         md += [f"## {pset} ({len(prompts)} x {args.max_tokens} tokens; {len(first)} positions; "
                f"step-1 top-1 {top1:.3f})", "",
-               "| nodes N | chain of N: emitted per verify | best static tree of N, hindsight | tree / chain |",
+               "| nodes N | chain of N: emitted per verify | best tree of N rank paths, hindsight | tree / chain |",
                "|---|---|---|---|"]
         md += [f"| {r['nodes']} | {r['chain']:.3f}{'' if r['chain_nodes'] == r['nodes'] else ' (of %d)' % r['chain_nodes']} "
                f"| {r['tree']:.3f} | {r['tree'] / r['chain']:.3f}x |" for r in rows]
@@ -1258,11 +1325,9 @@ def draft_kernels(target, drafter, prompt):
         target(mx.array(prompt[:-1])[None], cache=cache)
         hidden = cap.hidden()
     drafter.prefill(prompt, hidden)
-    kind = {"chain_ahead": "chain", "tree_ahead": "tree", "lanes_ahead": "lanes",
-            "static_ahead": "static"}[drafter.ahead.__name__]
+    kind = {"chain_ahead": "chain", "tree_ahead": "tree", "lanes_ahead": "lanes"}[drafter.ahead.__name__]
     out = drafter._steps_ahead(mx.array([prompt[-1]], mx.uint32), None, None, None, kind)
     arrays = [out[0]] + (list(out[1].device) if kind == "lanes" else [out[1]] if kind == "tree" else [])
-    # (a static tree's layout is a constant: its tokens are the graph)
     buf = io.StringIO()
     mx.export_to_dot(buf, *arrays)
     return collections.Counter(k for k in re.findall(r'label ="([^"]+)"', buf.getvalue()) if k not in VIEWS)
@@ -1332,45 +1397,31 @@ def run_draft_time(args):
     """Milliseconds one queued draft of each head arm takes (the first unseen prompt's 64 tokens
     as its prefill; its compiled function called again on the same inputs): synced (each call
     waited for; the median of --repeats) and pipelined (--repeats calls launched, then one wait:
-    the larger of host and device time a call). An arm ending in /argmax drafts with
-    `static_tree.ranked_top` replaced by each row's argmax repeated (timing only: its ranks are
-    wrong), the sort's share of a static step. Then one op of each kind at R rows, chained 200
-    times, device us (`step_ops`): what a static step of R rows runs where a chain step runs one."""
-    import mlx_treespec.drafters.head as head_mod
+    the larger of host and device time a call). Then one op of each kind at R rows, chained 200
+    times (`step_ops`): what a draft step of R rows runs where a chain step runs one."""
+    from mlx_lm.models.cache import make_prompt_cache
 
     target, tok = load_target(args.target)
     texts = load_prompts(args.prompts.split(",")[0])[:1]
     prompt = encode_prompts(tok, texts)[0][:64]
     arms = Arms(target, args.target, texts, args.draft_model, args.dflash, dict(mtp=args.mtp, eagle3=args.eagle3))
-    ranked_top, rows = head_mod.ranked_top, []
-
-    def argmax_top(logits, k):
-        return mx.broadcast_to(mx.argmax(logits, axis=-1, keepdims=True).astype(mx.uint32), (logits.shape[0], k))
-
+    rows = []
     for a in args.arms.split(","):
-        arm, patched = (a[: -len("/argmax")], True) if a.endswith("/argmax") else (a, False)
-        drafter = arms.maker(arm)()
+        drafter = arms.maker(a)()
         if getattr(drafter, "ahead", None) is None or not hasattr(drafter, "_steps_ahead"):
             sys.exit(f"draft-time: arm {a} is not a head drafting ahead (mtp-..., eagle3-...)")
-        kind = {"chain_ahead": "chain", "tree_ahead": "tree", "lanes_ahead": "lanes",
-                "static_ahead": "static"}[drafter.ahead.__name__]
+        kind = {"chain_ahead": "chain", "tree_ahead": "tree", "lanes_ahead": "lanes"}[drafter.ahead.__name__]
         if kind == "lanes":
-            sys.exit(f"draft-time: arm {a} drafts an EAGLE-2 tree (a function a step): time a chain, "
-                     "one-lane or static arm")
-        head_mod.ranked_top = argmax_top if patched else ranked_top
-        try:
-            from mlx_lm.models.cache import make_prompt_cache
-
-            cache = make_prompt_cache(target)
-            with verify.capturing(target, drafter.capture) as cap:
-                target(mx.array(prompt[:-1])[None], cache=cache)
-                hidden = cap.hidden()
-            drafter.prefill(prompt, hidden)
-            fn, seen = drafter._ahead_fn(kind), []
-            drafter.__dict__[("_compiled_ahead", kind)] = lambda *x: (seen.append(x), fn(*x))[1]
-            mx.eval(drafter._steps_ahead(mx.array([prompt[-1]], mx.uint32), None, None, None, kind)[0])
-        finally:
-            head_mod.ranked_top = ranked_top
+            sys.exit(f"draft-time: arm {a} drafts an EAGLE-2 tree (a function a step): time a chain or "
+                     "one-lane arm")
+        cache = make_prompt_cache(target)
+        with verify.capturing(target, drafter.capture) as cap:
+            target(mx.array(prompt[:-1])[None], cache=cache)
+            hidden = cap.hidden()
+        drafter.prefill(prompt, hidden)
+        fn, seen = drafter._ahead_fn(kind), []
+        drafter.__dict__[("_compiled_ahead", kind)] = lambda *x: (seen.append(x), fn(*x))[1]
+        mx.eval(drafter._steps_ahead(mx.array([prompt[-1]], mx.uint32), None, None, None, kind)[0])
         inputs = seen[0]
         synced = []
         for _ in range(args.repeats + 3):
@@ -1481,7 +1532,7 @@ def launch_costs(n=200):
         "[1, W] @ [W, W] matmul": lambda a: (a[None] @ mat)[0],
         "argmax (+ add)": lambda a: a + mx.argmax(a).astype(a.dtype),
         "arange (+ add)": lambda a: a + mx.arange(W, dtype=a.dtype),
-        # a static tree's step ranks each row by one sort (static_tree.ranked_top), a chain's by argmax
+        # ranking candidates sorts each row; a chain step takes its argmax
         "argsort of [4, 4096] rows (+ add)": lambda a: a + mx.argsort(rows + a[0], axis=-1)[0, -1].astype(a.dtype),
         "argmax of [4, 4096] rows (+ add)": lambda a: a + mx.argmax(rows + a[0], axis=-1)[0].astype(a.dtype),
     }
@@ -1762,8 +1813,8 @@ def make_train_prompts(args):
     """Prompts from the demo corpus's training split, as the demo pair's trainer splits it: this
     machine's Python stdlib, files whose sha1(relpath) % 50 != 0 (bench/train_demo_pair.py), the
     first by sha1 of the path with >= 3000 characters; each ~200 characters from a seeded random
-    line start, extended to the line's end. What a head's static tree is fitted on
-    (`fit-tree`): text like the training text, and neither evaluation set."""
+    line start, extended to the line's end: the `train` prompt set, text like the training text
+    and neither evaluation set."""
     import hashlib
     import sysconfig
 
@@ -1791,40 +1842,11 @@ def make_train_prompts(args):
         if len(prompts) == args.n:
             break
     doc = dict(about="The demo corpus's training split (this machine's Python stdlib, sha1(relpath) % 50 != 0): "
-                     "what static trees are fitted on (bench/run.py train-prompts)", commit=run_meta()["commit"],
+                     "the `train` prompt set (bench/run.py train-prompts)", commit=run_meta()["commit"],
                prompts=prompts)
     path = ROOT / "bench" / "train_prompts.json.gz"
     path.write_bytes(gzip.compress((json.dumps(doc, indent=1) + "\n").encode(), mtime=0))
     print(f"wrote {len(prompts)} prompts to {path}")
-
-
-def run_fit_tree(args):
-    """Fits a head's static tree (mlx_treespec/static_tree.py) on `--prompts` (default: train, the
-    demo corpus's training split) and writes it into the head's folder as static_tree.json:
-    `--nodes` paths, `--depth` the deepest step. CPU, exact (teacher-forced head steps over the
-    target's greedy text)."""
-    target, tok = load_target(args.target)
-    kind = args.arms
-    if kind not in ("mtp", "eagle3"):
-        raise SystemExit(f"fit-tree: --arms names one head, mtp or eagle3, got {kind!r}")
-    arms = Arms(target, args.target, [], head_names=dict(mtp=args.mtp, eagle3=args.eagle3))
-    head, folder = arms.head(kind), arms._folder(kind, 1)
-    prompts = encode_prompts(tok, load_prompts(args.prompts)[: args.n])
-    paths, emitted, chain = fit_static_tree(target, head, prompts, nodes=args.nodes, depth=args.depth,
-                                            max_tokens=args.max_tokens)
-    report = dict(meta=run_meta(section=args.section, target=args.target, arms=[kind], max_tokens=args.max_tokens),
-                  fit=dict(prompts=args.prompts, n=len(prompts), nodes=args.nodes, depth=args.depth,
-                           emitted_per_verify=emitted, chain=chain, paths=[list(p) for p in paths]))
-    save_static_paths(folder, paths, meta=dict(fitted_by=f"bench/run.py {' '.join(sys.argv[1:])}",
-                                               emitted_per_verify_in_fit=round(emitted, 3),
-                                               chain_of_depth_in_fit=round(chain, 3)))
-    md = [f"# {args.section}: the {kind} head's static tree on {args.target} (commit {_commit(report['meta'])})", "",
-          f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
-          f"Fitted on {len(prompts)} {args.prompts} prompts x {args.max_tokens} tokens: {len(paths)} paths, "
-          f"emitted per verify in the fit's rounds {emitted:.3f} (the chain of {args.depth}: {chain:.3f}); "
-          f"written to {os.path.relpath(folder, ROOT)}/static_tree.json.", "", "Paths in the order taken: " +
-          " ".join("".join(map(str, p)) for p in paths), ""]
-    write(args, report, md)
 
 
 def write(args, report, md, echo=True):
@@ -1872,7 +1894,7 @@ def _json(o):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "round-host", "draft-kernels", "draft-time", "comm", "comm-rank",
-                                       "paths", "bound", "fit-tree", "unseen-prompts", "train-prompts", "table", "attn"])
+                                       "paths", "bound", "unseen-prompts", "train-prompts", "table", "attn"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
     p.add_argument("--rows", default="1,2,4,8,16,32,64", help="attn: query rows; draft-time: a step's rows")
     p.add_argument("--widths", default="1024,4096", help="attn: key columns")
@@ -1912,10 +1934,9 @@ def main(argv=None):
                    help="round-host on CPU: run the GPU's queued rounds (whole-buffer verify) to count each round's "
                         "kernels; CPU times are not speed")
     p.add_argument("--contexts", default="1024,8192,32768", help="long: committed tokens before the verify")
-    p.add_argument("--nodes", type=int, default=32, help="long: tree nodes (and causal tokens) per forward; "
-                   "fit-tree: the static tree's paths")
+    p.add_argument("--nodes", type=int, default=32, help="long: tree nodes (and causal tokens) per forward")
     p.add_argument("--nodes-list", default="2,3,5,8,10,12,15,20,30,45", help="bound: tree sizes")
-    p.add_argument("--depth", type=int, default=12, help="bound, fit-tree: the deepest head step")
+    p.add_argument("--depth", type=int, default=12, help="bound: the deepest head step")
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--overhead-ms", type=float, default=0.5)
     p.add_argument("--rounds", action="store_true",
@@ -1932,7 +1953,7 @@ def main(argv=None):
         args.arms = "plain,chain:7,tree:3:8"
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
      "pieces": run_pieces, "round-host": run_round_host, "draft-kernels": run_draft_kernels, "draft-time": run_draft_time, "attn": run_attn, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
-     "fit-tree": run_fit_tree, "unseen-prompts": make_unseen_prompts, "train-prompts": make_train_prompts,
+     "unseen-prompts": make_unseen_prompts, "train-prompts": make_train_prompts,
      "table": run_table}[args.command](args)
 
 

@@ -176,9 +176,6 @@ def setup_arg_parser():
     t.add_argument("--tree-budget", type=int, default=None,
                    help=f"draft nodes verified per round, root excluded (at most {MAX_NODES - 1}); "
                         "with --drafter dflash the DDTree budget")
-    t.add_argument("--tree-static", type=int, default=None,
-                   help="with --drafter mtp or eagle3: the head's fitted static tree, its first N paths "
-                        "(static_tree.json in the head's folder)")
     t.add_argument("--draft-lookup", type=int, default=None,
                    help="also hang a prompt-lookup chain of up to this many tokens from the root "
                         "(continuations of the text's last n-gram seen earlier; nodes the draft "
@@ -194,7 +191,7 @@ def setup_arg_parser():
 def _draft_options(args):
     """The draft shape flags, as DraftSpec.from_options and make_drafter take them."""
     return dict(draft_block_size=args.draft_block_size, tree_topk=args.tree_topk, tree_depth=args.tree_depth,
-                tree_budget=args.tree_budget, tree_lanes=args.tree_lanes, tree_static=args.tree_static,
+                tree_budget=args.tree_budget, tree_lanes=args.tree_lanes,
                 draft_lookup=args.draft_lookup,
                 draft_lookup_trust=args.draft_lookup_trust)
 

@@ -14,7 +14,6 @@ Arm grammar:
     lookup:B:D / suffix:B:D  model-free drafters: B draft nodes, depth D
     dflash:K               a DFlash block drafter's chain of K tokens (K < its block size)
     ddtree:B               DDTree over a DFlash block drafter: B draft nodes (best-first)
-    mtp-static:N, eagle3-static:N  a head's fitted static tree (static_tree.py): its first N paths
     auto:KIND              adaptive drafting (adaptive.py) over KIND (model, dflash, mtp, eagle3,
                            lookup, suffix) and prompt lookup: each round's drafter and tree
                            picked, or no draft; what every drafter gets when no shape is given
@@ -58,9 +57,6 @@ class DraftSpec:
     position (1: the argmax chain), at most `depth` deep, `budget` nodes; 0 for depth or budget
     means the drafter's own (its block size), resolved when it is built.
 
-    `static` (a head's): the head folder's fitted static tree, its first `budget` paths; its
-    depth and width come from the tree when the drafter is built (static_tree.py).
-
     `adaptive` (what `from_options` gives when no shape option is given): the drafter's default
     shape is one arm of an `AdaptiveDrafter` (adaptive.py), beside prompt lookup and no draft; a
     DFlash drafter's tree then takes each round's budget, up to its default, from its scores."""
@@ -73,14 +69,13 @@ class DraftSpec:
     lookup: int = 0
     trust: int = 0
     adaptive: bool = False
-    static: bool = False
 
     # ------------------------------------------------------------------ construction
 
     @classmethod
     def from_options(cls, drafter=None, draft_block_size=None, tree_topk=None, tree_depth=None,
                      tree_budget=None, tree_lanes=None, draft_lookup=None, draft_lookup_trust=None,
-                     tree_static=None, *, has_draft_model=True):
+                     *, has_draft_model=True):
         """The library's and the CLI's draft options (None: not given). `drafter` defaults to
         'model' when a draft model is at hand, else 'none'."""
         if drafter is None:
@@ -98,15 +93,6 @@ class DraftSpec:
         trust = _opt(draft_lookup_trust, "--draft-lookup-trust", 0, MAX_TRUST) or 0
         if trust and not lookup:
             raise ValueError("--draft-lookup-trust needs --draft-lookup N (the lookup it trusts)")
-        if tree_static is not None:
-            static = check_int(tree_static, "--tree-static", 1, MAX_NODES - 1)
-            if drafter not in HEADS:
-                raise ValueError(f"--tree-static drafts a head's fitted static tree; --drafter {drafter} has "
-                                 "none: use --drafter mtp or eagle3, or drop --tree-static")
-            if any(o is not None for o in (block, topk, depth, budget, lanes)) or lookup:
-                raise ValueError("--tree-static N is the whole shape (the fitted tree's first N paths): drop "
-                                 "--tree-topk/--tree-depth/--tree-budget/--tree-lanes/--draft-block-size/--draft-lookup")
-            return cls(drafter, topk=0, lanes=0, depth=0, budget=static, static=True)
         if lookup and drafter not in ("model",) + HEADS:
             raise ValueError("--draft-lookup adds lookup nodes to a draft model's tree; --drafter "
                              f"{drafter} drafts without one: drop --draft-lookup or use --drafter model")
@@ -207,8 +193,6 @@ class DraftSpec:
             raise ValueError(f"arm {arm!r}: +lookup goes after a chain:K or tree:K:S[:B[:L]] arm")
         if kind == "plain" and not args:
             return cls.from_options("none")
-        if kind == "static" and len(args) == 1 and drafter in HEADS and not plus:
-            return cls.from_options(drafter, tree_static=args[0])
         if kind == "chain" and len(args) == 1:
             return cls.from_options(drafter, draft_block_size=args[0], draft_lookup=lookup,
                                     draft_lookup_trust=trust)
@@ -226,8 +210,7 @@ class DraftSpec:
             return cls.from_options("dflash", tree_budget=args[0])
         raise ValueError(f"cannot read arm {arm!r}: use plain, chain:K, tree:K:S[:B[:L]], lookup:B:D, "
                          "suffix:B:D, dflash[:K], ddtree[:B], mtp-chain:K, mtp-tree:K:S[:B[:L]], "
-                         "eagle3-chain:K, eagle3-tree:K:S[:B[:L]], mtp-static:N or eagle3-static:N (a chain or tree "
-                         "may end in +lookupN[@T])")
+                         "eagle3-chain:K or eagle3-tree:K:S[:B[:L]] (a chain or tree may end in +lookupN[@T])")
 
     # ------------------------------------------------------------------ what it is
 
@@ -255,8 +238,6 @@ class DraftSpec:
             return f"{self.drafter}:{self.budget}:{self.depth}"
         if self.drafter == "dflash":
             return f"dflash:{self.depth}" if self.topk == 1 else (f"ddtree:{self.budget}" if self.budget else "ddtree")
-        if self.static:
-            return f"{self.drafter}-static:{self.budget}"
         # a model drafter or a head
         base = f"chain:{self.depth}" if self.is_chain else f"tree:{self.topk}:{self.depth}:{self.budget}:{self.lanes}"
         if self.drafter in HEADS:
@@ -277,8 +258,6 @@ class DraftSpec:
             return f"{self.drafter} B={self.budget} D={self.depth}"
         if self.drafter == "dflash":
             return f"dflash chain k={self.depth}" if self.topk == 1 else f"ddtree B={self.budget or 'default'}"
-        if self.static:
-            return f"{self.drafter} static tree N={self.budget}"
         lanes = "" if self.lanes == self.topk else f" L={self.lanes}"
         base = f"chain k={self.depth}" if self.is_chain else f"tree K={self.topk}{lanes} S={self.depth} B={self.budget}"
         if self.drafter in HEADS:
@@ -336,19 +315,6 @@ class DraftSpec:
             from .drafters.dflash import DFlashDrafter
 
             return DFlashDrafter(draft_model, topk=self.topk, depth=self.depth, budget=self.budget)
-        if self.static:
-            from .drafters.head import HeadDrafter
-            from .static_tree import static_tree
-
-            paths = getattr(draft_model, "static_paths", None)
-            if paths is None:
-                raise ValueError(f"--tree-static: this {self.drafter} head has no fitted static tree (no "
-                                 f"static_tree.json in its folder): fit one with mlx_treespec.static_tree."
-                                 "fit_static_tree, or use --tree-topk/--tree-depth")
-            if self.budget > len(paths):
-                raise ValueError(f"--tree-static {self.budget}: this head's static tree has {len(paths)} "
-                                 f"paths: give at most {len(paths)}")
-            return HeadDrafter(draft_model, static=static_tree(paths, self.budget))
         if self.drafter in HEADS:
             from .drafters.head import HeadDrafter
 
@@ -382,10 +348,6 @@ class DraftSpec:
             from .drafters.dflash import probe_parents
 
             return probe_parents(self.topk, self.depth, self.budget)
-        if self.static:  # (the tree is the head's: a one-lane tree of as many nodes stands in)
-            from .drafters.model import one_lane_parents
-
-            return one_lane_parents(max(self.budget // 2, 1), 2)[: self.budget + 1]
         from .drafters.model import model_probe_parents
 
         return with_root_chain(model_probe_parents(self.topk, self.lanes, self.depth, self.budget), self.lookup)

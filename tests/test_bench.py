@@ -207,8 +207,7 @@ def test_head_ranks_are_a_fresh_head_pass_over_each_prefix():
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_treespec.verify import capturing
-    from mlx_treespec.static_tree import head_ranks
-    from run import Arms, load_target
+    from run import Arms, head_ranks, load_target
 
     target, tok = load_target("demo")
     head = Arms(target, "demo", []).head("eagle3")
@@ -227,6 +226,40 @@ def test_head_ranks_are_a_fresh_head_pass_over_each_prefix():
         lg = head(mx.array([[s[t + 2]]]), cache=cache, hidden=head.out_hidden[:, -1:], first=False)[0, 0]
         want.append(int(mx.sum(lg > lg[s[t + 3]]).item()))
         assert list(r) == [min(x, 8) for x in want], t
+
+
+def test_rank_rounds_and_the_best_rank_tree():
+    # bound's simulation. One prompt, 8 round-start positions: the head's second choice is
+    # right at depth 1 half the time
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from run import best_rank_tree, rank_rounds
+
+    seqs = [(0, 0), (1, 0), (0, 0), (1, 0), (0, 5), (1, 5), (5, 0), (0, 0)]
+    emitted, starts = rank_rounds([seqs], {(0,), (0, 0)})
+    # rounds start at 0 (accepts 2: emits 3), 3 (rank 1: emits 1), 4 (emits 2), 6 (emits 1), 7 (emits 3)
+    assert starts == [seqs[0], seqs[3], seqs[4], seqs[6], seqs[7]]
+    assert emitted == (3 + 1 + 2 + 1 + 3) / 5
+    assert best_rank_tree(starts, 2, cap=8) == [(0,), (0, 0)]  # (0,) at 3 starts, (0, 0) at 2, (1,) at 1
+    # a parent before its children: (1, 0) only under (1,); in the order taken
+    assert best_rank_tree([(1, 0), (1, 0), (0, 3)], 2, cap=8) == [(1,), (1, 0)]
+    assert best_rank_tree([(8, 0)], 3, cap=8) == []  # rank cap: no node holds it
+    emitted, _ = rank_rounds([[(1, 0), (1, 0), (0, 0)]], {(1,), (1, 0)})
+    assert emitted == 3.0  # the first round emits 3 and ends the prompt
+
+
+def test_draft_time_section_tiny(tmp_path):
+    # one queued draft of a chain and of a one-lane tree, timed; the step ops at 1 and 2 rows;
+    # an EAGLE-2 tree (a function a step) is refused
+    text = run(["draft-time", "--arms", "eagle3-chain:3,eagle3-tree:2:3:6:1", "--rows", "1,2", "--repeats", "2",
+                "--out", str(tmp_path / "d")])
+    data = read_json(tmp_path / "d.json.gz")
+    assert [(r["arm"], r["kind"], r["depth"]) for r in data["arms"]] == [("eagle3-chain:3", "chain", 3),
+                                                                         ("eagle3-tree:2:3:6:1", "tree", 3)]
+    assert all(r["synced_ms"] > 0 and r["pipelined_ms"] > 0 for r in data["arms"])
+    assert all(set(v) == {"1", "2"} and min(v.values()) > 0 for v in data["ops"].values()) and "| R=1 | R=2 |" in text
+    out = subprocess.run([sys.executable, "bench/run.py", "draft-time", "--arms", "eagle3-tree:2:3:6:2", "--out",
+                          str(tmp_path / "e")], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0 and "EAGLE-2 tree" in out.stderr
 
 
 def test_proj_prices_each_arm_at_its_own_verify_rows():

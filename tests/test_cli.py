@@ -158,9 +158,6 @@ def test_default_draft_shape_is_adaptive_over_the_fixed_one_lane_tree():
     (["--tree-topk", "3", "--tree-depth", "0"], "--tree-depth"),
     (["--drafter", "dflash", "--tree-topk", "3"], "--tree-topk"),
     (["--drafter", "mtp"], "MTP heads are for"),  # the demo target is a qwen3: no MTP layer
-    (["--tree-static", "8"], "--drafter mtp or eagle3"),  # (the demo's default drafter: DFlash)
-    (["--drafter", "eagle3", "--tree-static", "49"], "give at most 48"),
-    (["--drafter", "eagle3", "--tree-static", "8", "--tree-depth", "4"], "is the whole shape"),
     (["--model", "nonexistent-org/nonexistent-model"], "download it first"),
 ])
 def test_more_bad_input_is_one_line_exit_2(args, needle):
@@ -191,11 +188,8 @@ def test_prefill_progress_ends_its_line():
 
 
 @pytest.mark.parametrize("model,drafter,shape", [("demo", "dflash", ()), ("demo", "eagle3", ()), ("demo-hybrid", "mtp", ()),
-                                                 ("demo-hybrid", "dflash", ()),
-                                                 ("demo", "eagle3", ("--tree-static", "30")),
-                                                 ("demo-hybrid", "mtp", ("--tree-static", "32"))])
+                                                 ("demo-hybrid", "dflash", ())])
 def test_shipped_heads_run_out_of_the_box_and_equal_plain(model, drafter, shape):
-    # (the shipped heads' folders carry their fitted static trees)
     spec = cli("--model", model, "--drafter", drafter, *shape, "--prompt", "import os\n", "--max-tokens", "40",
                "--verbose")
     plain = cli("--model", model, "--drafter", "none", "--prompt", "import os\n", "--max-tokens", "40", "--verbose", "F")

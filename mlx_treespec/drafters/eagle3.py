@@ -49,7 +49,6 @@ from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attenti
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .mtp import HeadModule, _one_line, load_checked, quantize_like, read_tensors, step_rows, target_io
-from ..static_tree import load_static_paths
 from ..verify import layer_span
 from . import GatedMLP, dequantize_linears
 
@@ -119,7 +118,7 @@ class Eagle3Head(HeadModule):
     norm_before_fc, fc_norm, norm_output, qk_norm."""
 
     STATE = ("pending_hidden", "pending_first", "out_hidden", "_embed", "_gather", "_target_head", "config",
-             "capture", "static_paths")
+             "capture")
 
     def __init__(self, c, capture):
         super().__init__()
@@ -140,7 +139,6 @@ class Eagle3Head(HeadModule):
         self.lm_head = nn.Linear(H, self.draft_vocab_size, bias=False)
         self.pending_hidden = None
         self.pending_first = None
-        self.static_paths = None
         self.out_hidden = None
         self._embed = None
         self._target_head = None  # bind(): the target's lm_head, for a head without its own
@@ -363,7 +361,6 @@ def load_eagle3(folder, target_model, capture=None):
         _fail(folder, f"draft_vocab_size {Vd} != the target vocab {t_vocab} and there is no d2t map")
 
     head = Eagle3Head(c, capture)
-    head.static_paths = load_static_paths(folder)  # its fitted static tree, if the folder has one
     if not any(k.startswith("lm_head.") for k in weights):  # drafts through the target's lm_head
         if Vd != t_vocab or c["hidden_size"] != t_hidden:
             _fail(folder, f"no lm_head.weight, and a draft vocab of {Vd} at width {c['hidden_size']} (the target: "

@@ -29,8 +29,7 @@ import mlx.core as mx
 
 from ..draft import Draft, Layout
 from ..verify import grown, install, whole_buffer_forward
-from ..static_tree import ranked_top
-from .model import (ModelDrafter, _logprobs, _static_layout, _top_k, keep_best, keeps_every_sibling,
+from .model import (ModelDrafter, _logprobs, _top_k, keep_best, keeps_every_sibling,
                     kept_nodes, lane_candidates, one_lane_parents, runners_up)
 
 __all__ = ["HeadDrafter"]
@@ -69,9 +68,9 @@ class HeadDrafter(ModelDrafter):
     """`head`: an MTPHead or Eagle3Head bound to its target (drafters/mtp.py, drafters/eagle3.py);
     the shape options are a draft model's (`topk`, `lanes`, `depth`, `budget`)."""
 
-    def __init__(self, head, topk=1, depth=8, budget=None, lanes=None, prefill_step_size=2048, static=None):
+    def __init__(self, head, topk=1, depth=8, budget=None, lanes=None, prefill_step_size=2048):
         super().__init__(head, topk=topk, depth=depth, budget=budget, lanes=lanes,
-                         prefill_step_size=prefill_step_size, static=static)
+                         prefill_step_size=prefill_step_size)
         self.capture = tuple(head.capture)
         self.first_pass = getattr(head, "target_hidden", None)  # MTP: the target's final norm, if trained so
 
@@ -154,9 +153,7 @@ class HeadDrafter(ModelDrafter):
     @property
     def ahead(self):
         """`chain_ahead` for a chain, `tree_ahead` for a one-lane tree that keeps every sibling,
-        `static_ahead` for a static tree, `lanes_ahead` for any other tree (queued.py)."""
-        if self.static is not None:
-            return self.static_ahead
+        `lanes_ahead` for any other tree (queued.py)."""
         if self.topk == 1:
             return self.chain_ahead
         return self.tree_ahead if keeps_every_sibling(self.topk, self.lanes, self.depth, self.budget) \
@@ -166,7 +163,7 @@ class HeadDrafter(ModelDrafter):
     def queues_trees(self):
         """`ahead` drafts trees (every head tree queues: a fixed layout or EAGLE-2's, both built
         on the device)."""
-        return self.topk > 1 or self.static is not None
+        return self.topk > 1
 
     def chain_ahead(self, root, rows, count, path=None):
         """A chain of `depth` head steps from device values alone: `root` (mx uint32 [1]), the
@@ -192,12 +189,6 @@ class HeadDrafter(ModelDrafter):
         tokens, layout = self._steps_ahead(root, rows, count, path, "lanes")
         return Draft(tokens, layout, budget=self._lanes_budget(), depth=self.depth, forwards=self.depth)
 
-    def static_ahead(self, root, rows, count, path=None):
-        """The static tree from device values alone (`chain_ahead`'s arguments): the round loop's
-        `_static`, all of its steps in one compiled function."""
-        tokens, layout = self._steps_ahead(root, rows, count, path, "static")
-        return Draft(tokens, layout, budget=self.static.size, depth=self.depth, forwards=self.depth)
-
     def _lanes_budget(self):
         """The draft nodes an EAGLE-2 tree of `depth` steps keeps (`draft`'s rule at full depth)."""
         return kept_nodes(self.topk, self.lanes, self.depth, self.budget)
@@ -207,7 +198,7 @@ class HeadDrafter(ModelDrafter):
         `depth` steps, mx uint32 [depth], None); "tree": (that chain, each step's logits
         [depth, V]); "lanes": (the EAGLE-2 tree's tokens, its device Layout)."""
         q, c = self._queued, self.cache[0]
-        lanes = self.lanes if kind in ("lanes", "static") else 1
+        lanes = self.lanes if kind == "lanes" else 1
         if q is None:  # the host's pending slots (the last is the root's); none: a one-token prompt
             n = 0 if self.pending_hidden is None else len(self.pending)
             if n > self.depth + 1:
@@ -232,9 +223,6 @@ class HeadDrafter(ModelDrafter):
                     # (on the device only, as every later lane tree's: queued rounds keep one
                     # commit rule, and this layout would read as spine-first)
                     return tokens, Layout.on_device(*Layout.fixed(parents).device)
-                if kind == "static":  # each node's rank as its token: siblings distinct
-                    return (mx.concatenate([root.reshape(1).astype(mx.uint32), mx.array(self.static.ranks[1:], mx.uint32)]),
-                            _static_layout(self.static))
                 return chain, (mx.zeros((self.depth, self.topk)) if kind == "tree" else None)
             P = self.depth + 1  # padded to a round's slot count: one trace for both
             tokens = mx.array(self.pending + [0] * (P - n), mx.uint32)
@@ -254,11 +242,9 @@ class HeadDrafter(ModelDrafter):
         first, second = out[0], out[1]
         q.update(L0=q["L0"] + count, bound=q["bound"] + P, last=(slot_rows, count))
         self.forwards = self.depth
-        if kind in ("lanes", "static"):  # (a tree round's next slots are its accepted path: `path`)
+        if kind == "lanes":  # (a tree round's next slots are its accepted path: `path`)
             q["prev"] = mx.zeros((P,), mx.uint32)
             root = root.reshape(1).astype(mx.uint32)
-            if kind == "static":
-                return mx.concatenate([root, first]), _static_layout(self.static)
             return mx.concatenate([root, first[1:]]), Layout.on_device(*out[1:4])
         q["prev"] = mx.concatenate([root.reshape(1).astype(mx.uint32), first])
         return first, second
@@ -328,52 +314,8 @@ class HeadDrafter(ModelDrafter):
                 own = (state[5], state[6], logits, argmaxes)
             return (*rank(first, later, own), ks[0], vs[0])
 
-        if kind == "static":
-            fn = self.__dict__[("_compiled_ahead", kind)] = mx.compile(self._static_fn(forward))
-            return fn
         fn = self.__dict__[("_compiled_ahead", kind)] = lanes if kind == "lanes" else mx.compile(chain)
         return fn
-
-    def _static_fn(self, forward):
-        """`_ahead_fn`'s static tree: the slots' forward, then step s (1..depth-1) forwards the
-        tree's expanded nodes of depth s in `width` rows (position base + s - 1, columns base +
-        (s - 1) * width..), each over its parent row's output hidden and seeing the history,
-        the real slots and its ancestors' rows; each row's best tokens give its children."""
-        tree, head = self.static, self.model
-        S, W, K = tree.depth, tree.width, tree.topk
-        R = max(S - 1, 1) * W
-        seen = mx.array(tree.visible_rows())  # [S - 1, W, R]
-        # each step's position less the base and its forward's bounds (its first step row, 0, R)
-        steps = np.arange(max(S - 1, 1), dtype=np.int32)
-        step_pos = mx.array(steps)
-        step_bounds = mx.array(np.stack([steps * W, 0 * steps, R + 0 * steps], 1).astype(np.int32))
-
-        def static(tokens, slot_rows, count, L0, keys, values, ranges):
-            logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values, ranges)
-            top = ranked_top(logits, K)
-            tops = [top]
-            base = (L0 + count).astype(mx.int32)
-            rel = ranges[0] - base  # the step rows' columns are 0..R-1
-            history, window, column = rel < 0, (rel >= 0) & (rel < R), mx.clip(rel, 0, R - 1)
-            masks = _additive(history[None, None] | (window[None, None] & mx.take(seen, column, axis=2)),
-                              keys.dtype)  # [S - 1, W, columns]
-            # every step's positions and bounds at once: a step slices them (views)
-            positions, bounds = base + step_pos, base + step_bounds
-            for s in range(1, S):
-                # (step 1's rows all read the root's hidden: a broadcast, not a gather)
-                parent_row, rank = tree.inputs[s - 1]  # (each row's parent row and rank, last step's)
-                rows_hidden = mx.broadcast_to(hidden, (W, hidden.shape[-1])) if s == 1 else \
-                    mx.take(hidden, parent_row, axis=0)
-                self._set_hidden(rows_hidden, first=False)
-                logits, _, ks, vs = forward(top[parent_row, rank],
-                                            mx.broadcast_to(positions[s - 1 : s], (W,)), masks[s - 1],
-                                            bounds[s - 1], ks, vs)
-                hidden = head.out_hidden[0]
-                top = ranked_top(logits, K)
-                tops.append(top)
-            return mx.concatenate(tops)[tree.token_source], ks[0], vs[0]
-
-        return static
 
     def _slots(self, forward, tokens, slot_rows, count, L0, keys, values, ranges):
         """The slots' forward at L0.. (inside a compiled function): the last real slot's logits

@@ -15,7 +15,6 @@ tree scan over every node so far), and commit replays the accepted tokens from t
 state (gdn.gdn_layer_commit). Its lanes' parents are read on the host (one sync a ranked lane
 step, as over rotating draft caches).
 """
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +23,6 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache import cache_kind
 from ..draft import Draft, Layout
-from ..static_tree import ranked_top
 from ..support import tree_support
 from ..tree import chain_parents, eagle2_candidates
 from ..verify import TreeRound, cached_array
@@ -93,12 +91,6 @@ def one_lane_parents(S, K):
     spine = chain_parents(S + 1)
     leaves = np.repeat(np.arange(S, dtype=np.int64), K - 1)
     return np.concatenate([spine, leaves])
-
-
-@functools.lru_cache(maxsize=64)
-def _static_layout(tree):
-    """A static tree's layout, made once (every round's)."""
-    return Layout.fixed(tree.parents)
 
 
 def kept_nodes(topk, lanes, depth, budget):
@@ -189,7 +181,7 @@ class ModelDrafter:
     # (bench/RESULTS.md, "Lanes ranked once")
     ranked_lane_steps = 1
 
-    def __init__(self, model, topk=1, depth=8, budget=None, prefill_step_size=2048, lanes=None, static=None):
+    def __init__(self, model, topk=1, depth=8, budget=None, prefill_step_size=2048, lanes=None):
         # its steps fork over the round's tree as a target's verify does; positions a tree cannot
         # give per token only make its drafts poorer (the target decides every token)
         blockers = [b for b in tree_support(model) if not b.positions]
@@ -203,10 +195,6 @@ class ModelDrafter:
         self.depth = depth
         self.budget = depth if budget is None else budget
         self.prefill_step_size = prefill_step_size
-        # a static tree (static_tree.StaticTree): its layout every round, in place of the shape above
-        self.static = static
-        if static is not None:
-            self.topk, self.lanes, self.depth, self.budget = static.topk, static.width, static.depth, static.size
         self.cache = None
         self.pending = []  # emitted tokens not yet in the draft cache; the last is the root
 
@@ -238,9 +226,6 @@ class ModelDrafter:
             p = len(self.pending)
             pending = mx.array(self.pending, mx.uint32)
             logits = self._forward(rnd, pending, np.arange(p) - 1)[-1:]
-            if self.static is not None:
-                tree = self.static if depth >= self.static.depth else self.static.within(depth)
-                return self._static(pending[-1:], logits, rnd, tree)
             if self.lanes == 1:
                 rows, toks = self._spine(logits, rnd, depth)
                 if keeps_every_sibling(self.topk, 1, depth, budget):  # nothing to rank
@@ -270,8 +255,6 @@ class ModelDrafter:
         return rows, toks
 
     def probe_parents(self):
-        if self.static is not None:
-            return self.static.parents
         return model_probe_parents(self.topk, self.lanes, self.depth, self.budget)
 
     def _spine_and_siblings(self, root, rows, toks, rnd, budget):
@@ -321,32 +304,6 @@ class ModelDrafter:
         return Draft(tree_tokens, Layout.on_device(tree_parents, tree_depths, anc),
                      ModelDraftState(rnd, tree_round, root_node), fetch=(tree_round,), budget=budget, depth=S,
                      forwards=S)
-
-    def _static(self, root, logits, rnd, tree):
-        """A static tree (static_tree.py): step s forwards the nodes of depth s that have
-        children, over their parents' round nodes; every node's token is the rank the tree names
-        among its parent's best. The host knows the layout: no ranking, no sync."""
-        K = tree.topk
-        root_node = rnd.size - 1
-        round_node = np.full(tree.size + 1, -1, np.int64)  # draft node -> round node it was forwarded as
-        round_node[0] = root_node
-        tops = [ranked_top(logits, K)]  # each step's rows' candidates, best first
-        for s in range(1, tree.depth):
-            nodes = tree.rows[s][tree.rows[s] >= 0]
-            parent_row, rank = tree.inputs[s - 1]  # (the real rows come first)
-            toks = tops[-1][parent_row[: len(nodes)], rank[: len(nodes)]]
-            parents = round_node[tree.parents[nodes]]
-            first = rnd.size
-            logits = self._forward(rnd, toks, parents, feeds=parents)
-            round_node[nodes] = np.arange(first, first + len(nodes))
-            top = ranked_top(logits, K)  # [rows, K], padded to the tree's width
-            pad = tree.width - len(nodes)
-            tops.append(mx.pad(top, ((0, pad), (0, 0))) if pad else top)
-        tokens = mx.concatenate([root, mx.concatenate(tops)[tree.token_source]])
-        forwarded = round_node.copy()
-        forwarded[0] = -1
-        return Draft(tokens, _static_layout(tree), ModelDraftState(rnd, forwarded, root_node),
-                     budget=tree.size, depth=tree.depth, forwards=tree.depth)
 
     def _tree(self, root, logits, rnd, depth, budget):
         """EAGLE-2 lanes (L >= 2), ranked on the device: the host sees the tree only at the

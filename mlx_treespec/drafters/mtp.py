@@ -40,7 +40,6 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from . import dequantize_linears, target_io
-from ..static_tree import load_static_paths
 from ..verify import layer_span
 
 __all__ = ["MTPHead", "load_mtp", "target_io", "read_tensors", "quantize_like"]
@@ -197,7 +196,7 @@ class MTPHead(HeadModule):
     "moe" (mlx-lm's sparse MoE block from the target's MoE fields). Weights are random until
     loaded (`load_mtp` does both)."""
 
-    STATE = ("pending_hidden", "out_hidden", "_embed", "_lm_head", "_final_norm", "capture", "static_paths")
+    STATE = ("pending_hidden", "out_hidden", "_embed", "_lm_head", "_final_norm", "capture")
 
     def __init__(self, target, mlp="dense", intermediate_size=None, hidden_kind="post"):
         super().__init__()
@@ -232,7 +231,6 @@ class MTPHead(HeadModule):
         self.out_hidden = None
         self._embed = None  # the target's modules: not this head's parameters
         self._lm_head = None
-        self.static_paths = None
         self.bind(target)
 
     def bind(self, target):
@@ -364,5 +362,4 @@ def load_mtp(target_folder, target_model, zero_centred=None):
     dequantize_linears(head)  # shipped small, run as float (see drafters.dequantize_linears)
     head.eval()
     mx.eval(head.parameters())
-    head.static_paths = load_static_paths(target_folder)  # its fitted static tree, if the folder has one
     return head
