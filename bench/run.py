@@ -9,6 +9,7 @@
     python bench/run.py pieces --target demo --history 300 --repeats 30   # a DDTree round's pieces
     python bench/run.py round-host --target demo --arms eagle3-chain:10,eagle3-tree:4:10:40:1 --n 4   # queued rounds' host ms
     python bench/run.py draft-kernels --target demo --arms eagle3-chain:10,eagle3-chain:6   # kernels a head draft launches
+    python bench/run.py draft-time --target demo --arms eagle3-chain:10,eagle3-tree:4:10:40:1   # ms a queued head draft takes
     python bench/run.py comm --target demo-hybrid --arms plain,dflash:7,ddtree:12 --n 4   # sharded: collectives
     python bench/run.py bound --target demo --arms eagle3 --prompts unseen --n 8 --max-tokens 128 --depth 12
         # a head's best tree of N rank paths, with hindsight, against its chain of N (CPU, exact)
@@ -1312,12 +1313,24 @@ VIEWS = {"Slice", "Split", "Reshape", "Broadcast", "ExpandDims", "Squeeze", "Tra
          "AsStrided", "StopGradient", "Depends"}  # primitives that launch no kernel
 
 
-def draft_kernels(target, drafter, prompt):
-    """The kernels (primitives but views, by kind) in the graph of one queued draft of a head
-    drafter from `prompt` prefilled: its slots' forward, steps and, for a lane tree, re-rank."""
-    import io
-    import re
+def head_arms(args, command):
+    """(target, the first unseen prompt's 64 tokens, [(arm, a fresh drafter)]) for a command over
+    head arms drafting ahead (draft-kernels, draft-time); any other arm exits naming it."""
+    target, tok = load_target(args.target)
+    texts = load_prompts(args.prompts.split(",")[0])[:1]
+    prompt = encode_prompts(tok, texts)[0][:64]
+    arms = Arms(target, args.target, texts, args.draft_model, args.dflash, dict(mtp=args.mtp, eagle3=args.eagle3))
+    out = []
+    for a in args.arms.split(","):
+        drafter = arms.maker(a)()
+        if getattr(drafter, "ahead", None) is None or not hasattr(drafter, "_steps_ahead"):
+            sys.exit(f"{command}: arm {a} is not a head drafting ahead (mtp-..., eagle3-...)")
+        out.append((a, drafter))
+    return target, prompt, out
 
+
+def prefilled(target, drafter, prompt):
+    """`drafter` prefilled with `prompt` (the target's captured rows): its queued kind."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(target)
@@ -1325,7 +1338,16 @@ def draft_kernels(target, drafter, prompt):
         target(mx.array(prompt[:-1])[None], cache=cache)
         hidden = cap.hidden()
     drafter.prefill(prompt, hidden)
-    kind = {"chain_ahead": "chain", "tree_ahead": "tree", "lanes_ahead": "lanes"}[drafter.ahead.__name__]
+    return {"chain_ahead": "chain", "tree_ahead": "tree", "lanes_ahead": "lanes"}[drafter.ahead.__name__]
+
+
+def draft_kernels(target, drafter, prompt):
+    """The kernels (primitives but views, by kind) in the graph of one queued draft of a head
+    drafter from `prompt` prefilled: its slots' forward, steps and, for a lane tree, re-rank."""
+    import io
+    import re
+
+    kind = prefilled(target, drafter, prompt)
     out = drafter._steps_ahead(mx.array([prompt[-1]], mx.uint32), None, None, None, kind)
     arrays = [out[0]] + (list(out[1].device) if kind == "lanes" else [out[1]] if kind == "tree" else [])
     buf = io.StringIO()
@@ -1399,26 +1421,13 @@ def run_draft_time(args):
     waited for; the median of --repeats) and pipelined (--repeats calls launched, then one wait:
     the larger of host and device time a call). Then one op of each kind at R rows, chained 200
     times (`step_ops`): what a draft step of R rows runs where a chain step runs one."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    target, tok = load_target(args.target)
-    texts = load_prompts(args.prompts.split(",")[0])[:1]
-    prompt = encode_prompts(tok, texts)[0][:64]
-    arms = Arms(target, args.target, texts, args.draft_model, args.dflash, dict(mtp=args.mtp, eagle3=args.eagle3))
+    target, prompt, drafters = head_arms(args, "draft-time")
     rows = []
-    for a in args.arms.split(","):
-        drafter = arms.maker(a)()
-        if getattr(drafter, "ahead", None) is None or not hasattr(drafter, "_steps_ahead"):
-            sys.exit(f"draft-time: arm {a} is not a head drafting ahead (mtp-..., eagle3-...)")
-        kind = {"chain_ahead": "chain", "tree_ahead": "tree", "lanes_ahead": "lanes"}[drafter.ahead.__name__]
-        if kind == "lanes":
+    for a, drafter in drafters:
+        if drafter.ahead.__name__ == "lanes_ahead":
             sys.exit(f"draft-time: arm {a} drafts an EAGLE-2 tree (a function a step): time a chain or "
                      "one-lane arm")
-        cache = make_prompt_cache(target)
-        with verify.capturing(target, drafter.capture) as cap:
-            target(mx.array(prompt[:-1])[None], cache=cache)
-            hidden = cap.hidden()
-        drafter.prefill(prompt, hidden)
+        kind = prefilled(target, drafter, prompt)
         fn, seen = drafter._ahead_fn(kind), []
         drafter.__dict__[("_compiled_ahead", kind)] = lambda *x: (seen.append(x), fn(*x))[1]
         mx.eval(drafter._steps_ahead(mx.array([prompt[-1]], mx.uint32), None, None, None, kind)[0])
@@ -1488,15 +1497,9 @@ def step_ops(rows_list, n=200, H=384, F=1024, V=4096, dtype=mx.float16):
 def run_draft_kernels(args):
     """Kernels in one queued draft's graph per head arm (the first unseen prompt, 64 tokens, as
     its prefill): arms of two depths give a step's kernels, (A_S - A_s) / (S - s)."""
-    target, tok = load_target(args.target)
-    texts = load_prompts(args.prompts.split(",")[0])[:1]
-    prompt = encode_prompts(tok, texts)[0][:64]
-    arms = Arms(target, args.target, texts, args.draft_model, args.dflash, dict(mtp=args.mtp, eagle3=args.eagle3))
+    target, prompt, drafters = head_arms(args, "draft-kernels")
     rows = []
-    for a in args.arms.split(","):
-        drafter = arms.maker(a)()
-        if getattr(drafter, "ahead", None) is None or not hasattr(drafter, "_steps_ahead"):
-            sys.exit(f"draft-kernels: arm {a} is not a head drafting ahead (mtp-..., eagle3-...)")
+    for a, drafter in drafters:
         separate = getattr(drafter, "separate", None)  # (ARM/separate: its layers apart)
         with separate() if separate is not None else contextlib.nullcontext():
             counts = draft_kernels(target, drafter, prompt)
