@@ -1541,9 +1541,9 @@ def launch_costs(n=200):
     }
     backend = kernel_backend()
     if backend is not None:  # the device walk's kernel on a 41-node one-lane tree
-        from mlx_treespec.drafters.model import one_lane_parents
+        from mlx_treespec.drafters.model import lanes_parents
 
-        parents = one_lane_parents(10, 4)
+        parents = lanes_parents(10, 4)
         tok = mx.zeros((len(parents),), mx.uint32)
         par = mx.array(parents.astype(np.int32))
         kinds["the walk kernel (+ add)"] = lambda a: a + run_walk(backend, tok, tok, par)[0].astype(a.dtype)

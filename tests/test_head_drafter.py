@@ -40,7 +40,7 @@ def plain(model, prompt, n=N, **kw):
 
 
 SHAPES = {"chain4": dict(topk=1, depth=4), "k3l1s4": dict(topk=3, lanes=1, depth=4, budget=12),
-          "k3s3b9": dict(topk=3, lanes=3, depth=3, budget=9)}
+          "k3s3b9": dict(topk=3, lanes=3, depth=3, budget=9), "k3l2s4b21": dict(topk=3, lanes=2, depth=4, budget=21)}
 
 
 @pytest.mark.parametrize("kind", ["mtp-qwen3_5_tied", "mtp-qwen3_next_moe", "eagle3-safeailab", "eagle3-speculators"])
@@ -50,7 +50,7 @@ def test_greedy_identical_to_mlx_lm(tmp_path, kind, shape):
     head, target = (make_mtp(tmp_path, name)[:2] if family == "mtp" else make_eagle3(tmp_path, name)[:2])
     prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
     ref = plain(target, prompt)
-    oracle = shape != "k3s3b9"  # the lanes' own tokens: random heads accept little there
+    oracle = shape in ("chain4", "k3l1s4")  # lanes: their own tokens (random heads accept little there)
     drafter = OracleHead(head, target, **SHAPES[shape]) if oracle else HeadDrafter(head, **SHAPES[shape])
     stats = RoundStats()
     out = [t for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=N, stats=stats)]
@@ -153,15 +153,16 @@ class PositionOracle(tiny.FollowsText, HeadDrafter):
         return (rows if bumped is None else list(bumped[:, None])), [mx.array([t], mx.uint32) for t in chain]
 
     def _steps_ahead(self, root, rows, count, path, kind):
-        raw, logits = super()._steps_ahead(root, rows, count, path, kind)
+        out = super()._steps_ahead(root, rows, count, path, kind)  # (a tree's: one lane's [S, 1])
+        raw, logits = out[:2]
         if rows is not None:  # the last round's accepted drafts, then its target token (the root)
             accepted = self.last[: count.item() - 1] if path is None else np.array(path[1 : count.item()]).tolist()
             self.text += accepted + [int(root.item())]
-        self.last, logits, leaf = self._oracle(np.array(raw).tolist(), logits)
+        self.last, logits, leaf = self._oracle(np.array(raw).reshape(-1).tolist(), logits)
         self.leaf_ends += leaf
         chain = mx.array(self.last, mx.uint32)
         self._queued["prev"] = mx.concatenate([root.astype(mx.uint32), chain])  # (what is verified)
-        return chain, logits
+        return (chain, logits) if kind == "chain" else (chain[:, None], logits, out[2])
 
     def queue_more(self, tokens, ms):
         self.queued_rounds += 1
@@ -300,6 +301,11 @@ class LaneOracle(tiny.FollowsText, HeadDrafter):
             self.text += np.array(path[1 : count.item()]).tolist() + [int(root.item())]
         return self._oracle(super().lanes_ahead(root, rows, count, path), queued=True)
 
+    def tree_ahead(self, root, rows, count, path=None):
+        if rows is not None:
+            self.text += np.array(path[1 : count.item()]).tolist() + [int(root.item())]
+        return self._oracle(super().tree_ahead(root, rows, count, path), queued=True)
+
     def queue_more(self, tokens, ms):
         self.queued_rounds += 1
         return self.hand_back_after is None or self.queued_rounds < self.hand_back_after
@@ -337,6 +343,23 @@ def test_queued_lane_trees_draft_what_the_round_loop_drafts(tmp_path, monkeypatc
     host, queued, stats = _round_loop_then_queued(oracle, head, target, prompt, opts, hand_back, monkeypatch)
     assert host.ahead == host.lanes_ahead
     assert all(n == 11 for n, k in zip(stats.nodes, stats.drafter) if k == "queued")
+    assert_same_root_paths(host, queued, stats, hand_back, depth=4)
+
+
+@pytest.mark.parametrize("kind, hand_back", [("mtp-qwen3_5_tied", 3), ("eagle3-safeailab", None)])
+def test_queued_fixed_lanes_draft_what_the_round_loop_drafts(tmp_path, monkeypatch, kind, hand_back):
+    # a tree whose budget keeps every candidate has a fixed layout: the root's best 2 children
+    # each go on by its own argmax, every step's runners-up are leaves. Queued, its lanes are
+    # one compiled call (a chain's steps over 2 rows); its trees propose the round loop's root
+    # paths, text position by text position, through accepted paths off the spine (the second
+    # lane, leaves) and a hand-back; tokens are plain decoding's
+    family, name = kind.split("-", 1)
+    head, target = (make_mtp(tmp_path, name)[:2] if family == "mtp" else make_eagle3(tmp_path, name)[:2])
+    prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
+    opts = dict(topk=3, lanes=2, depth=4, budget=21)
+    host, queued, stats = _round_loop_then_queued(LaneOracle, head, target, prompt, opts, hand_back, monkeypatch)
+    assert host.ahead == host.tree_ahead
+    assert all(n == 22 for n, k in zip(stats.nodes, stats.drafter) if k == "queued")
     assert_same_root_paths(host, queued, stats, hand_back, depth=4)
 
 

@@ -91,11 +91,12 @@ def test_lane_candidates_score_as_eagle2_scores_each_lane(G):
 CACHE_SHAPES = [dict(draft_block_size=4), dict(tree_topk=3, tree_depth=4, tree_budget=12),
                 dict(tree_topk=4, tree_depth=6, tree_budget=16, tree_lanes=1),
                 dict(tree_topk=4, tree_depth=5, tree_budget=20, tree_lanes=1),
-                dict(tree_topk=3, tree_depth=4, tree_budget=12, tree_lanes=2)]
+                dict(tree_topk=3, tree_depth=4, tree_budget=12, tree_lanes=2),
+                dict(tree_topk=3, tree_depth=4, tree_budget=21, tree_lanes=2)]  # (fixed lanes)
 
 
 @pytest.mark.parametrize("family,shape", [("qwen3", s) for s in CACHE_SHAPES]
-                         + [("qwen3_5", s) for s in CACHE_SHAPES[:3]])
+                         + [("qwen3_5", s) for s in CACHE_SHAPES[:3] + CACHE_SHAPES[-1:]])
 def test_draft_cache_holds_what_plain_decoding_builds(family, shape):
     # after every run the drafter's cache holds exactly the emitted text minus its pending
     # tokens, as a plain forward of that text builds it (bitwise on CPU); for a hybrid drafter
@@ -133,7 +134,8 @@ def test_one_lane_full_budget_is_the_ranked_tree():
     prompt = np.random.default_rng(1).integers(0, tiny.VOCAB, 9).tolist()
     fixed = ModelDrafter(draft, topk=4, depth=5, budget=20, lanes=1)
     ranked = ModelDrafter(draft, topk=4, depth=5, budget=20, lanes=1)
-    ranked._spine_and_siblings = ranked._ranked_siblings
+    ranked._lanes_and_siblings = lambda root, logits, rnd, depth, budget: ranked._ranked_siblings(
+        root, *ranked._spine(logits, rnd, depth), rnd, budget)
     fixed.prefill(prompt)
     ranked.prefill(prompt)
     for root in np.random.default_rng(2).integers(0, tiny.VOCAB, 6).tolist():
@@ -147,3 +149,21 @@ def test_one_lane_full_budget_is_the_ranked_tree():
         assert np.array_equal(np.array(a.layout.device[1]), tree.depths)
         for d in (fixed, ranked):  # nothing accepted: the next root follows this one
             d.commit(a if d is fixed else b, np.array([0]), [root])
+
+
+def test_lanes_parents_layout():
+    # one lane: the spine, then each step's runners-up (the one-lane tree); two lanes: lane 0 is
+    # the spine (nodes 1..S), lane 1 follows, then the root's other children and each step's
+    # leaves, lane by lane; every candidate of EAGLE-2's count is a node
+    from mlx_treespec.drafters.model import keeps_every_sibling, lanes_parents
+    from mlx_treespec.tree import eagle2_candidates
+
+    assert lanes_parents(3, 2).tolist() == [-1, 0, 1, 2, 0, 1, 2]
+    assert lanes_parents(3, 3, 2).tolist() == [-1, 0, 1, 2, 0, 4, 5, 0, 1, 1, 4, 4, 2, 2, 5, 5]
+    for S, K, L in [(1, 2, 2), (4, 3, 2), (5, 4, 3), (6, 4, 1)]:
+        p = lanes_parents(S, K, L)
+        assert len(p) == 1 + eagle2_candidates(K, L, S)
+        assert np.array_equal(p[: S + 1], np.arange(S + 1) - 1)  # spine first
+        tree = DraftTree(np.arange(len(p)), p)
+        assert tree.depths.max() == S and (np.bincount(p[1:], minlength=len(p)) <= K).all()
+        assert keeps_every_sibling(K, L, S, len(p) - 1) and not keeps_every_sibling(K, L, S, len(p) - 2)

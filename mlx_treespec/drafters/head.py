@@ -29,8 +29,8 @@ import mlx.core as mx
 
 from ..draft import Draft, Layout
 from ..verify import grown, install, whole_buffer_forward
-from .model import (ModelDrafter, _logprobs, _top_k, keep_best, keeps_every_sibling,
-                    kept_nodes, lane_candidates, one_lane_parents, runners_up)
+from .model import (ModelDrafter, _logprobs, _top_k, keep_best, keeps_every_sibling, kept_nodes,
+                    lane_candidates, lane_tree, lanes_parents, root_children)
 
 __all__ = ["HeadDrafter"]
 
@@ -46,10 +46,6 @@ def _causal(columns, positions, dtype):
     return _additive(columns[None] <= positions[:, None], dtype)
 
 
-# a one-token step's `start` (written at pos; the mask's bounds pos, pos + 1) from its position
-_SPAN = mx.array([0, 0, 1], mx.int32)
-
-
 @functools.lru_cache(maxsize=64)
 def _ranges(*sizes):
     """0..n-1 (int32) for each size: the aranges a queued head draft reads (its columns, slots,
@@ -59,9 +55,18 @@ def _ranges(*sizes):
 
 
 @functools.lru_cache(maxsize=None)
-def _one_lane(depth, topk):
-    """The one-lane tree's fixed layout (every round's: built once, not checked again)."""
-    return Layout.fixed(one_lane_parents(depth, topk))
+def _fixed_lanes(depth, topk, lanes):
+    """A fixed lane tree's layout (every round's: built once, not checked again)."""
+    return Layout.fixed(lanes_parents(depth, topk, lanes))
+
+
+@functools.lru_cache(maxsize=64)
+def _lane_spans(steps, lanes):
+    """Each lane step's `start` less the base column (`whole_buffer_forward`): written at s L;
+    every row sees the columns before s (one lane: its ancestors) or before the base (lanes:
+    only their own rows after it); none from (s + 1) L on."""
+    s = np.arange(steps)
+    return mx.array(np.stack([s * lanes, s if lanes == 1 else 0 * s, (s + 1) * lanes], 1).astype(np.int32))
 
 
 class HeadDrafter(ModelDrafter):
@@ -152,8 +157,8 @@ class HeadDrafter(ModelDrafter):
 
     @property
     def ahead(self):
-        """`chain_ahead` for a chain, `tree_ahead` for a one-lane tree that keeps every sibling,
-        `lanes_ahead` for any other tree (queued.py)."""
+        """`chain_ahead` for a chain, `tree_ahead` for a tree that keeps every candidate (fixed
+        lanes), `lanes_ahead` for any other tree (queued.py)."""
         if self.topk == 1:
             return self.chain_ahead
         return self.tree_ahead if keeps_every_sibling(self.topk, self.lanes, self.depth, self.budget) \
@@ -174,12 +179,13 @@ class HeadDrafter(ModelDrafter):
         return self._steps_ahead(root, rows, count, path, "chain")[0]
 
     def tree_ahead(self, root, rows, count, path=None):
-        """The one-lane tree from device values alone (`chain_ahead`'s arguments): the chain,
-        and each step's `topk - 1` runners-up as leaves, as the round loop drafts it."""
-        chain, logits = self._steps_ahead(root, rows, count, path, "tree")
-        tokens = mx.concatenate([root.reshape(1).astype(mx.uint32), chain, runners_up(logits, chain, self.topk)])
-        return Draft(tokens, _one_lane(self.depth, self.topk), budget=self.budget, depth=self.depth,
-                     forwards=self.depth)
+        """The fixed lane tree from device values alone (`chain_ahead`'s arguments): its lanes,
+        and each step's `topk - 1` runners-up as leaves, as the round loop drafts it
+        (`ModelDrafter._lanes_and_siblings`)."""
+        toks, logits, others = self._steps_ahead(root, rows, count, path, "tree")
+        tokens = mx.concatenate([root.reshape(1).astype(mx.uint32), lane_tree(logits, toks, others, self.topk)])
+        return Draft(tokens, _fixed_lanes(self.depth, self.topk, self.lanes), budget=self.budget,
+                     depth=self.depth, forwards=self.depth)
 
     def lanes_ahead(self, root, rows, count, path=None):
         """The EAGLE-2 tree (`lanes` nodes expanded a step, the best `budget` candidates kept) from
@@ -195,10 +201,11 @@ class HeadDrafter(ModelDrafter):
 
     def _steps_ahead(self, root, rows, count, path, kind):
         """The slots of the previous round's path, then the steps. `kind` "chain": (the chain of
-        `depth` steps, mx uint32 [depth], None); "tree": (that chain, each step's logits
-        [depth, V]); "lanes": (the EAGLE-2 tree's tokens, its device Layout)."""
+        `depth` steps, mx uint32 [depth], None); "tree": (each depth's lane tokens [depth, L],
+        the logits they came from [1 + (depth - 1) L, V], the root's other children or None:
+        `lane_tree`'s inputs); "lanes": (the EAGLE-2 tree's tokens, its device Layout)."""
         q, c = self._queued, self.cache[0]
-        lanes = self.lanes if kind == "lanes" else 1
+        lanes = 1 if kind == "chain" else self.lanes
         if q is None:  # the host's pending slots (the last is the root's); none: a one-token prompt
             n = 0 if self.pending_hidden is None else len(self.pending)
             if n > self.depth + 1:
@@ -223,7 +230,13 @@ class HeadDrafter(ModelDrafter):
                     # (on the device only, as every later lane tree's: queued rounds keep one
                     # commit rule, and this layout would read as spine-first)
                     return tokens, Layout.on_device(*Layout.fixed(parents).device)
-                return chain, (mx.zeros((self.depth, self.topk)) if kind == "tree" else None)
+                if kind == "tree":  # every lane a chain of zeros, its first token its number, and
+                    # leaves ranked from logits of zeros over topk + lanes tokens (siblings distinct)
+                    L, K, S = self.lanes, self.topk, self.depth
+                    toks = mx.concatenate([mx.arange(L, dtype=mx.uint32)[None], mx.zeros((S - 1, L), mx.uint32)])
+                    others = None if L == 1 else mx.arange(L, K, dtype=mx.uint32)
+                    return toks, mx.zeros((1 + (S - 1) * L, K + L)), others
+                return chain, None
             P = self.depth + 1  # padded to a round's slot count: one trace for both
             tokens = mx.array(self.pending + [0] * (P - n), mx.uint32)
             slot_rows = mx.pad(self.pending_hidden, ((0, P - n), (0, 0)))
@@ -239,15 +252,16 @@ class HeadDrafter(ModelDrafter):
         ranges = _ranges(keys.shape[2], P, max(self.depth - 1, 1), self.topk)
         out = self._ahead_fn(kind)(tokens, slot_rows, count, q["L0"], keys, values, ranges)
         c.keys, c.values = out[-2:]
-        first, second = out[0], out[1]
+        first = out[0]
         q.update(L0=q["L0"] + count, bound=q["bound"] + P, last=(slot_rows, count))
         self.forwards = self.depth
         if kind == "lanes":  # (a tree round's next slots are its accepted path: `path`)
             q["prev"] = mx.zeros((P,), mx.uint32)
             root = root.reshape(1).astype(mx.uint32)
             return mx.concatenate([root, first[1:]]), Layout.on_device(*out[1:4])
-        q["prev"] = mx.concatenate([root.reshape(1).astype(mx.uint32), first])
-        return first, second
+        spine = first if kind == "chain" else first[:, 0]
+        q["prev"] = mx.concatenate([root.reshape(1).astype(mx.uint32), spine])
+        return out[:-2]
 
     def _buffers(self, rows):
         """The head cache's K/V buffers with room for `rows` rows (made where the cache holds none)."""
@@ -269,26 +283,41 @@ class HeadDrafter(ModelDrafter):
         fn = self.__dict__.get(("_compiled_ahead", kind))
         if fn is not None:
             return fn
-        head, depth = self.model, self.depth
+        head, depth, K, L = self.model, self.depth, self.topk, (1 if kind == "chain" else self.lanes)
         install(head)
         forward = whole_buffer_forward(head, ())
 
         def chain(tokens, slot_rows, count, L0, keys, values, ranges):
-            logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values, ranges)
-            tok = mx.argmax(logits, axis=-1).astype(mx.uint32)
-            out, rows = [tok], [logits]
-            # every step's position, mask and bounds at once: a step then slices them (views),
-            # where making its own would launch three kernels a step
-            pos = L0 + count + ranges[2]
-            masks, spans = _causal(ranges[0], pos, keys.dtype), pos[:, None] + _SPAN
-            for s in range(depth - 1):  # each step over its parent's output hidden, after the real slots
+            # (a fixed lane tree's L lanes too: every step forwards each lane's last node, a chain
+            # step's kernels over L rows; lane j's step s row is column base + s L + j)
+            root_logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values, ranges)
+            if L == 1:
+                tok, others = mx.argmax(root_logits, axis=-1).astype(mx.uint32), None
+            else:
+                tok, others = root_children(root_logits, K, L)
+                hidden = mx.broadcast_to(hidden, (L, hidden.shape[-1]))
+            toks, rows = [tok], [root_logits]
+            # every step's positions, masks and bounds at once: a step then slices them (views),
+            # where making its own would launch three kernels a step. A row sees the columns
+            # before the base and its own lane's step rows up to its own
+            base = L0 + count
+            pos = base + ranges[2]
+            rel = (ranges[0] - base)[None, None]  # [1, 1, W]
+            lane = ranges[3][:L][None, :, None]  # [1, L, 1]
+            last = ranges[2][:, None, None] * L + lane  # [S - 1, L, 1]: each row's own column
+            masks = _additive((rel < 0) | ((rel <= last) & (rel % L == lane)), keys.dtype)
+            spans = base + _lane_spans(max(depth - 1, 1), L)
+            for s in range(depth - 1):  # each step over its parents' output hidden, after the real slots
                 self._set_hidden(hidden, first=False)
-                logits, _, ks, vs = forward(tok, pos[s : s + 1], masks[s : s + 1], spans[s], ks, vs)
+                at = pos[s : s + 1] if L == 1 else mx.broadcast_to(pos[s : s + 1], (L,))
+                logits, _, ks, vs = forward(tok, at, masks[s], spans[s], ks, vs)
                 hidden = head.out_hidden[0]
                 tok = mx.argmax(logits, axis=-1).astype(mx.uint32)
-                out.append(tok)
+                toks.append(tok)
                 rows.append(logits)
-            return mx.concatenate(out), (mx.concatenate(rows) if kind == "tree" else None), ks[0], vs[0]
+            if kind == "chain":
+                return mx.concatenate(toks), None, ks[0], vs[0]
+            return mx.stack(toks), mx.concatenate(rows), others, ks[0], vs[0]
 
         def lanes(tokens, slot_rows, count, L0, keys, values, ranges):
             # ModelDrafter._tree's steps: step s (1..S-1) forwards the L lanes at depth s

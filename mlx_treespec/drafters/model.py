@@ -85,12 +85,19 @@ def keep_best(root, tokens, scores, parents, depths, budget):
     return sel, tree_parents, tree_depths[perm], tree_tokens, anc[perm][:, perm]
 
 
-def one_lane_parents(S, K):
-    """The fixed layout of a spine of S with each step's K - 1 runners-up as leaves: the root,
-    the spine (node i at depth i, 1..S), then the leaves of nodes 0..S-1 in step order."""
-    spine = chain_parents(S + 1)
-    leaves = np.repeat(np.arange(S, dtype=np.int64), K - 1)
-    return np.concatenate([spine, leaves])
+def lanes_parents(S, K, L=1):
+    """The fixed layout of L lanes of S steps, every sibling kept: the root; each lane's nodes at
+    depths 1..S, lane after lane (lane 0, the argmax chain, is nodes 1..S: the spine); the
+    root's other K - L children; then each step's K - 1 runners-up of each lane's node, step by
+    step, lane by lane (`lane_tree`'s token order)."""
+    parents = [-1]
+    for j in range(L):
+        parents += [0] + list(range(1 + j * S, (j + 1) * S))
+    parents += [0] * (K - L)
+    for s in range(1, S):
+        for j in range(L):
+            parents += [j * S + s] * (K - 1)
+    return np.array(parents, np.int64)
 
 
 def kept_nodes(topk, lanes, depth, budget):
@@ -100,16 +107,40 @@ def kept_nodes(topk, lanes, depth, budget):
 
 
 def keeps_every_sibling(topk, lanes, depth, budget):
-    """Whether a tree of this shape is the fixed one-lane layout (`one_lane_parents`): one lane
-    whose budget keeps every candidate, so nothing is ranked (a chain too: topk 1)."""
-    return lanes == 1 and budget >= depth * topk
+    """Whether a tree of this shape is the fixed layout of `lanes_parents`: its budget keeps
+    every candidate, so nothing is ranked. Its lanes are the root's best `lanes` children, each
+    going on by its own argmax (a chain too: topk 1)."""
+    return budget >= eagle2_candidates(topk, lanes, depth)
 
 
-def runners_up(logits, chain, K):
-    """The one-lane tree's leaves: each step's best K - 1 tokens but its spine token (logits
-    [S, V], chain [S]: the spine is its step's argmax), step by step, mx uint32 [S * (K - 1)]."""
-    logits = mx.put_along_axis(logits, chain[:, None].astype(mx.int32), mx.array(-mx.inf, logits.dtype), axis=-1)
+def root_children(logits, K, L):
+    """The root's children in a fixed lane tree of L >= 2 lanes (logits [1, V]): the root's best
+    K, best first: the lanes' first tokens [L], then its other K - L children (leaves)."""
+    best = mx.argpartition(-logits[0], kth=K - 1)[:K]
+    best = best[mx.argsort(-logits[0][best])].astype(mx.uint32)
+    return best[:L], best[L:]
+
+
+def runners_up(logits, taken, K):
+    """Each row's best K - 1 tokens but its argmax token `taken` (logits [N, V], taken [N]),
+    row by row, mx uint32 [N * (K - 1)]."""
+    logits = mx.put_along_axis(logits, taken[:, None].astype(mx.int32), mx.array(-mx.inf, logits.dtype), axis=-1)
     return mx.argpartition(-logits, kth=K - 2, axis=-1)[:, : K - 1].reshape(-1).astype(mx.uint32)
+
+
+def lane_tree(logits, toks, others, K):
+    """A fixed lane tree's draft tokens in `lanes_parents`' order (the root excluded): `toks`
+    [S, L] (each depth's lane tokens, lane 0's the argmax chain), `logits` [1 + (S - 1) L, V]
+    (the root's, then each step's lanes': step by step, lane by lane; their argmaxes are the
+    lanes' next tokens) and `others` (`root_children`'; None for one lane, whose root leaves
+    are ranked with its steps')."""
+    lanes = toks.T.reshape(-1)  # lane after lane
+    if K == 1:
+        return lanes
+    if others is None:
+        return mx.concatenate([lanes, runners_up(logits, toks[:, 0], K)])
+    steps = [runners_up(logits[1:], toks[1:].reshape(-1), K)] if toks.shape[0] > 1 else []
+    return mx.concatenate([lanes, others] + steps)
 
 
 def lane_candidates(lane_scores, lane_cands, logits, tokens, first, K):
@@ -151,7 +182,7 @@ def model_probe_parents(topk, lanes, depth, budget):
     if topk == 1:
         return chain_parents(depth + 1)
     if keeps_every_sibling(topk, lanes, depth, budget):
-        return one_lane_parents(depth, topk)
+        return lanes_parents(depth, topk, lanes)
     from ..probe import representative_tree_parents
 
     return representative_tree_parents(topk, depth, budget)
@@ -226,10 +257,10 @@ class ModelDrafter:
             p = len(self.pending)
             pending = mx.array(self.pending, mx.uint32)
             logits = self._forward(rnd, pending, np.arange(p) - 1)[-1:]
+            if keeps_every_sibling(self.topk, self.lanes, depth, budget):  # nothing to rank
+                return self._lanes_and_siblings(pending[-1:], logits, rnd, depth, budget)
             if self.lanes == 1:
                 rows, toks = self._spine(logits, rnd, depth)
-                if keeps_every_sibling(self.topk, 1, depth, budget):  # nothing to rank
-                    return self._spine_and_siblings(pending[-1:], rows, toks, rnd, budget)
                 return self._ranked_siblings(pending[-1:], rows, toks, rnd, budget)
             return self._tree(pending[-1:], logits, rnd, depth, budget)
         except BaseException:
@@ -246,10 +277,20 @@ class ModelDrafter:
 
     def _spine(self, logits, rnd, depth):
         """Greedy one-token steps from the root: each step's logits and argmax token."""
-        root_node = rnd.size - 1
-        rows, toks = [logits], [mx.argmax(logits, axis=-1).astype(mx.uint32)]
-        for s in range(1, depth):
-            logits = self._forward(rnd, toks[-1], [root_node + s - 1], feeds=[root_node + s - 1])
+        rows, toks = self._lanes(rnd, depth, mx.argmax(logits, axis=-1).astype(mx.uint32))
+        return [logits] + rows, toks
+
+    def _lanes(self, rnd, depth, first):
+        """Fixed lanes from the root (the round's last node): `first` [L] the lanes' tokens at
+        depth 1; each later step forwards every lane's last node, and each lane goes on by its
+        own argmax. Returns the steps' logits ([L, V] at depths 1..depth-1) and each depth's
+        lane tokens [L]."""
+        L = first.shape[0]
+        parents = [rnd.size - 1] * L
+        rows, toks = [], [first]
+        for _ in range(1, depth):
+            logits = self._forward(rnd, toks[-1], parents, feeds=parents)
+            parents = list(range(rnd.size - L, rnd.size))
             rows.append(logits)
             toks.append(mx.argmax(logits, axis=-1).astype(mx.uint32))
         return rows, toks
@@ -257,21 +298,29 @@ class ModelDrafter:
     def probe_parents(self):
         return model_probe_parents(self.topk, self.lanes, self.depth, self.budget)
 
-    def _spine_and_siblings(self, root, rows, toks, rnd, budget):
-        """The chain (K = 1), or the chain with each step's K - 1 runners-up as leaves: a fixed
-        topology, so nothing is ranked and the host knows the parents without a sync."""
-        S, K = len(toks), self.topk
-        root_node = rnd.size - S  # the spine forwarded S - 1 nodes after the root
-        chain = mx.concatenate(toks)
-        parts = [root, chain]  # root: the pending tokens' last, already on the device
-        if K > 1:
-            parts.append(runners_up(mx.concatenate(rows), chain, K))
-        layout = Layout.fixed(one_lane_parents(S, K))
-        # spine node i (1 <= i < S) was forwarded as round node root_node + i; nothing else was
+    def _lanes_and_siblings(self, root, logits, rnd, depth, budget):
+        """A tree whose budget keeps every candidate (`keeps_every_sibling`): the root's best L
+        children, each going on by its own argmax, and every step's K - 1 runners-up (the
+        root's K - L) as leaves. A fixed topology (`lanes_parents`): nothing is ranked and the
+        host knows the parents without a sync. One lane is the chain (K = 1) or the chain with
+        its siblings."""
+        S, K, L = depth, self.topk, self.lanes
+        root_node = rnd.size - 1
+        if L == 1:  # (`_spine`: what a chain drafts, and what the tests' oracles replace)
+            rows, toks = self._spine(logits, rnd, S)
+            others = None
+        else:
+            first, others = root_children(logits, K, L)
+            rows, toks = self._lanes(rnd, S, first)
+            rows = [logits] + rows
+        tokens = mx.concatenate([root, lane_tree(mx.concatenate(rows), mx.stack(toks), others, K)])
+        layout = Layout.fixed(lanes_parents(S, K, L))
+        # lane j's node at depth d (1 <= d < S) was forwarded at step d, as round node
+        # root_node + 1 + (d - 1) L + j; nothing else was
         forwarded = np.full(layout.size, -1, np.int64)
-        forwarded[1:S] = np.arange(1, S) + root_node
-        return Draft(mx.concatenate(parts), layout, ModelDraftState(rnd, forwarded, root_node),
-                     budget=budget, depth=S, forwards=S)
+        for j in range(L):
+            forwarded[1 + j * S : (j + 1) * S] = root_node + 1 + np.arange(S - 1) * L + j
+        return Draft(tokens, layout, ModelDraftState(rnd, forwarded, root_node), budget=budget, depth=S, forwards=S)
 
     def _ranked_siblings(self, root, rows, toks, rnd, budget):
         """One lane with a budget below S * K: the chain's steps' top-K, ranked at once on the
