@@ -15,8 +15,8 @@ Every shape also drafts from device values alone, for rounds queued ahead (queue
 j of the previous round's accepted path over the target's row j; the accepted count says which
 are real, the last is the root's) and takes `depth` one-token steps after them, all in one
 compiled function over whole K/V buffers (verify.whole_buffer_forward with the head as the
-model); `tree_ahead` adds each step's runners-up as leaves (a one-lane tree whose siblings all
-stay: model.one_lane_parents), from the same steps' logits; `lanes_ahead` drafts any other tree
+model); `tree_ahead` drafts a tree that keeps every candidate (fixed lanes: model.lanes_parents),
+the same steps over each lane's row with their runners-up as leaves; `lanes_ahead` drafts any other tree
 (EAGLE-2 lanes, ranked once, then each lane its own argmax) as the round loop's `_tree` does, a
 compiled call a step. Step rows land after
 the real slots and are overwritten by the next round's, as the round loop's head cache keeps
@@ -276,9 +276,10 @@ class HeadDrafter(ModelDrafter):
 
     def _ahead_fn(self, kind):
         """The slots' forward and `depth` steps: (slot tokens [P], their target rows, real slots,
-        L0, K, V) -> `kind`'s outputs (`_steps_ahead`: a chain and each step's logits or None; or
-        the EAGLE-2 tree's tokens, root 0, parents, depths, ancestor rows), then K and V. A chain
-        or one-lane tree is one compiled function (traced per slot count and buffer width); an
+        L0, K, V) -> `kind`'s outputs (`_steps_ahead`: a chain, or a fixed lane tree's lane tokens,
+        logits and root leaves; or the EAGLE-2 tree's tokens, root 0, parents, depths, ancestor
+        rows), then K and V. A chain or fixed lane tree is one compiled function (traced per slot
+        count and buffer width); an
         EAGLE-2 tree calls `_lanes_fns`' compiled functions, one a step."""
         fn = self.__dict__.get(("_compiled_ahead", kind))
         if fn is not None:
