@@ -155,7 +155,7 @@ def test_lanes_parents_layout():
     # one lane: the spine, then each step's runners-up (the one-lane tree); two lanes: lane 0 is
     # the spine (nodes 1..S), lane 1 follows, then the root's other children and each step's
     # leaves, lane by lane; every candidate of EAGLE-2's count is a node
-    from mlx_treespec.drafters.model import keeps_every_sibling, lanes_parents
+    from mlx_treespec.drafters.model import keeps_every_candidate, lanes_parents
     from mlx_treespec.tree import eagle2_candidates
 
     assert lanes_parents(3, 2).tolist() == [-1, 0, 1, 2, 0, 1, 2]
@@ -166,4 +166,4 @@ def test_lanes_parents_layout():
         assert np.array_equal(p[: S + 1], np.arange(S + 1) - 1)  # spine first
         tree = DraftTree(np.arange(len(p)), p)
         assert tree.depths.max() == S and (np.bincount(p[1:], minlength=len(p)) <= K).all()
-        assert keeps_every_sibling(K, L, S, len(p) - 1) and not keeps_every_sibling(K, L, S, len(p) - 2)
+        assert keeps_every_candidate(K, L, S, len(p) - 1) and not keeps_every_candidate(K, L, S, len(p) - 2)

@@ -29,8 +29,8 @@ import mlx.core as mx
 
 from ..draft import Draft, Layout
 from ..verify import grown, install, whole_buffer_forward
-from .model import (ModelDrafter, _logprobs, _top_k, keep_best, keeps_every_sibling, kept_nodes,
-                    lane_candidates, lane_tree, lanes_parents, root_children)
+from .model import (ModelDrafter, _logprobs, _top_k, keep_best, keeps_every_candidate, kept_nodes,
+                    lane_candidates, lane_tree, lanes_layout, root_children)
 
 __all__ = ["HeadDrafter"]
 
@@ -52,12 +52,6 @@ def _ranges(*sizes):
     steps, top-k), made once per shape, where one made inside a compiled draft is a kernel
     every round."""
     return tuple(mx.array(np.arange(n, dtype=np.int32)) for n in sizes)
-
-
-@functools.lru_cache(maxsize=None)
-def _fixed_lanes(depth, topk, lanes):
-    """A fixed lane tree's layout (every round's: built once, not checked again)."""
-    return Layout.fixed(lanes_parents(depth, topk, lanes))
 
 
 @functools.lru_cache(maxsize=64)
@@ -161,7 +155,7 @@ class HeadDrafter(ModelDrafter):
         lanes), `lanes_ahead` for any other tree (queued.py)."""
         if self.topk == 1:
             return self.chain_ahead
-        return self.tree_ahead if keeps_every_sibling(self.topk, self.lanes, self.depth, self.budget) \
+        return self.tree_ahead if keeps_every_candidate(self.topk, self.lanes, self.depth, self.budget) \
             else self.lanes_ahead
 
     @property
@@ -184,7 +178,7 @@ class HeadDrafter(ModelDrafter):
         (`ModelDrafter._lanes_and_siblings`)."""
         toks, logits, others = self._steps_ahead(root, rows, count, path, "tree")
         tokens = mx.concatenate([root.reshape(1).astype(mx.uint32), lane_tree(logits, toks, others, self.topk)])
-        return Draft(tokens, _fixed_lanes(self.depth, self.topk, self.lanes), budget=self.budget,
+        return Draft(tokens, lanes_layout(self.depth, self.topk, self.lanes), budget=self.budget,
                      depth=self.depth, forwards=self.depth)
 
     def lanes_ahead(self, root, rows, count, path=None):

@@ -4,7 +4,8 @@ Each step forwards the current lanes on the draft model over its own cache, with
 (through the same TreeRound the target uses), and expands them from the draft logits; lanes,
 re-rank and the tree's topology stay on the device, so the round's one host sync is the walk's.
 Lanes are ranked at the first lane step (`ranked_lane_steps`), then each goes on by its own
-argmax (docs/design.md, "Lanes ranked once").
+argmax (docs/design.md, "Lanes ranked once"); a budget that keeps every candidate ranks
+nothing: the root's best L children are the lanes (`lanes_parents`, "Fixed lanes").
 A chain is the tree with one lane and one child per node: plain one-token steps, a trim for
 commit, as in mlx-lm's speculative loop. One lane with K children is that chain plus its best
 siblings as leaves.
@@ -15,6 +16,7 @@ tree scan over every node so far), and commit replays the accepted tokens from t
 state (gdn.gdn_layer_commit). Its lanes' parents are read on the host (one sync a ranked lane
 step, as over rotating draft caches).
 """
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,13 +102,20 @@ def lanes_parents(S, K, L=1):
     return np.array(parents, np.int64)
 
 
+@functools.lru_cache(maxsize=None)
+def lanes_layout(S, K, L):
+    """`lanes_parents`' Layout, built once per shape (every round of a fixed lane tree drafts it,
+    in the round loop and queued alike)."""
+    return Layout.fixed(lanes_parents(S, K, L))
+
+
 def kept_nodes(topk, lanes, depth, budget):
     """The draft nodes a tree of `depth` steps keeps: at most its candidates; a chain keeps all
     of its `depth`."""
     return depth if topk == 1 else min(budget, eagle2_candidates(topk, lanes, depth))
 
 
-def keeps_every_sibling(topk, lanes, depth, budget):
+def keeps_every_candidate(topk, lanes, depth, budget):
     """Whether a tree of this shape is the fixed layout of `lanes_parents`: its budget keeps
     every candidate, so nothing is ranked. Its lanes are the root's best `lanes` children, each
     going on by its own argmax (a chain too: topk 1)."""
@@ -181,7 +190,7 @@ def model_probe_parents(topk, lanes, depth, budget):
     else the EAGLE-2 tree a fairly confident drafter of this shape builds."""
     if topk == 1:
         return chain_parents(depth + 1)
-    if keeps_every_sibling(topk, lanes, depth, budget):
+    if keeps_every_candidate(topk, lanes, depth, budget):
         return lanes_parents(depth, topk, lanes)
     from ..probe import representative_tree_parents
 
@@ -257,7 +266,7 @@ class ModelDrafter:
             p = len(self.pending)
             pending = mx.array(self.pending, mx.uint32)
             logits = self._forward(rnd, pending, np.arange(p) - 1)[-1:]
-            if keeps_every_sibling(self.topk, self.lanes, depth, budget):  # nothing to rank
+            if keeps_every_candidate(self.topk, self.lanes, depth, budget):  # nothing to rank
                 return self._lanes_and_siblings(pending[-1:], logits, rnd, depth, budget)
             if self.lanes == 1:
                 rows, toks = self._spine(logits, rnd, depth)
@@ -299,7 +308,7 @@ class ModelDrafter:
         return model_probe_parents(self.topk, self.lanes, self.depth, self.budget)
 
     def _lanes_and_siblings(self, root, logits, rnd, depth, budget):
-        """A tree whose budget keeps every candidate (`keeps_every_sibling`): the root's best L
+        """A tree whose budget keeps every candidate (`keeps_every_candidate`): the root's best L
         children, each going on by its own argmax, and every step's K - 1 runners-up (the
         root's K - L) as leaves. A fixed topology (`lanes_parents`): nothing is ranked and the
         host knows the parents without a sync. One lane is the chain (K = 1) or the chain with
@@ -314,7 +323,7 @@ class ModelDrafter:
             rows, toks = self._lanes(rnd, S, first)
             rows = [logits] + rows
         tokens = mx.concatenate([root, lane_tree(mx.concatenate(rows), mx.stack(toks), others, K)])
-        layout = Layout.fixed(lanes_parents(S, K, L))
+        layout = lanes_layout(S, K, L)
         # lane j's node at depth d (1 <= d < S) was forwarded at step d, as round node
         # root_node + 1 + (d - 1) L + j; nothing else was
         forwarded = np.full(layout.size, -1, np.int64)
