@@ -23,11 +23,12 @@ suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselin
 drafts with the I-th folder its drafter's option names (--draft-model, --dflash, --mtp and --eagle3
 take comma lists: two heads in one interleaved run), /sync without queued rounds, auto:dflash/chains
 queueing the primary's chains instead of its trees, HEAD-chain:K/astree a head's chains queued as
-trees of no leaves, ARM/separate every linear layer run on its own, where the library joins
-those that read one input (mlx_treespec/join.py), TREE/ranked EAGLE-2's lanes re-ranked at every
-step, where the library ranks the first lane step only (suffixes in that order: ARM[/dI][/sync],
-ARM[/chains], ARM[/astree], ARM[/ranked], ARM[/separate]).
- Speed figures are
+trees of no leaves, TREE/replay a spine-first tree's accepted paths re-run by the next round
+as any tree's are, where the library commits them in place, ARM/separate every linear layer run
+on its own, where the library joins those that read one input (mlx_treespec/join.py),
+TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the first lane
+step only (suffixes in that order: ARM[/dI][/sync], ARM[/chains], ARM[/astree], ARM[/replay],
+ARM[/ranked], ARM[/separate]). Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
 --out names another place.
@@ -35,6 +36,7 @@ bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and devic
 import argparse
 import collections
 import contextlib
+import dataclasses
 import gzip
 import itertools
 import json
@@ -53,7 +55,7 @@ sys.path.insert(0, str(ROOT))
 from mlx_treespec import RoundStats, tree_generate_step, verify  # noqa: E402
 from mlx_treespec.cli import resolve_model_path  # noqa: E402
 from mlx_treespec.harness import (encode_prompts, first_divergence, generate_once, interleave,  # noqa: E402
-                                  load_prompts, record, run_meta, spread)
+                                  load_prompts, ratio_interval, record, run_meta, spread)
 from mlx_treespec.spec import DraftSpec  # noqa: E402
 from mlx_treespec.tree import MAX_NODES  # noqa: E402
 
@@ -136,6 +138,7 @@ class Arms:
         arm, separate = (arm[: -len("/separate")], True) if arm.endswith("/separate") else (arm, False)
         arm_in = arm
         arm, ranked = (arm[: -len("/ranked")], True) if arm.endswith("/ranked") else (arm, False)
+        arm, replay = (arm[: -len("/replay")], True) if arm.endswith("/replay") else (arm, False)
         arm, as_tree = (arm[: -len("/astree")], True) if arm.endswith("/astree") else (arm, False)
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
@@ -156,7 +159,10 @@ class Arms:
         if unqueued:  # "ARM/sync": the same drafter through the round loop (one host sync a round)
             return lambda: Unqueued(make())
         if as_tree:  # "HEAD-chain:K/astree": its chains queued as one-lane trees of no leaves
-            return lambda: ChainAsTree(make())
+            inner = make
+            make = lambda: ChainAsTree(inner())  # noqa: E731
+        if replay:  # "TREE/replay": a spine-first tree's paths re-run as any tree's are
+            return lambda: Replayed(make())
         if chains:  # "auto:KIND/chains": the adaptive drafter queueing its primary's chains
             return lambda: ChainsQueued.of(make())
         return make
@@ -256,6 +262,28 @@ class ChainAsTree:
         d = self.drafter.depth
         tokens = mx.concatenate([root.reshape(1).astype(mx.uint32), self.drafter.chain_ahead(root, rows, count, path)])
         return Draft(tokens, Layout.fixed(chain_parents(d + 1)), budget=d, depth=d, forwards=d)
+
+
+class Replayed:
+    """A queued tree drafter whose spine-first trees are committed as any tree is (the next round
+    re-runs the whole accepted path, `queued._replay_layout`), where the library commits them in
+    place: the A/B arm that prices the re-run path apart from a second lane's draft."""
+
+    queues_trees = True
+
+    def __init__(self, drafter):
+        if getattr(drafter, "ahead", None) is None or not getattr(drafter, "queues_trees", False):
+            raise ValueError("ARM/replay takes an arm whose trees are queued (eagle3-tree, mtp-tree, HEAD-chain:K/astree)")
+        self.drafter = drafter
+
+    def __getattr__(self, name):
+        return getattr(self.drafter, name)
+
+    def ahead(self, root, rows, count, path=None):
+        from mlx_treespec.draft import Layout
+
+        d = self.drafter.ahead(root, rows, count) if path is None else self.drafter.ahead(root, rows, count, path)
+        return dataclasses.replace(d, layout=Layout.on_device(*d.layout.device))  # (no host parents: any shape)
 
 
 class ChainsQueued:
@@ -413,19 +441,29 @@ def x_versus(rows, versus):
     `pooled_tok_s`), spread over the prompts: arms against each other without the noise of a
     third arm's timings in between."""
     base = pooled_tok_s(next(r for r in rows if r["arm"] == versus)["runs"])
-    return {r["arm"]: spread([v / base[p] for p, v in sorted(pooled_tok_s(r["runs"]).items()) if base.get(p)])
-            for r in rows}
+    out = {}
+    for r in rows:
+        ratios = [v / base[p] for p, v in sorted(pooled_tok_s(r["runs"]).items()) if base.get(p)]
+        s = spread(ratios)
+        out[r["arm"]] = None if s is None else dict(s, interval=ratio_interval(ratios))
+    return out
+
+
+def _ci(s):
+    """A `ratio_interval` cell: geometric mean [lo-hi]."""
+    i = (s or {}).get("interval")
+    return "-" if i is None else f"{i['geomean']:.3f} [{i['lo']:.3f}-{i['hi']:.3f}]"
 
 
 def table(rows, versus=None):
     against = x_versus(rows, versus) if versus else {}
-    extra = f" x {versus} (median, min-max) |" if versus else ""
+    extra = f" x {versus} (median, min-max) | x {versus} (geomean [90% CI]) |" if versus else ""
     lines = ["| arm | x plain (median, min-max) |" + extra + " tok/s | emitted/verify (pooled) | nodes/round | "
              "draft forwards/round | round ms | verifies compiled | identical to plain | rounds by drafter |",
-             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if versus else "")]
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if versus else "")]
     for r in rows:
         used = ", ".join(f"{k} {v}" for k, v in sorted((r.get("used") or {}).items())) or "-"
-        cell = f" {_f(against[r['arm']])} |" if versus else ""
+        cell = f" {_f(against[r['arm']])} | {_ci(against[r['arm']])} |" if versus else ""
         lines.append(f"| {r['arm']} | {_f(r['x_plain'])} |{cell} {_f(r['tok_s'], '{:.1f}')} | "
                      f"{_f(r['pooled_emitted_per_verify'])} | {_f(r['nodes'], spread_=False)} | "
                      f"{_f(r['draft_forwards'], spread_=False)} | {_f(r['round_ms'], spread_=False)} | "

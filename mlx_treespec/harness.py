@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from .loop import RoundStats, tree_generate_step
 
-__all__ = ["load_prompts", "encode_prompts", "generate_once", "interleave", "spread", "first_divergence",
+__all__ = ["load_prompts", "encode_prompts", "generate_once", "interleave", "spread", "ratio_interval", "first_divergence",
            "run_meta", "PROMPT_SETS", "DERIVED_SETS"]
 
 _BENCH = Path(__file__).resolve().parents[1] / "bench"
@@ -144,6 +144,21 @@ def spread(values):
     a = np.array(vals)
     return dict(median=float(np.median(a)), min=float(a.min()), max=float(a.max()),
                 q1=float(np.percentile(a, 25)), q3=float(np.percentile(a, 75)), n=len(vals))
+
+
+def ratio_interval(ratios, level=0.9, draws=4000, seed=0):
+    """The geometric mean of per-prompt speed ratios and its `level` bootstrap interval over the
+    prompts (a percentile interval of resampled geometric means; seeded: a saved run renders the
+    same figures again). Whether one arm is robustly faster than another reads off `lo` > 1.
+    None where there are no finite positive ratios."""
+    logs = np.log([float(r) for r in ratios if r is not None and math.isfinite(r) and r > 0])
+    if logs.size == 0:
+        return None
+    rng = np.random.default_rng(seed)
+    means = logs[rng.integers(0, logs.size, (draws, logs.size))].mean(axis=1)
+    tail = 100 * (1 - level) / 2
+    return dict(geomean=float(np.exp(logs.mean())), lo=float(np.exp(np.percentile(means, tail))),
+                hi=float(np.exp(np.percentile(means, 100 - tail))), level=level, n=int(logs.size))
 
 
 def first_divergence(a, b):

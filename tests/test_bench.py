@@ -6,6 +6,7 @@ import statistics
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,6 +64,10 @@ def test_loop_section_tiny(tmp_path):
     assert "x dflash:7 (median, min-max)" in unseen and cell(unseen, "dflash:7") == 1.0
     assert "| verifies compiled |" in unseen
     assert cell(unseen, "ddtree:12") == pytest.approx(tok_s("ddtree:12") / tok_s("dflash:7"), abs=0.006)
+    # its geometric mean over prompts with a bootstrap interval (one prompt: a point)
+    line = next(x for x in unseen.splitlines() if x.startswith("| ddtree:12 |"))
+    g, lo, hi = map(float, line.split("|")[4].replace("[", " ").replace("]", " ").replace("-", " ").split())
+    assert g == pytest.approx(tok_s("ddtree:12") / tok_s("dflash:7"), abs=0.0006) and lo == hi == g
     again = run(["table", "--from", str(tmp_path / "loop.json.gz"), "--versus", "ddtree:12"]).split("## heldout")[0]
     assert cell(again, "dflash:7") == pytest.approx(tok_s("dflash:7") / tok_s("ddtree:12"), abs=0.006)
     sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -72,6 +77,23 @@ def test_loop_section_tiny(tmp_path):
         main(["table", "--from", str(tmp_path / "loop.json.gz"), "--versus", "chain:9"])
     with pytest.raises(SystemExit, match="--versus chain:9 is not one of --arms"):
         main(["loop", "--arms", "plain,dflash:7", "--versus", "chain:9"])
+
+
+def test_ratio_interval_brackets_the_geometric_mean():
+    from mlx_treespec.harness import ratio_interval
+
+    assert ratio_interval([]) is None and ratio_interval([float("nan"), 0.0]) is None
+    same = ratio_interval([1.25] * 6)
+    assert same["geomean"] == pytest.approx(1.25) and same["lo"] == pytest.approx(1.25) == same["hi"]
+    rng = np.random.default_rng(3)
+    faster = list(1.06 * np.exp(rng.normal(0, 0.02, 40)))  # robustly above 1
+    i = ratio_interval(faster)
+    assert 1 < i["lo"] < i["geomean"] < i["hi"] and i["n"] == 40
+    assert i["geomean"] == pytest.approx(float(np.exp(np.mean(np.log(faster)))))
+    noisy = [0.8, 1.3, 0.9, 1.25]  # a geometric mean above 1 whose interval holds 1
+    j = ratio_interval(noisy)
+    assert j["lo"] < 1 < j["hi"] and ratio_interval(noisy) == j  # seeded: renders the same again
+    assert ratio_interval(faster, level=0.5)["hi"] < i["hi"]
 
 
 def test_comm_section_tiny(tmp_path):
@@ -369,6 +391,17 @@ def test_round_host_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
     assert set(tree_stats.drafter) == {"queued"}
     with pytest.raises(ValueError, match="a head's chain arm"):
         ChainAsTree(arms.maker("eagle3-tree:2:4:8:1")())
+    # TREE/replay: a one-lane tree's paths re-run by the next round (the replay layout), where
+    # the library commits them in place: the same tokens and acceptance
+    replayed = []
+    monkeypatch.setattr(queued, "_replay_layout", lambda *a: replayed.append(1) or kept[2](*a))
+    in_place, in_place_stats, _ = generate_once(target, arms.maker("eagle3-tree:2:4:8:1")(), prompt, 24)
+    assert not replayed
+    again, again_stats, _ = generate_once(target, arms.maker("eagle3-tree:2:4:8:1/replay")(), prompt, 24)
+    assert again == in_place == want and again_stats.emitted == in_place_stats.emitted and replayed
+    assert set(again_stats.drafter) == {"queued"}
+    with pytest.raises(ValueError, match="ARM/replay takes"):
+        arms.maker("eagle3-chain:4/replay")()
     with pytest.raises(ValueError, match="no /sync"):
         arms.maker("eagle3-chain:4/sync/astree")
 
