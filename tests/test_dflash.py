@@ -517,13 +517,13 @@ class QueuedSpineOracle(QueuedTreeOracle):
     at leaves too."""
 
     def tree_ahead(self, root, rows, count, path=None):
-        from mlx_treespec.draft import Draft, Layout
-        from mlx_treespec.drafters.model import lanes_parents, runners_up
+        from mlx_treespec.draft import Draft
+        from mlx_treespec.drafters.model import lanes_layout, runners_up
 
         logits = self._ahead_logits(root, rows, count)[1 : self.depth + 1]
         chain = mx.argmax(logits, axis=-1).astype(mx.uint32)
         tokens = mx.concatenate([root.reshape(1).astype(mx.uint32), chain, runners_up(logits, chain, 3)])
-        return Draft(tokens, Layout.fixed(lanes_parents(self.depth, 3)), budget=3 * self.depth,
+        return Draft(tokens, lanes_layout(self.depth, 3, 1), budget=3 * self.depth,
                      depth=self.depth, forwards=1)
 
 
