@@ -1408,6 +1408,55 @@ def composed_attention(q, k, v, mask, scale):
     return out.reshape(B, Hq, L, -1) if Hq != Hkv else out
 
 
+def run_topk(args):
+    """A draft step's top-k over R rows of a V-wide vocabulary (float32 logits, random): the
+    one-lane trees' runners-up as they were (`put_along_axis` of the lane's token, then
+    `argpartition`, which MLX runs as a sort on a GPU) against `device_tree.top_k` (argmaxes),
+    each compiled, 200 calls chained: microseconds a call, host and device together."""
+    from mlx_treespec.device_tree import top_k
+    rows_list = [int(r) for r in args.rows.split(",")]
+    widths = [int(w) for w in args.widths.split(",")]
+    K, calls, out = 3, 200, []
+
+    def old(x, taken):
+        x = mx.put_along_axis(x, taken[:, None], mx.array(-mx.inf, x.dtype), axis=-1)
+        return mx.argpartition(-x, kth=K - 2, axis=-1)[:, : K - 1].astype(mx.int32)
+
+    def new(x, taken):
+        return top_k(x, K - 1, skip=taken)[0]
+
+    for V in widths:
+        for R in rows_list:
+            x0 = mx.random.normal((R, V))
+            taken = mx.argmax(x0, axis=-1).astype(mx.int32)
+            fns = {"argpartition": mx.compile(old), "argmax": mx.compile(new)}
+            assert np.array_equal(np.sort(np.array(fns["argpartition"](x0, taken)), -1),
+                                  np.sort(np.array(fns["argmax"](x0, taken)), -1))
+            row = dict(width=V, rows=R)
+            for rep in range(3):  # (interleaved; the last two kept: the first pays the traces)
+                for arm, fn in fns.items():
+                    x = x0
+                    mx.eval(x)
+                    t = time.perf_counter()
+                    for _ in range(calls):  # (each call's ids feed the next call's logits)
+                        x = x + fn(x, taken)[:, :1].astype(x.dtype) * 0
+                    mx.eval(x)
+                    us = (time.perf_counter() - t) / calls * 1e6
+                    if rep:
+                        row[arm] = min(row.get(arm, us), us)
+            out.append(row)
+            print(f"V={V} R={R}: argpartition {row['argpartition']:.1f} us, argmax {row['argmax']:.1f} us", flush=True)
+    report = dict(meta=run_meta(section=args.section), rows=out)
+    md = [f"# {args.section}: a step's {K - 1} runners-up, argpartition against argmaxes ({_commit(report['meta'])})", "",
+          f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
+          "Microseconds a call (200 chained, compiled, float32 logits; best of two after a warm-up; an add "
+          f"each call), device: {report['meta'].get('device', '?')}.", "",
+          "| vocabulary | rows | argpartition us | argmaxes us | argmaxes / argpartition |", "|---|---|---|---|---|"]
+    md += [f"| {r['width']} | {r['rows']} | {r['argpartition']:.1f} | {r['argmax']:.1f} | {r['argmax'] / r['argpartition']:.2f} |"
+           for r in out]
+    write(args, report, md)
+
+
 def run_attn(args):
     """Masked attention of R query rows over a K/V buffer (float16, random): MLX's fused call
     (on CUDA: cuDNN from two rows on) against the same arithmetic as composed ops (MLX's own
@@ -1935,10 +1984,10 @@ def _json(o):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "round-host", "draft-kernels", "draft-time", "comm", "comm-rank",
-                                       "paths", "bound", "unseen-prompts", "train-prompts", "table", "attn"])
+                                       "paths", "bound", "unseen-prompts", "train-prompts", "table", "attn", "topk"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
-    p.add_argument("--rows", default="1,2,4,8,16,32,64", help="attn: query rows; draft-time: a step's rows")
-    p.add_argument("--widths", default="1024,4096", help="attn: key columns")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64", help="attn: query rows; draft-time: a step's rows; topk: logits rows")
+    p.add_argument("--widths", default="1024,4096", help="attn: key columns; topk: vocabulary widths")
     p.add_argument("--target", default="demo")
     p.add_argument("--draft-model", default=None, help="draft model(s), comma separated: an arm ending in /di "
                                                             "drafts with the i-th (chain:4/d2)")
@@ -1993,7 +2042,7 @@ def main(argv=None):
     if args.arms is None and args.command != "proj":
         args.arms = "plain,chain:7,tree:3:8"
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
-     "pieces": run_pieces, "round-host": run_round_host, "draft-kernels": run_draft_kernels, "draft-time": run_draft_time, "attn": run_attn, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
+     "pieces": run_pieces, "round-host": run_round_host, "draft-kernels": run_draft_kernels, "draft-time": run_draft_time, "attn": run_attn, "topk": run_topk, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
      "unseen-prompts": make_unseen_prompts, "train-prompts": make_train_prompts,
      "table": run_table}[args.command](args)
 

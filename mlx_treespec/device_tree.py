@@ -18,10 +18,60 @@ import mlx.core as mx
 from .attention import kernel_backend, kernel_text
 from .tree import ancestors_of, depths_of
 
-__all__ = ["best_first", "walk", "ddtree_ops", "walk_ops", "prefixes"]
+__all__ = ["best_first", "walk", "ddtree_ops", "walk_ops", "prefixes", "top_k"]
 
 _HEADER = {"metal": "#define TS_NEG_INF (-INFINITY)\n",
            "cuda": "#define TS_NEG_INF (-cuda::std::numeric_limits<float>::infinity())\n"}
+
+
+# A top-k of at most this many is taken by argmaxes, one pass over the row each; a larger one by
+# argpartition. Why: MLX's argpartition sorts whole rows on a GPU, and a draft's rows are a
+# vocabulary wide. Over a real one (128k-250k ids) the one-lane trees' runners-up cost their
+# rounds more at the 8B shape than their extra verify rows did (bench/RESULTS.md, "Runners-up
+# by argmaxes").
+ARGMAX_TOP_K = 8
+
+
+@functools.lru_cache(maxsize=None)
+def _columns(V):
+    return mx.arange(V, dtype=mx.int32)
+
+
+def _ranked(x, columns, skip):
+    """x as a top-k ranks it: NaN and -inf after every number, a skipped id below them all."""
+    key = mx.where(mx.isnan(x) | (x == -mx.inf), mx.array(mx.finfo(x.dtype).min, x.dtype), x)
+    return key if skip is None else mx.where(columns == skip[..., None], -mx.inf, key)
+
+
+@functools.lru_cache(maxsize=None)
+def _argmax_top_k(k, skips):
+    def best(x, columns, *skip):
+        key = _ranked(x, columns, skip[0] if skip else None)
+        ids = []
+        for j in range(k):
+            ids.append(mx.argmax(key, axis=-1, keepdims=True).astype(mx.int32))
+            if j < k - 1:  # (a taken id goes below every other: no id repeats)
+                key = mx.where(columns == ids[-1], -mx.inf, key)
+        return mx.concatenate(ids, axis=-1)
+
+    return mx.compile(best)
+
+
+def top_k(x, k, skip=None):
+    """Each row's best k entries of x [..., V] (k <= V, less one with `skip`): (ids int32
+    [..., k], their values), best first, NaN and -inf after every number. Up to ARGMAX_TOP_K
+    ties go to the lower id. `skip` [...]: an id per row left out (a lane's own token, whose
+    runners-up are wanted)."""
+    columns = _columns(x.shape[-1])
+    skip = None if skip is None else skip.astype(mx.int32)
+    if k <= ARGMAX_TOP_K:
+        ids = _argmax_top_k(k, skip is not None)(x, columns, *(() if skip is None else (skip,)))
+    else:
+        key = -_ranked(x, columns, skip)
+        ids = mx.argpartition(key, kth=k - 1, axis=-1)[..., :k]
+        ids = mx.take_along_axis(ids, mx.argsort(mx.take_along_axis(key, ids, axis=-1), axis=-1), axis=-1)
+        ids = ids.astype(mx.int32)
+    return ids, mx.take_along_axis(x, ids, axis=-1)
 
 
 def prefixes(D, K):
@@ -53,8 +103,7 @@ def ddtree_ops(root, logprobs, budget, topk):
     D = min(D, budget)
     K = min(topk, budget, V)
     lp = mx.where(mx.isnan(logprobs[:D]), -mx.inf, mx.minimum(logprobs[:D], 0))  # builders' clamp
-    ids = mx.argpartition(-lp, kth=K - 1, axis=-1)[:, :K]
-    top = mx.take_along_axis(lp, ids, axis=-1)  # [D, K]
+    ids, top = top_k(lp, K)  # [D, K]
     # candidate ids: depth 1's K ranks, then each deeper depth's beam, in creation order
     scores, picks, beam, first = [top[0]], [], top[0], [0, K]
     for d in range(1, D):
@@ -161,8 +210,8 @@ def _build_fn(D, V, K, N, backend):
     if backend is not None:
         def kern(root, logprobs):
             lp = mx.where(mx.isnan(logprobs), -mx.inf, logprobs)
-            ids = mx.argpartition(-lp, kth=K - 1, axis=-1)[:, :K]
-            return run_build(backend, mx.take_along_axis(lp, ids, axis=-1), ids.astype(mx.uint32), root, N)
+            ids, top = top_k(lp, K)
+            return run_build(backend, top, ids.astype(mx.uint32), root, N)
 
         try:
             rng = np.random.default_rng(D * 131 + K)

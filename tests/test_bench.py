@@ -406,6 +406,15 @@ def test_round_host_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
         arms.maker("eagle3-chain:4/sync/astree")
 
 
+def test_topk_section_tiny(tmp_path):
+    # argpartition against argmaxes: one row per width and row count, both timed (the section
+    # asserts the two pick the same runners-up before it times them)
+    run(["topk", "--rows", "1,3", "--widths", "64", "--out", str(tmp_path / "k")])
+    rows = read_json(tmp_path / "k.json.gz")["rows"]
+    assert [(r["width"], r["rows"]) for r in rows] == [(64, 1), (64, 3)]
+    assert all(r["argpartition"] > 0 and r["argmax"] > 0 for r in rows)
+
+
 def test_attn_section_tiny(tmp_path):
     # fused against composed attention: one row per shape, width and row count, both timed; on
     # CPU the composed arithmetic is the fused call's, bit for bit (what the section compares)

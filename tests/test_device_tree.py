@@ -134,3 +134,26 @@ def test_cuda_twins_compile():
         pytest.skip("nvcc is not installed (the CUDA twin is compiled on the H200 at first use)")
     ok, err = msl_check.check_cuda(sources)
     assert ok, err
+
+
+@pytest.mark.parametrize("k", [1, 3, device_tree.ARGMAX_TOP_K, device_tree.ARGMAX_TOP_K + 3])
+def test_top_k_is_each_rows_best_first_without_repeats(k):
+    """`top_k` (argmaxes up to ARGMAX_TOP_K, argpartition past it) is each row's best k, best
+    first, as a stable sort ranks them; `skip` leaves one id a row out; with ties, NaN and -inf in
+    the row no id repeats (a lane's siblings must be distinct tokens)."""
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    ids, vals = device_tree.top_k(mx.array(x), k)
+    want = np.argsort(-x, axis=-1, kind="stable")[:, :k]
+    assert np.array_equal(np.array(ids), want)
+    assert np.array_equal(np.array(vals), np.take_along_axis(x, want, axis=-1))
+    skip = want[:, 0]
+    ids, _ = device_tree.top_k(mx.array(x), k, skip=mx.array(skip.astype(np.uint32)))
+    assert np.array_equal(np.array(ids), np.argsort(-x, axis=-1, kind="stable")[:, 1:k + 1])
+    # a row of ties, NaN and -inf: k distinct ids, the numbers first (ties: the lower id)
+    row = np.full((1, k + 4), -np.inf, np.float32)
+    row[0, 1], row[0, 2], row[0, 3] = 0.5, np.nan, 0.5
+    ids = np.array(device_tree.top_k(mx.array(row), k + 3, skip=mx.array([0], mx.uint32))[0])[0]
+    assert len(set(ids.tolist())) == k + 3 and 0 not in ids.tolist()
+    if k + 3 <= device_tree.ARGMAX_TOP_K:
+        assert ids[:2].tolist() == [1, 3]

@@ -39,7 +39,7 @@ from ..join import join, running
 from ..tree import MAX_NODES, chain_parents, preorder, relabel
 from ..verify import check_capture, grown
 from . import GatedMLP, dequantize_linears, target_io
-from ..device_tree import best_first
+from ..device_tree import best_first, top_k
 
 __all__ = ["DFlashModel", "DFlashDrafter", "load_dflash", "bind_dflash", "probe_parents", "default_layer_ids"]
 
@@ -477,8 +477,7 @@ class DFlashDrafter:
         logprobs = logits.astype(mx.float32)
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
         k = min(self.topk, self.budget, logprobs.shape[-1])
-        ids = mx.argsort(-logprobs, axis=-1)[:, :k]
-        top = mx.take_along_axis(logprobs, ids, axis=-1)
+        ids, top = top_k(logprobs, k)  # (best first: `as_draft`'s columns are ranks)
         mx.eval(ids, top)
         return np.array(ids), np.array(top)
 

@@ -29,7 +29,8 @@ import mlx.core as mx
 
 from ..draft import Draft, Layout
 from ..verify import grown, install, whole_buffer_forward
-from .model import (ModelDrafter, _logprobs, _top_k, keep_best, keeps_every_candidate, kept_nodes,
+from ..device_tree import top_k
+from .model import (ModelDrafter, _logprobs, keep_best, keeps_every_candidate, kept_nodes,
                     lane_candidates, lane_tree, lanes_layout, root_children)
 
 __all__ = ["HeadDrafter"]
@@ -378,7 +379,7 @@ class HeadDrafter(ModelDrafter):
 
         def start(tokens, slot_rows, count, L0, keys, values, ranges):
             logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values, ranges)
-            idx, lp = _top_k(_logprobs(logits), K)  # the root's children
+            idx, lp = top_k(_logprobs(logits), K)  # the root's children
             scores = mx.minimum(lp[0], 0)
             choice = ranges[3] if L == K else mx.argsort(-scores)[:L]
             base = (L0 + count).astype(mx.int32)
@@ -397,7 +398,7 @@ class HeadDrafter(ModelDrafter):
             self._set_hidden(lane_hidden, first=False)
             logits, _, ks, vs = forward(lane_tokens, mx.broadcast_to(base + offsets[3], (L,)), mask,
                                         base + offsets[:3], ks, vs)
-            idx, lp = _top_k(_logprobs(logits), K)
+            idx, lp = top_k(_logprobs(logits), K)
             scores = (lane_scores[:, None] + mx.minimum(lp, 0)).reshape(-1)
             choice = mx.argsort(-scores)[:L]  # the next lanes among this step's L * K
             parent = choice // K

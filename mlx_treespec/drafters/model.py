@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..cache import cache_kind
+from ..device_tree import top_k
 from ..draft import Draft, Layout
 from ..support import tree_support
 from ..tree import chain_parents, eagle2_candidates
@@ -32,11 +33,6 @@ from ..verify import TreeRound, cached_array
 
 def _logprobs(logits):
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-
-
-def _top_k(logprobs, k):
-    idx = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
-    return idx, mx.take_along_axis(logprobs, idx, axis=-1)
 
 
 def keep_best(root, tokens, scores, parents, depths, budget):
@@ -125,16 +121,14 @@ def keeps_every_candidate(topk, lanes, depth, budget):
 def root_children(logits, K, L):
     """The root's children in a fixed lane tree of L >= 2 lanes (logits [1, V]): the root's best
     K, best first: the lanes' first tokens [L], then its other K - L children (leaves)."""
-    best = mx.argpartition(-logits[0], kth=K - 1)[:K]
-    best = best[mx.argsort(-logits[0][best])].astype(mx.uint32)
+    best = top_k(logits[0], K)[0].astype(mx.uint32)
     return best[:L], best[L:]
 
 
 def runners_up(logits, taken, K):
     """Each row's best K - 1 tokens but its argmax token `taken` (logits [N, V], taken [N]),
     row by row, mx uint32 [N * (K - 1)]."""
-    logits = mx.put_along_axis(logits, taken[:, None].astype(mx.int32), mx.array(-mx.inf, logits.dtype), axis=-1)
-    return mx.argpartition(-logits, kth=K - 2, axis=-1)[:, : K - 1].reshape(-1).astype(mx.uint32)
+    return top_k(logits, K - 1, skip=taken)[0].reshape(-1).astype(mx.uint32)
 
 
 def lane_tree(logits, toks, others, K):
@@ -168,7 +162,7 @@ def lane_candidates(lane_scores, lane_cands, logits, tokens, first, K):
     G, L = tokens.shape
     tokens = tokens.astype(mx.int32)
     lp = _logprobs(logits)
-    idx, top = _top_k(lp, K)  # [G, L, K]
+    idx, top = top_k(lp, K)  # [G, L, K]
     hit = idx == tokens[..., None]
     slot = mx.where(hit.any(axis=-1), mx.argmax(hit, axis=-1), 0).astype(mx.int32)
     in_slot = cached_array(np.arange(K, dtype=np.int32)) == slot[..., None]
@@ -338,7 +332,7 @@ class ModelDrafter:
         root_node = rnd.size - S  # the spine forwarded S - 1 nodes after the root
         chain = mx.concatenate(toks).astype(mx.int32)  # [S]
         lp = _logprobs(mx.concatenate(rows))  # [S, V]
-        idx, top = _top_k(lp, K)
+        idx, top = top_k(lp, K)
         # the chain token is its step's lane: put it in its row's slot (it is there already
         # unless more than K tokens tie for the top)
         hit = idx == chain[:, None]
@@ -379,7 +373,7 @@ class ModelDrafter:
         K, L = self.topk, self.lanes
         root_node = rnd.size - 1
         root_depth = int(rnd.depths[root_node])
-        idx, lp = _top_k(_logprobs(logits), K)  # the root's children, the first candidates
+        idx, lp = top_k(_logprobs(logits), K)  # the root's children, the first candidates
         step_scores = mx.minimum(lp[0], 0)
         choice = mx.arange(K) if L == K else mx.argsort(-step_scores)[:L]
         lane_tokens, lane_scores = idx[0][choice], step_scores[choice]
@@ -416,7 +410,7 @@ class ModelDrafter:
                 n_cand += L * K
                 continue
             forwarded.append(lane_cands)
-            idx, lp = _top_k(_logprobs(logits), K)
+            idx, lp = top_k(_logprobs(logits), K)
             step_scores = (lane_scores[:, None] + mx.minimum(lp, 0)).reshape(-1)
             tokens.append(idx.reshape(-1))
             scores.append(step_scores)
