@@ -694,23 +694,27 @@ def run_proj(args):
             verify = costmodel.time_verify(target, Ts=timed_rows, history=args.history)
         plain = plain_first
         draft_cost = _draft_cost(family, target, cfg, head_cfg, args, dq)
-        rounds = args.rounds
+        rounds, compiled = args.rounds, {}
         if rounds:  # every arm's rounds and plain decoding timed in turn, --round-reps times
             plains = [plain]
             for rep in range(args.round_reps):
                 if rep:
                     plains.append(costmodel.time_plain(target, history=args.history, tokens=64))
                 for a in arms:
+                    before = verify_counts(target)
                     draft_cost["round_ms"](*_sync_arm(a))
+                    after = verify_counts(target)  # (this arm's verifies: run compiled, asked)
+                    compiled.setdefault(a, [0, 0])
+                    compiled[a] = [compiled[a][0] + after[0] - before[0], compiled[a][1] + after[1] - before[1]]
             plain = statistics.median(plains)
             draft_cost["timed"]["plain_ms"] = plains
         out = dict(variant=label, target_bits=q, drafter_bits=draft_cost["bits"], plain_ms=plain, verify_ms=verify,
-                   draft=draft_cost["timed"], arms=[])
+                   draft=draft_cost["timed"], arms=[], eager_shapes=eager_shapes(target))
         md += [f"## {label}: plain {plain:.2f} ms/token; verify T={'/'.join(map(str, timed_rows))} "
                + "/".join(f"{verify[T]:.2f}" for T in timed_rows) + " ms; " + draft_cost["text"], "",
                f"| arm | emitted/verify (measured) | draft ms | round ms ({'timed' if rounds else 'projected'}) "
-               "| x plain (projected) |",
-               "|---|---|---|---|---|"]
+               "| x plain (projected) | verifies compiled |",
+               "|---|---|---|---|---|---|"]
         for a, t in arms.items():
             spec, sync = _sync_arm(a)
             if sync and not rounds:
@@ -720,11 +724,14 @@ def run_proj(args):
             round_ms = statistics.median(draft_cost["timed"]["round_ms"][_round_key(spec, sync)]) if rounds else \
                 d + verify[T] + args.overhead_ms
             x = t * plain / round_ms
-            out["arms"].append(dict(arm=a, tau=t, draft_ms=d, round_ms=round_ms, x_plain=x))
-            md.append(f"| {a} | {t:.2f} | {d:.2f} | {round_ms:.2f} | {x:.2f} |")
+            share = compiled[a][0] / compiled[a][1] if compiled.get(a, [0, 0])[1] else None
+            out["arms"].append(dict(arm=a, tau=t, draft_ms=d, round_ms=round_ms, x_plain=x, verifies_compiled=share))
+            md.append(f"| {a} | {t:.2f} | {d:.2f} | {round_ms:.2f} | {x:.2f} | "
+                      + ("-" if share is None else f"{share:.2f}") + " |")
         md += [f"\nround = whole rounds of the arm's generation, timed (--rounds): the median of {args.round_reps} "
                "runs, the arms and plain decoding in turn (plain ms: " + ", ".join(f"{p:.2f}" for p in plains)
-               + "; round ms per run in the JSON)" if rounds else
+               + "; round ms per run in the JSON); verify shapes run eagerly after their checks (rows, key "
+               f"width, ...): {out['eager_shapes'] or 'none'}" if rounds else
                f"\nround = draft + verify (T = the next timed row count) + {args.overhead_ms:.2f} ms host "
                "overhead per round", ""]
         report["variants"].append(out)

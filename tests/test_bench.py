@@ -193,6 +193,9 @@ def test_proj_section_tiny(tmp_path):
     assert [r["round_ms"] for r in v["arms"]] == pytest.approx([statistics.median(v["draft"]["round_ms"][a]) for a in arms], rel=1e-4)
     assert len(v["draft"]["plain_ms"]) == 2 and v["plain_ms"] == pytest.approx(statistics.median(v["draft"]["plain_ms"]), rel=1e-4)
     assert set(v["draft"]["tree_pieces_ms"]) >= {"top-k", "build", "walk"} and all(r["round_ms"] > 0 for r in v["arms"])
+    # each arm's share of verifies run compiled (None where no verify asked for it: on CPU)
+    assert all(r["verifies_compiled"] is None or 0 <= r["verifies_compiled"] <= 1 for r in v["arms"])
+    assert "eager_shapes" in v
     # a head's whole rounds too (over a hybrid target here)
     run(["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "mtp", "--config", str(tmp_path / "qwen3_5.json"),
          "--q-bits", "0", "--dtype", "float32", "--history", "32", "--rounds", "--round-reps", "1",
