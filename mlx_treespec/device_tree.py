@@ -26,9 +26,8 @@ _HEADER = {"metal": "#define TS_NEG_INF (-INFINITY)\n",
 
 # A top-k of at most this many is taken by argmaxes, one pass over the row each; a larger one by
 # argpartition. Why: MLX's argpartition sorts whole rows on a GPU, and a draft's rows are a
-# vocabulary wide. Over a real one (128k-250k ids) the one-lane trees' runners-up cost their
-# rounds more at the 8B shape than their extra verify rows did (bench/RESULTS.md, "Runners-up
-# by argmaxes").
+# vocabulary wide: over 128k-250k ids, 10 rows' runners-up cost 190-300 us that way and 80-110
+# by argmaxes (bench/RESULTS.md, "Shorter head trees, and a step's runners-up by argmaxes").
 ARGMAX_TOP_K = 8
 
 
