@@ -48,7 +48,7 @@ def _argmax_top_k(k, skips):
         key = _ranked(x, columns, skip[0] if skip else None)
         ids = []
         for j in range(k):
-            ids.append(mx.argmax(key, axis=-1, keepdims=True).astype(mx.int32))
+            ids.append(mx.argmax(key, axis=-1, keepdims=True))
             if j < k - 1:  # (a taken id goes below every other: no id repeats)
                 key = mx.where(columns == ids[-1], -mx.inf, key)
         return mx.concatenate(ids, axis=-1)
@@ -56,11 +56,12 @@ def _argmax_top_k(k, skips):
     return mx.compile(best)
 
 
-def top_k(x, k, skip=None):
-    """Each row's best k entries of x [..., V] (k <= V, less one with `skip`): (ids int32
-    [..., k], their values), best first, NaN and -inf after every number. Up to ARGMAX_TOP_K
-    ties go to the lower id. `skip` [...]: an id per row left out (a lane's own token, whose
-    runners-up are wanted)."""
+def top_k(x, k, skip=None, ordered=False):
+    """Each row's best k entries of x [..., V] (k <= V, less one with `skip`): (ids uint32
+    [..., k], their values), NaN and -inf after every number. Up to ARGMAX_TOP_K they come best
+    first, ties to the lower id; past it in argpartition's order, or best first where `ordered`
+    (a sort of the k more: DDTree's build, on every queued round, ranks them itself). `skip`
+    [...]: an id per row left out (a lane's own token, whose runners-up are wanted)."""
     columns = _columns(x.shape[-1])
     skip = None if skip is None else skip.astype(mx.int32)
     if k <= ARGMAX_TOP_K:
@@ -68,8 +69,8 @@ def top_k(x, k, skip=None):
     else:
         key = -_ranked(x, columns, skip)
         ids = mx.argpartition(key, kth=k - 1, axis=-1)[..., :k]
-        ids = mx.take_along_axis(ids, mx.argsort(mx.take_along_axis(key, ids, axis=-1), axis=-1), axis=-1)
-        ids = ids.astype(mx.int32)
+        if ordered:
+            ids = mx.take_along_axis(ids, mx.argsort(mx.take_along_axis(key, ids, axis=-1), axis=-1), axis=-1)
     return ids, mx.take_along_axis(x, ids, axis=-1)
 
 
@@ -210,7 +211,7 @@ def _build_fn(D, V, K, N, backend):
         def kern(root, logprobs):
             lp = mx.where(mx.isnan(logprobs), -mx.inf, logprobs)
             ids, top = top_k(lp, K)
-            return run_build(backend, top, ids.astype(mx.uint32), root, N)
+            return run_build(backend, top, ids, root, N)
 
         try:
             rng = np.random.default_rng(D * 131 + K)

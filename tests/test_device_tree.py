@@ -143,13 +143,17 @@ def test_top_k_is_each_rows_best_first_without_repeats(k):
     the row no id repeats (a lane's siblings must be distinct tokens)."""
     rng = np.random.default_rng(k)
     x = rng.standard_normal((4, 64)).astype(np.float32)
-    ids, vals = device_tree.top_k(mx.array(x), k)
+    ids, vals = device_tree.top_k(mx.array(x), k, ordered=True)
+    assert ids.dtype == mx.uint32
     want = np.argsort(-x, axis=-1, kind="stable")[:, :k]
     assert np.array_equal(np.array(ids), want)
     assert np.array_equal(np.array(vals), np.take_along_axis(x, want, axis=-1))
     skip = want[:, 0]
-    ids, _ = device_tree.top_k(mx.array(x), k, skip=mx.array(skip.astype(np.uint32)))
+    ids, _ = device_tree.top_k(mx.array(x), k, skip=mx.array(skip.astype(np.uint32)), ordered=True)
     assert np.array_equal(np.array(ids), np.argsort(-x, axis=-1, kind="stable")[:, 1:k + 1])
+    # unordered past ARGMAX_TOP_K: the same set
+    ids, _ = device_tree.top_k(mx.array(x), k)
+    assert np.array_equal(np.sort(np.array(ids), axis=-1), np.sort(want, axis=-1))
     # a row of ties, NaN and -inf: k distinct ids, the numbers first (ties: the lower id)
     row = np.full((1, k + 4), -np.inf, np.float32)
     row[0, 1], row[0, 2], row[0, 3] = 0.5, np.nan, 0.5

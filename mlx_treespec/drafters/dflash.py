@@ -477,7 +477,7 @@ class DFlashDrafter:
         logprobs = logits.astype(mx.float32)
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
         k = min(self.topk, self.budget, logprobs.shape[-1])
-        ids, top = top_k(logprobs, k)  # (best first: `as_draft`'s columns are ranks)
+        ids, top = top_k(logprobs, k, ordered=True)  # (`as_draft`'s columns are ranks)
         mx.eval(ids, top)
         return np.array(ids), np.array(top)
 

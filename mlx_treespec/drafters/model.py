@@ -121,14 +121,14 @@ def keeps_every_candidate(topk, lanes, depth, budget):
 def root_children(logits, K, L):
     """The root's children in a fixed lane tree of L >= 2 lanes (logits [1, V]): the root's best
     K, best first: the lanes' first tokens [L], then its other K - L children (leaves)."""
-    best = top_k(logits[0], K)[0].astype(mx.uint32)
+    best = top_k(logits[0], K, ordered=True)[0]
     return best[:L], best[L:]
 
 
 def runners_up(logits, taken, K):
     """Each row's best K - 1 tokens but its argmax token `taken` (logits [N, V], taken [N]),
     row by row, mx uint32 [N * (K - 1)]."""
-    return top_k(logits, K - 1, skip=taken)[0].reshape(-1).astype(mx.uint32)
+    return top_k(logits, K - 1, skip=taken)[0].reshape(-1)
 
 
 def lane_tree(logits, toks, others, K):
