@@ -705,8 +705,8 @@ def run_proj(args):
                     before = verify_counts(target)
                     draft_cost["round_ms"](*_sync_arm(a))
                     after = verify_counts(target)  # (this arm's verifies: run compiled, asked)
-                    compiled.setdefault(a, [0, 0])
-                    compiled[a] = [compiled[a][0] + after[0] - before[0], compiled[a][1] + after[1] - before[1]]
+                    c = compiled.setdefault(a, [0, 0])
+                    c[0], c[1] = c[0] + after[0] - before[0], c[1] + after[1] - before[1]
             plain = statistics.median(plains)
             draft_cost["timed"]["plain_ms"] = plains
         out = dict(variant=label, target_bits=q, drafter_bits=draft_cost["bits"], plain_ms=plain, verify_ms=verify,
@@ -945,7 +945,7 @@ def time_tree_pieces(vocab, depth, budget=31, repeats=15, seed=0):
         pick = mx.argpartition(-cand, kth=K - 1, axis=-1)[:, :K]
         return mx.take_along_axis(chunks, pick // S, axis=1) * S + pick % S, mx.take_along_axis(cand, pick, axis=1)
 
-    return {"top-k": timed(lambda: mx.take_along_axis(lp, mx.argpartition(-lp, kth=K - 1, axis=-1)[:, :K], axis=-1)),
+    return {"top-k": timed(lambda: device_tree.top_k(lp, K)),
             "top-k in two stages": timed(two_stage),
             "build": timed(lambda: device_tree.best_first(root, lp, budget, budget)),
             "walk": timed(lambda: device_tree.walk(choice, *tree[:2], *tree[2:]))}
@@ -1416,6 +1416,25 @@ def composed_attention(q, k, v, mask, scale):
     return out.reshape(B, Hq, L, -1) if Hq != Hkv else out
 
 
+def chained_us(fns, start, step, calls):
+    """Microseconds a call of each of `fns` ({arm: fn}), `calls` calls chained from `start` (x =
+    step(fn, x): each call fed the last one's output), host and device together: three rounds
+    over the arms, interleaved, the best of the last two (the first pays the traces)."""
+    best = {}
+    for rep in range(3):
+        for arm, fn in fns.items():
+            x = start
+            mx.eval(x)
+            t = time.perf_counter()
+            for _ in range(calls):
+                x = step(fn, x)
+            mx.eval(x)
+            us = (time.perf_counter() - t) / calls * 1e6
+            if rep:
+                best[arm] = min(best.get(arm, us), us)
+    return best
+
+
 def run_topk(args):
     """A draft step's top-k over R rows of a V-wide vocabulary (float32 logits, random): the
     one-lane trees' runners-up as they were (`put_along_axis` of the lane's token, then
@@ -1440,18 +1459,9 @@ def run_topk(args):
             fns = {"argpartition": mx.compile(old), "argmax": mx.compile(new)}
             assert np.array_equal(np.sort(np.array(fns["argpartition"](x0, taken)), -1),
                                   np.sort(np.array(fns["argmax"](x0, taken)), -1))
-            row = dict(width=V, rows=R)
-            for rep in range(3):  # (interleaved; the last two kept: the first pays the traces)
-                for arm, fn in fns.items():
-                    x = x0
-                    mx.eval(x)
-                    t = time.perf_counter()
-                    for _ in range(calls):  # (each call's ids feed the next call's logits)
-                        x = x + fn(x, taken)[:, :1].astype(x.dtype) * 0
-                    mx.eval(x)
-                    us = (time.perf_counter() - t) / calls * 1e6
-                    if rep:
-                        row[arm] = min(row.get(arm, us), us)
+            # (each call's ids feed the next call's logits)
+            row = dict(width=V, rows=R, **chained_us(fns, x0, lambda fn, x: x + fn(x, taken)[:, :1].astype(x.dtype) * 0,
+                                                     calls))
             out.append(row)
             print(f"V={V} R={R}: argpartition {row['argpartition']:.1f} us, argmax {row['argmax']:.1f} us", flush=True)
     report = dict(meta=run_meta(section=args.section), rows=out)
@@ -1485,18 +1495,7 @@ def run_attn(args):
                 mask = mx.where(seen, mx.array(0, mx.float16), mx.array(mx.finfo(mx.float16).min, mx.float16))
                 fns = {"fused": mx.compile(lambda q, k, v, m: mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask=m)),
                        "composed": mx.compile(lambda q, k, v, m: composed_attention(q, k, v, m, D ** -0.5))}
-                row = dict(shape=name, width=W, rows=R)
-                for rep in range(3):  # (interleaved; the last two kept: the first pays the traces)
-                    for arm, fn in fns.items():
-                        q = q0
-                        mx.eval(q)
-                        t = time.perf_counter()
-                        for _ in range(calls):
-                            q = fn(q, k, v, mask)
-                        mx.eval(q)
-                        us = (time.perf_counter() - t) / calls * 1e6
-                        if rep:
-                            row[arm] = min(row.get(arm, us), us)
+                row = dict(shape=name, width=W, rows=R, **chained_us(fns, q0, lambda fn, q: fn(q, k, v, mask), calls))
                 out.append(row)
                 print(f"{name} W={W} R={R}: fused {row['fused']:.1f} us, composed {row['composed']:.1f} us", flush=True)
     report = dict(meta=run_meta(section=args.section), rows=out)
