@@ -509,7 +509,7 @@ def _compiled(model, capture, kernel=False, scans=frozenset()):
     then spends no Python per op and elementwise ops fuse. Kept on the model.
 
     Plain decoding stays eager: a one-token step over whole buffers needs the mask, and on the
-    H200 the masked step differs from mlx-lm's unmasked one (bench/RESULTS.md)."""
+    H200 the masked step differs from mlx-lm's unmasked one (docs/design.md)."""
     store = model.__dict__.get("_treespec_compiled_verify")
     layers = _layers(model)
     if store is None or store["layers"] != layers:  # new layer modules: trace again
@@ -543,10 +543,9 @@ def compiled_forward(model, capture, n, args, reference, kernel=False, scans=fro
     from inputs already computed, each as its host part (built and launched) counted twice plus
     its wait, and a shape whose eager forward cost less in most of them runs eagerly from then
     on: compiling saves host time per op, which queued rounds wait on, but on the H200 the
-    compiled forward's attention over long key buffers cost more than all it saved
-    (bench/RESULTS.md, "Long-context verify"). One synced sample decided until `CHECKS` was 2:
-    on the H200 it sent a short tree verify eager from one call to the next (bench/RESULTS.md,
-    "Head trees against their chains").
+    compiled forward's attention over long key buffers cost more than all it saved. A single
+    synced sample decided before, and sent a short tree verify eager in one H200 call and not
+    the next (docs/design.md, the compiled verify, says where each was measured).
 
     Returns (result, trusted): the compiled (logits, rows, keys, values) with trusted True, or
     the reference's result (in that order) with False; None where the eager path runs."""
