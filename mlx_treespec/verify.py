@@ -543,9 +543,9 @@ def compiled_forward(model, capture, n, args, reference, kernel=False, scans=fro
     from inputs already computed, each as its host part (built and launched) counted twice plus
     its wait, and a shape whose eager forward cost less in most of them runs eagerly from then
     on: compiling saves host time per op, which queued rounds wait on, but on the H200 the
-    compiled forward's attention over long key buffers cost more than all it saved. A single
-    synced sample decided before, and sent a short tree verify eager in one H200 call and not
-    the next (docs/design.md, the compiled verify, says where each was measured).
+    compiled forward's attention over long key buffers cost more than all it saved. Synced
+    samples alone decided before (one, then a majority of three), and sent a short tree verify
+    eager in one H200 call (docs/design.md, the compiled verify, says where each was measured).
 
     Returns (result, trusted): the compiled (logits, rows, keys, values) with trusted True, or
     the reference's result (in that order) with False; None where the eager path runs."""
