@@ -21,13 +21,14 @@ Arms use mlx_treespec.spec's grammar (plain, chain:K, tree:K:S[:B[:L]], lookup:B
 suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselines:
 `mlx-plain` (generate_step) and `mlx-chain:K` (speculative_generate_step); an arm ending in /dI
 drafts with the I-th folder its drafter's option names (--draft-model, --dflash, --mtp and --eagle3
-take comma lists: two heads in one interleaved run), /sync without queued rounds, auto:dflash/chains
+take comma lists: two heads in one interleaved run), ARM/auto adaptive drafting over ARM's
+shape (a draft model's or head's chain or tree: an earlier default's arm), /sync without queued rounds, auto:dflash/chains
 queueing the primary's chains instead of its trees, HEAD-chain:K/astree a head's chains queued as
 trees of no leaves, TREE/replay a spine-first tree's accepted paths re-run by the next round
 as any tree's are, where the library commits them in place, ARM/separate every linear layer run
 on its own, where the library joins those that read one input (mlx_treespec/join.py),
 TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the first lane
-step only (suffixes in that order: ARM[/dI][/sync], ARM[/chains], ARM[/astree], ARM[/replay],
+step only (suffixes in that order: ARM[/dI][/auto][/sync], ARM[/chains], ARM[/astree], ARM[/replay],
 ARM[/ranked], ARM[/separate]). Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
@@ -142,8 +143,13 @@ class Arms:
         arm, as_tree = (arm[: -len("/astree")], True) if arm.endswith("/astree") else (arm, False)
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
+        arm, auto = (arm[: -len("/auto")], True) if arm.endswith("/auto") else (arm, False)
         arm, which = arm.rsplit("/d", 1) if "/d" in arm and arm.rsplit("/d", 1)[1].isdigit() else (arm, 1)
         spec, which = DraftSpec.parse(arm), int(which)
+        if auto:  # "ARM/auto": adaptive drafting over this shape (an earlier default's A/B arm)
+            if spec.drafter in ("none", "dflash", "lookup", "suffix"):
+                raise ValueError("ARM/auto takes a draft model's or head's chain or tree arm")
+            spec = dataclasses.replace(spec, adaptive=True)
         source = {"model": lambda: self.draft_model(which), "dflash": lambda: self.dflash(which),
                   "mtp": lambda: self.head("mtp", which),
                   "eagle3": lambda: self.head("eagle3", which)}.get(spec.drafter)

@@ -24,20 +24,31 @@ from dataclasses import dataclass, replace
 
 from .tree import MAX_NODES, chain_parents, check_int, eagle2_candidates
 
-__all__ = ["DraftSpec", "check_int", "DEFAULT_TREE", "DRAFTERS"]
+__all__ = ["DraftSpec", "check_int", "DEFAULT_TREE", "DEFAULT_HEAD_TREE", "DRAFTERS", "default_shape"]
 
 # The draft model's shape when no shape option is given: a spine of 8 with each step's two
 # runners-up as leaves (K=3, one lane, S=8): the fastest tree of the draft model alone on the
 # H200 with the demo pair (bench/RESULTS.md).
 DEFAULT_TREE = dict(topk=3, lanes=1, depth=8)
-# The depth of any tree or chain whose depth is not given, and the budget of a model-free
-# drafter's tree whose budget is not given.
+# A head's (MTP, EAGLE-3) shape when no shape option is given: a chain of 12. A head step is one
+# layer, not a draft model's forward, so a head pays for depth where a draft model did not: on the
+# demo pairs and at the 8B shapes a head's chain of 12 ran at or above every head tree and its
+# chains of 8 and 10 (bench/RESULTS.md, "A head's default shape").
+DEFAULT_HEAD_TREE = dict(topk=1, lanes=1, depth=12)
+# A model-free drafter's (lookup, suffix) depth and budget where they are not given. A draft
+# model's or head's tree or chain without a depth takes its default shape's (`default_shape`).
 DEFAULT_DEPTH = 8
 DEFAULT_FREE_BUDGET = 16
 MAX_TOPK = 16
 MAX_TRUST = 4  # the lookup's longest n-gram
 DRAFTERS = ("model", "lookup", "suffix", "dflash", "mtp", "eagle3", "none")
 HEADS = ("mtp", "eagle3")  # one-layer heads over the target's hidden states: a draft model's shapes
+
+
+def default_shape(drafter):
+    """The shape (topk, lanes, depth) a draft model or head drafts when no shape option is given;
+    its depth is also the depth of a tree or chain whose depth is not given."""
+    return DEFAULT_HEAD_TREE if drafter in HEADS else DEFAULT_TREE
 
 
 def _opt(value, name, low, high):
@@ -124,10 +135,11 @@ class DraftSpec:
                 return cls("dflash", topk=1, depth=block, budget=block)
             return cls("dflash", topk=budget or 0, depth=0, budget=budget or 0)
         # the draft model, or a head
+        shape = default_shape(drafter)
         if all(o is None for o in (block, topk, depth, budget, lanes)):
-            topk, lanes, depth = DEFAULT_TREE["topk"], DEFAULT_TREE["lanes"], DEFAULT_TREE["depth"]
+            topk, lanes, depth = shape["topk"], shape["lanes"], shape["depth"]
         topk = topk or 1
-        depth = block if block is not None else (depth or DEFAULT_DEPTH)
+        depth = block if block is not None else (depth or shape["depth"])
         if topk == 1:
             if budget is not None and budget != depth:
                 raise ValueError(f"--tree-budget {budget} counts a tree's nodes; a chain of {depth} "
@@ -157,8 +169,9 @@ class DraftSpec:
         elif drafter == "dflash":  # the budget is picked per round, up to DDTree's default
             fixed = cls("dflash", topk=0, depth=0, budget=0)  # (0: the drafter's, resolved when built)
         else:
-            fixed = cls.from_options(drafter, tree_topk=DEFAULT_TREE["topk"], tree_lanes=DEFAULT_TREE["lanes"],
-                                     tree_depth=DEFAULT_TREE["depth"])
+            shape = default_shape(drafter)
+            fixed = cls.from_options(drafter, tree_topk=shape["topk"], tree_lanes=shape["lanes"],
+                                     tree_depth=shape["depth"])
         return replace(fixed, adaptive=True)
 
     @classmethod
@@ -294,8 +307,9 @@ class DraftSpec:
                 return replace(self, adaptive=False).build(draft_model)
             costs = (lambda: startup_costs(target)) if target is not None else None
             at = (lambda rows: costs_at(target, rows)) if target is not None else None
-            # what one call learned, the next call over the same target and drafter starts from
-            memory = ModelKey(self.arm, target, draft_model) if target is not None else None
+            # what one call learned, the next call over the same target, drafter and shape starts
+            # from (the whole spec: two adaptive specs over different shapes learn apart)
+            memory = ModelKey(self, target, draft_model) if target is not None else None
             # the host drafts half its depth, all of it where the text repeats (adaptive.py)
             if self.drafter in ("lookup", "suffix"):
                 host = replace(self, adaptive=False, depth=min(2 * self.depth, MAX_NODES - 1)).build(draft_model)
