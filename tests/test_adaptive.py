@@ -470,6 +470,13 @@ def test_drafters_for_the_same_pair_start_from_what_the_last_one_learned():
     assert b.rates["primary"].value == pytest.approx(2.5) and b.learned is a.learned
     other = make_drafter(tiny.perturbed(target, seed=2), target=target)
     assert other.rates["primary"].value is None  # another drafter: its own record
+    # an adaptive spec over another shape of the same drafter learns apart (the key is the spec)
+    from dataclasses import replace
+
+    from mlx_treespec.spec import DraftSpec
+
+    chain = replace(DraftSpec.parse("chain:12"), adaptive=True).build(draft, target=target)
+    assert chain.rates["primary"].value is None and chain.learned is not a.learned
     b.reset()
     assert make_drafter(draft, target=target).rates["primary"].value is None
 
