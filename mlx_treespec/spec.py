@@ -24,31 +24,20 @@ from dataclasses import dataclass, replace
 
 from .tree import MAX_NODES, chain_parents, check_int, eagle2_candidates
 
-__all__ = ["DraftSpec", "check_int", "DEFAULT_TREE", "DEFAULT_HEAD_TREE", "DRAFTERS", "default_shape"]
+__all__ = ["DraftSpec", "check_int", "DEFAULT_TREE", "DRAFTERS"]
 
 # The draft model's shape when no shape option is given: a spine of 8 with each step's two
 # runners-up as leaves (K=3, one lane, S=8): the fastest tree of the draft model alone on the
 # H200 with the demo pair (bench/RESULTS.md).
 DEFAULT_TREE = dict(topk=3, lanes=1, depth=8)
-# A head's (MTP, EAGLE-3) shape when no shape option is given: a chain of 12. A head step is one
-# layer, not a draft model's forward, so a head pays for depth where a draft model did not: on the
-# demo pairs and at the 8B shapes a head's chain of 12 ran at or above every head tree and its
-# chains of 8 and 10 (bench/RESULTS.md, "A head's default shape").
-DEFAULT_HEAD_TREE = dict(topk=1, lanes=1, depth=12)
-# A model-free drafter's (lookup, suffix) depth and budget where they are not given. A draft
-# model's or head's tree or chain without a depth takes its default shape's (`default_shape`).
+# The depth of any tree or chain whose depth is not given, and the budget of a model-free
+# drafter's tree whose budget is not given.
 DEFAULT_DEPTH = 8
 DEFAULT_FREE_BUDGET = 16
 MAX_TOPK = 16
 MAX_TRUST = 4  # the lookup's longest n-gram
 DRAFTERS = ("model", "lookup", "suffix", "dflash", "mtp", "eagle3", "none")
 HEADS = ("mtp", "eagle3")  # one-layer heads over the target's hidden states: a draft model's shapes
-
-
-def default_shape(drafter):
-    """The shape (topk, lanes, depth) a draft model or head drafts when no shape option is given;
-    its depth is also the depth of a tree or chain whose depth is not given."""
-    return DEFAULT_HEAD_TREE if drafter in HEADS else DEFAULT_TREE
 
 
 def _opt(value, name, low, high):
@@ -135,11 +124,10 @@ class DraftSpec:
                 return cls("dflash", topk=1, depth=block, budget=block)
             return cls("dflash", topk=budget or 0, depth=0, budget=budget or 0)
         # the draft model, or a head
-        shape = default_shape(drafter)
         if all(o is None for o in (block, topk, depth, budget, lanes)):
-            topk, lanes, depth = shape["topk"], shape["lanes"], shape["depth"]
+            topk, lanes, depth = DEFAULT_TREE["topk"], DEFAULT_TREE["lanes"], DEFAULT_TREE["depth"]
         topk = topk or 1
-        depth = block if block is not None else (depth or shape["depth"])
+        depth = block if block is not None else (depth or DEFAULT_DEPTH)
         if topk == 1:
             if budget is not None and budget != depth:
                 raise ValueError(f"--tree-budget {budget} counts a tree's nodes; a chain of {depth} "
@@ -169,9 +157,8 @@ class DraftSpec:
         elif drafter == "dflash":  # the budget is picked per round, up to DDTree's default
             fixed = cls("dflash", topk=0, depth=0, budget=0)  # (0: the drafter's, resolved when built)
         else:
-            shape = default_shape(drafter)
-            fixed = cls.from_options(drafter, tree_topk=shape["topk"], tree_lanes=shape["lanes"],
-                                     tree_depth=shape["depth"])
+            fixed = cls.from_options(drafter, tree_topk=DEFAULT_TREE["topk"], tree_lanes=DEFAULT_TREE["lanes"],
+                                     tree_depth=DEFAULT_TREE["depth"])
         return replace(fixed, adaptive=True)
 
     @classmethod

@@ -379,6 +379,14 @@ def test_round_host_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
     for arm in ("eagle3-chain:3/ranked", "eagle3-tree:2:4:8:1/ranked"):
         with pytest.raises(ValueError, match="ARM/ranked takes a tree arm of two or more lanes"):
             arms.maker(arm)()
+    # ARM/auto: adaptive drafting over that shape, learning apart from the default's
+    from mlx_treespec.adaptive import AdaptiveDrafter
+
+    auto, default = arms.maker("eagle3-chain:12/auto")(), arms.maker("auto:eagle3")()
+    assert isinstance(auto, AdaptiveDrafter) and (auto.primary.topk, auto.primary.depth) == (1, 12)
+    assert (default.primary.topk, default.primary.depth) == (3, 8) and auto.learned is not default.learned
+    with pytest.raises(ValueError, match="ARM/auto takes"):
+        arms.maker("ddtree:12/auto")
     prompt = encode_prompts(tok, load_prompts("unseen")[:1])[0][:48]
     want = [int(t) for t, _ in generate_step(mx.array(prompt), target, max_tokens=24)]
     target.__dict__.pop("_treespec_compiled_verify", None)

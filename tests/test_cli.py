@@ -137,14 +137,6 @@ def test_default_draft_shape_is_adaptive_over_the_fixed_one_lane_tree():
     d = a.primary
     assert (d.topk, d.lanes, d.depth, d.budget) == (3, 1, 8, 24)
     assert d.budget >= d.depth * d.topk  # every candidate stays: the fixed layout, no re-rank
-    # a head's default is a chain of 12 (DEFAULT_HEAD_TREE): the spec is the one place for both
-    from mlx_treespec.spec import DraftSpec
-
-    for kind in ("mtp", "eagle3"):
-        h = DraftSpec.from_options(kind)
-        assert h.adaptive and (h.topk, h.lanes, h.depth, h.budget) == (1, 1, 12, 12)
-        assert DraftSpec.from_options(kind, tree_topk=3).depth == 12
-    assert DraftSpec.from_options("model", tree_topk=3).depth == 8
     c = make_drafter(draft, tree_depth=5)
     assert (c.topk, c.lanes, c.depth, c.budget) == (1, 1, 5, 5)
     assert make_drafter(draft, draft_block_size=3).depth == 3

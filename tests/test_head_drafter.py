@@ -86,13 +86,9 @@ def test_make_drafter_loads_heads_and_merges_lookup(tmp_path):
         assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N)] == ref
     with pytest.raises(ValueError, match="target="):
         make_drafter(folder, drafter="mtp")
-    # the adaptive default over a head: its chain of 12 (spec.DEFAULT_HEAD_TREE), in the round
-    # loop and queued
+    # the adaptive default over a head: its one-lane tree in the round loop, its chain queued
     d = make_drafter(folder, drafter="mtp", target=target)
-    assert (d.primary.topk, d.primary.lanes, d.primary.depth) == (1, 1, 12)
-    assert not d.queues_trees and d.ahead == d.primary.chain_ahead
-    # a head's tree or chain without a depth is its default chain's depth
-    assert make_drafter(folder, drafter="mtp", target=target, tree_topk=3).depth == 12
+    assert d.primary.queues_trees and not d.queues_trees and d.ahead == d.primary.chain_ahead
     assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N)] == ref
 
 

@@ -28,7 +28,6 @@ import numpy as np
 import mlx.core as mx
 
 from ..draft import Draft, Layout
-from ..spec import DEFAULT_HEAD_TREE
 from ..verify import grown, install, whole_buffer_forward
 from ..device_tree import top_k
 from .model import (ModelDrafter, _logprobs, keep_best, keeps_every_candidate, kept_nodes,
@@ -69,8 +68,7 @@ class HeadDrafter(ModelDrafter):
     """`head`: an MTPHead or Eagle3Head bound to its target (drafters/mtp.py, drafters/eagle3.py);
     the shape options are a draft model's (`topk`, `lanes`, `depth`, `budget`)."""
 
-    def __init__(self, head, topk=1, depth=DEFAULT_HEAD_TREE["depth"], budget=None, lanes=None,
-                 prefill_step_size=2048):
+    def __init__(self, head, topk=1, depth=8, budget=None, lanes=None, prefill_step_size=2048):
         super().__init__(head, topk=topk, depth=depth, budget=budget, lanes=lanes,
                          prefill_step_size=prefill_step_size)
         self.capture = tuple(head.capture)
