@@ -134,8 +134,9 @@ LEARNED = {}  # memory key -> Learned, for this process
 
 
 class ModelKey:
-    """A `memory` key naming an arm and live models. Equal only while the very models it was
-    made for are alive: a model freed and a new one that takes its id must not share a record."""
+    """A `memory` key naming a draft configuration (a `DraftSpec`, or any hashable) and live
+    models. Equal only while the very models it was made for are alive: a model freed and a new
+    one that takes its id must not share a record."""
 
     __slots__ = ("arm", "refs", "_hash")
 
