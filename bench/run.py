@@ -678,9 +678,11 @@ def run_proj(args):
                              f"(it has {', '.join(arms) or 'none'})")
         arms = {a: t for a, t in arms.items() if a in wanted}
     cfg = costmodel.load_config(args.config)
-    head_cfg = json.loads(Path(args.head_config).read_text()) if args.head_config else None
+    # an MTP head is the target's own layer, built from the target's config: no head config
+    head_config = None if family == "mtp" else args.head_config
+    head_cfg = json.loads(Path(head_config).read_text()) if head_config else None
     report = dict(meta=run_meta(section=args.section, acceptance=args.acceptance, prompt_set=pset,
-                                config=args.config, head_config=args.head_config, family=family), variants=[])
+                                config=args.config, head_config=head_config, family=family), variants=[])
     md = [f"# {args.section}: {family} projection over {Path(args.config).stem} (commit {_commit(report['meta'])})", "",
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
           f"Acceptance (emitted per verify) measured on the demo pair, {pset} prompts, from "
