@@ -138,12 +138,12 @@ class ModelKey:
     models. Equal only while the very models it was made for are alive: a model freed and a new
     one that takes its id must not share a record."""
 
-    __slots__ = ("arm", "refs", "_hash")
+    __slots__ = ("config", "refs", "_hash")
 
-    def __init__(self, arm, *models):
-        self.arm = arm
+    def __init__(self, config, *models):
+        self.config = config
         self.refs = tuple(None if m is None else weakref.ref(m) for m in models)
-        self._hash = hash((arm,) + tuple(id(m) for m in models))
+        self._hash = hash((config,) + tuple(id(m) for m in models))
 
     def _models(self):
         return tuple(None if r is None else r() for r in self.refs)
@@ -152,7 +152,7 @@ class ModelKey:
         return self._hash
 
     def __eq__(self, other):
-        if not isinstance(other, ModelKey) or other.arm != self.arm or len(other.refs) != len(self.refs):
+        if not isinstance(other, ModelKey) or other.config != self.config or len(other.refs) != len(self.refs):
             return False
         mine, theirs = self._models(), other._models()
         return all(r is None or (m is not None and m is t) for r, m, t in zip(self.refs, mine, theirs)) and \
