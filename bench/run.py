@@ -661,10 +661,14 @@ def run_proj(args):
     tree depth, as the head drafter runs them)."""
     from mlx_treespec import costmodel
 
-    acc = read_json(args.acceptance)
-    pset = args.prompt_set or next(iter(acc["sets"]))
-    tau = {r["arm"]: (r.get("pooled_emitted_per_verify") or r.get("emitted_per_verify"))
-           for r in acc["sets"][pset]["arms"]}
+    # a comma list of files: each arm's figure from the first file that has it (arms measured in
+    # different runs over the same prompts, priced in one call)
+    files = [read_json(f) for f in args.acceptance.split(",")]
+    pset = args.prompt_set or next(iter(files[0]["sets"]))
+    tau = {}
+    for acc in files:
+        for r in acc["sets"].get(pset, {}).get("arms", []):
+            tau.setdefault(r["arm"], r.get("pooled_emitted_per_verify") or r.get("emitted_per_verify"))
     if args.costs:
         return proj_from_costs(args, tau, pset)
     family = args.family
@@ -2023,7 +2027,8 @@ def main(argv=None):
                                                    "per prompt")
     p.add_argument("--from", dest="source", default=None, help="table: a loop's JSON")
     p.add_argument("--ratio", default=None, help="acceptance: print A/B of two arms' emitted per verify")
-    p.add_argument("--acceptance", default=None, help="proj: a loop or acceptance JSON")
+    p.add_argument("--acceptance", default=None, help="proj: a loop or acceptance JSON (a comma list: "
+                   "each arm's figure from the first file that has it)")
     p.add_argument("--prompt-set", default=None, help="proj: which set of that JSON")
     p.add_argument("--config", default="bench/configs/qwen3_8b.json")
     p.add_argument("--family", default="dflash", choices=["dflash", "mtp", "eagle3"], help="proj: which drafter")

@@ -321,6 +321,12 @@ def test_proj_from_costs_refuses_an_arm_past_its_timed_rows(tmp_path):
           "--overhead-ms", "0", "--out", str(tmp_path / "p")])
     (v,) = read_json(tmp_path / "p.json.gz")["variants"]
     assert {a["arm"]: a["round_ms"] for a in v["arms"]} == {"ddtree:31": 21.0, "ddtree:63": 23.0}
+    # a comma list of acceptance files: each arm's figure from the first file that has it
+    main(["proj", "--acceptance", ",".join([acceptance("a.json.gz", {"ddtree:31": 6.0, "ddtree:63": 6.5}),
+                                            acceptance("c.json.gz", {"ddtree:63": 9.9, "ddtree:15": 5.0})]),
+          "--costs", str(costs), "--overhead-ms", "0", "--out", str(tmp_path / "m")])
+    (v,) = read_json(tmp_path / "m.json.gz")["variants"]
+    assert {a["arm"]: a["tau"] for a in v["arms"]} == {"ddtree:31": 6.0, "ddtree:63": 6.5, "ddtree:15": 5.0}
     with pytest.raises(SystemExit, match="arm ddtree:127 verifies 128"):
         main(["proj", "--acceptance", acceptance("b.json.gz", {"ddtree:31": 6.0, "ddtree:127": 7.0}),
               "--costs", str(costs), "--out", str(tmp_path / "q")])
