@@ -57,7 +57,7 @@ from mlx_treespec import RoundStats, tree_generate_step, verify  # noqa: E402
 from mlx_treespec.cli import resolve_model_path  # noqa: E402
 from mlx_treespec.harness import (encode_prompts, first_divergence, generate_once, interleave,  # noqa: E402
                                   load_prompts, ratio_interval, record, run_meta, spread)
-from mlx_treespec.spec import DraftSpec  # noqa: E402
+from mlx_treespec.spec import HEADS, DraftSpec  # noqa: E402
 from mlx_treespec.tree import MAX_NODES  # noqa: E402
 
 # the drafter each demo target uses, by kind
@@ -147,7 +147,7 @@ class Arms:
         arm, which = arm.rsplit("/d", 1) if "/d" in arm and arm.rsplit("/d", 1)[1].isdigit() else (arm, 1)
         spec, which = DraftSpec.parse(arm), int(which)
         if auto:  # "ARM/auto": adaptive drafting over this shape (an earlier default's A/B arm)
-            if spec.drafter in ("none", "dflash", "lookup", "suffix"):
+            if spec.drafter not in ("model",) + HEADS:
                 raise ValueError("ARM/auto takes a draft model's or head's chain or tree arm")
             spec = dataclasses.replace(spec, adaptive=True)
         source = {"model": lambda: self.draft_model(which), "dflash": lambda: self.dflash(which),
