@@ -674,13 +674,22 @@ def run_proj(args):
     family = args.family
     prefix = {"dflash": ("dflash", "ddtree"), "mtp": ("mtp-",), "eagle3": ("eagle3-",)}[family]
     arms = {a: t for a, t in tau.items() if a.startswith(prefix) and t}
+    borrowed = {}  # a head's arm over a draft vocabulary (+vocabN) the file lacks: its whole-vocabulary
+    # arm's figure, an upper bound (a demo's vocabulary is no real tokenizer's: RESULTS, "Draft vocabularies")
     if args.arms is not None:  # only these of the acceptance file's arms
         wanted = args.arms.split(",")
+        for a in wanted:
+            spec, sync = _sync_arm(a)
+            whole = dataclasses.replace(spec, vocab=0).arm + ("/sync" if sync else "")
+            if a not in arms and whole != a and whole in arms:
+                arms[a], borrowed[a] = arms[whole], whole
         missing = [a for a in wanted if a not in arms]
         if missing:
             raise SystemExit(f"--arms {','.join(missing)}: not {family} arms of {args.acceptance} "
                              f"(it has {', '.join(arms) or 'none'})")
         arms = {a: t for a, t in arms.items() if a in wanted}
+    if not args.rounds and any(_sync_arm(a)[0].vocab for a in arms):
+        raise SystemExit("an arm over a draft vocabulary (+vocabN) is priced by its timed rounds: add --rounds")
     cfg = costmodel.load_config(args.config)
     # an MTP head is the target's own layer, built from the target's config: no head config
     head_config = None if family == "mtp" else args.head_config
@@ -738,8 +747,10 @@ def run_proj(args):
                 d + verify[T] + args.overhead_ms
             x = t * plain / round_ms
             share = compiled[a][0] / compiled[a][1] if compiled.get(a, [0, 0])[1] else None
-            out["arms"].append(dict(arm=a, tau=t, draft_ms=d, round_ms=round_ms, x_plain=x, verifies_compiled=share))
-            md.append(f"| {a} | {t:.2f} | {d:.2f} | {round_ms:.2f} | {x:.2f} | "
+            out["arms"].append(dict(arm=a, tau=t, draft_ms=d, round_ms=round_ms, x_plain=x, verifies_compiled=share,
+                                    tau_of=borrowed.get(a)))
+            md.append(f"| {a}" + (f" (at {borrowed[a]}'s)" if a in borrowed else "")
+                      + f" | {t:.2f} | {d:.2f} | {round_ms:.2f} | {x:.2f} | "
                       + ("-" if share is None else f"{share:.2f}") + " |")
         md += [f"\nround = whole rounds of the arm's generation, timed (--rounds): the median of {args.round_reps} "
                "runs, the arms and plain decoding in turn (plain ms: " + ", ".join(f"{p:.2f}" for p in plains)

@@ -183,6 +183,10 @@ def setup_arg_parser():
     t.add_argument("--draft-lookup-trust", type=int, default=None,
                    help="with --draft-lookup: a round whose lookup matched this many tokens or "
                         "more (1..4) drafts with the lookup alone, skipping the draft model")
+    t.add_argument("--draft-vocab", type=int, default=None,
+                   help="with --drafter mtp or eagle3: draft over the first N token ids only (the "
+                        "frequent ones of a byte-level BPE tokenizer); the head's step then reads N "
+                        "rows of the lm_head, not the whole vocabulary")
     t.add_argument("--allow-inexact", action="store_true",
                    help="speculate even where the exactness probe finds verify differs from decoding")
     return p
@@ -193,7 +197,7 @@ def _draft_options(args):
     return dict(draft_block_size=args.draft_block_size, tree_topk=args.tree_topk, tree_depth=args.tree_depth,
                 tree_budget=args.tree_budget, tree_lanes=args.tree_lanes,
                 draft_lookup=args.draft_lookup,
-                draft_lookup_trust=args.draft_lookup_trust)
+                draft_lookup_trust=args.draft_lookup_trust, draft_vocab=args.draft_vocab)
 
 
 def _read_prompt(args):

@@ -19,6 +19,8 @@ Arm grammar:
                            picked, or no draft; what every drafter gets when no shape is given
     ... +lookupN[@T]       (after chain or tree) a prompt-lookup chain of N nodes under the same
                            root; with T, rounds whose lookup matched T tokens draft with it alone
+    ... +vocabN            (after a head's arm, auto:mtp or auto:eagle3 included) the head drafts
+                           over the first N token ids only (drafters/mtp.py, HeadModule.narrowed)
 """
 from dataclasses import dataclass, replace
 
@@ -36,6 +38,9 @@ DEFAULT_DEPTH = 8
 DEFAULT_FREE_BUDGET = 16
 MAX_TOPK = 16
 MAX_TRUST = 4  # the lookup's longest n-gram
+# a head's draft vocabulary (--draft-vocab): at least MAX_TOPK ids, so that a step's candidates
+# are all in it; at most one id fewer than the target's vocabulary (checked when it is narrowed)
+MIN_DRAFT_VOCAB = MAX_TOPK
 DRAFTERS = ("model", "lookup", "suffix", "dflash", "mtp", "eagle3", "none")
 HEADS = ("mtp", "eagle3")  # one-layer heads over the target's hidden states: a draft model's shapes
 
@@ -49,7 +54,8 @@ class DraftSpec:
     """What drafts (`drafter`) and its tree: `topk` children per expanded node, `lanes` nodes
     expanded per step, `depth` steps, `budget` draft nodes (root excluded), plus `lookup` nodes
     of a prompt-lookup chain under the same root and its `trust` match length. A chain is
-    `topk = 1`, `budget = depth`. Build instances with `from_options` or `parse`: they check and
+    `topk = 1`, `budget = depth`. `vocab`: a head drafts over token ids 0..vocab-1 only (0: all of
+    them). Build instances with `from_options` or `parse`: they check and
     default every field.
 
     A DFlash drafter (`drafter='dflash'`) proposes every block position in one forward; its tree
@@ -68,6 +74,7 @@ class DraftSpec:
     budget: int = 0
     lookup: int = 0
     trust: int = 0
+    vocab: int = 0
     adaptive: bool = False
 
     # ------------------------------------------------------------------ construction
@@ -75,7 +82,7 @@ class DraftSpec:
     @classmethod
     def from_options(cls, drafter=None, draft_block_size=None, tree_topk=None, tree_depth=None,
                      tree_budget=None, tree_lanes=None, draft_lookup=None, draft_lookup_trust=None,
-                     *, has_draft_model=True):
+                     draft_vocab=None, *, has_draft_model=True):
         """The library's and the CLI's draft options (None: not given). `drafter` defaults to
         'model' when a draft model is at hand, else 'none'."""
         if drafter is None:
@@ -91,6 +98,11 @@ class DraftSpec:
         lanes = _opt(tree_lanes, "--tree-lanes", 1, MAX_TOPK)
         lookup = _opt(draft_lookup, "--draft-lookup", 0, MAX_NODES - 2) or 0
         trust = _opt(draft_lookup_trust, "--draft-lookup-trust", 0, MAX_TRUST) or 0
+        vocab = 0 if draft_vocab is None else check_int(draft_vocab, "--draft-vocab (token ids a head drafts)",
+                                                        MIN_DRAFT_VOCAB)
+        if vocab and drafter not in HEADS:
+            raise ValueError(f"--draft-vocab narrows a head's lm_head, and --drafter {drafter} is not a head: "
+                             "drop --draft-vocab, or use --drafter mtp or eagle3")
         if trust and not lookup:
             raise ValueError("--draft-lookup-trust needs --draft-lookup N (the lookup it trusts)")
         if lookup and drafter not in ("model",) + HEADS:
@@ -102,7 +114,7 @@ class DraftSpec:
                                  "--draft-model or --drafter (lookup, suffix, dflash, ...), or drop them")
             return cls("none")
         if all(o is None for o in (block, topk, depth, budget, lanes)) and not lookup:
-            return cls.adaptive_over(drafter)
+            return replace(cls.adaptive_over(drafter), vocab=vocab)
         if block is not None and (depth is not None or (topk or 1) > 1 or lanes is not None):
             raise ValueError("give either --draft-block-size (a chain) or --tree-topk/--tree-depth "
                              "(a tree), not both")
@@ -134,7 +146,8 @@ class DraftSpec:
                                  f"drafts {depth}: drop --tree-budget, or give --tree-topk K > 1 for a tree")
             if lanes not in (None, 1):
                 raise ValueError(f"--tree-lanes must be in 1..--tree-topk (1), got {lanes}")
-            return cls(drafter, topk=1, lanes=1, depth=depth, budget=depth, lookup=lookup, trust=trust)
+            return cls(drafter, topk=1, lanes=1, depth=depth, budget=depth, lookup=lookup, trust=trust,
+                       vocab=vocab)
         lanes = topk if lanes is None else lanes
         if not 1 <= lanes <= topk:
             raise ValueError(f"--tree-lanes must be in 1..--tree-topk ({topk}), got {lanes}")
@@ -147,7 +160,8 @@ class DraftSpec:
                              f"--tree-depth {depth} has {candidates} nodes to choose from: give at most "
                              f"{candidates}, or a wider or deeper tree")
         budget = min(budget, candidates, MAX_NODES - 1)
-        return cls(drafter, topk=topk, lanes=lanes, depth=depth, budget=budget, lookup=lookup, trust=trust)
+        return cls(drafter, topk=topk, lanes=lanes, depth=depth, budget=budget, lookup=lookup, trust=trust,
+                   vocab=vocab)
 
     @classmethod
     def adaptive_over(cls, drafter):
@@ -167,21 +181,25 @@ class DraftSpec:
         if not isinstance(arm, str):
             raise ValueError(f"an arm is a string like 'chain:6' or 'tree:3:8:24:1', got {arm!r}")
         text = arm.strip().lower()
-        base, plus, extra = text.partition("+")
-        lookup = trust = None
-        if plus:
-            if not extra.startswith("lookup"):
-                raise ValueError(f"cannot read arm {arm!r}: after '+' comes lookupN or lookupN@T")
-            n, _, t = extra[len("lookup"):].partition("@")
-            lookup, trust = _arm_int(n, arm), (_arm_int(t, arm) if t else None)
-            if lookup < 1:
-                raise ValueError(f"arm {arm!r}: +lookupN needs N in 1..{MAX_NODES - 2}")
+        base, *extras = text.split("+")
+        lookup = trust = vocab = None
+        for extra in extras:
+            if extra.startswith("lookup") and lookup is None:
+                n, _, t = extra[len("lookup"):].partition("@")
+                lookup, trust = _arm_int(n, arm), (_arm_int(t, arm) if t else None)
+                if lookup < 1:
+                    raise ValueError(f"arm {arm!r}: +lookupN needs N in 1..{MAX_NODES - 2}")
+            elif extra.startswith("vocab") and vocab is None:
+                vocab = _arm_int(extra[len("vocab"):], arm)
+            else:
+                raise ValueError(f"cannot read arm {arm!r}: after '+' comes lookupN, lookupN@T or vocabN")
+        plus = lookup is not None
         parts = base.split(":")
         if parts[0] == "auto":
             if len(parts) != 2 or parts[1] not in DRAFTERS or parts[1] == "none" or plus:
                 raise ValueError(f"cannot read arm {arm!r}: auto:KIND takes one of "
-                                 f"{', '.join(d for d in DRAFTERS if d != 'none')}")
-            return cls.adaptive_over(parts[1])
+                                 f"{', '.join(d for d in DRAFTERS if d != 'none')} (a head's: +vocabN)")
+            return cls.from_options(parts[1], draft_vocab=vocab, has_draft_model=True)
         kind, args = parts[0], [_arm_int(p, arm) for p in parts[1:]]
         if kind.startswith("chain") and kind != "chain" and not args:  # 'chain6'
             kind, args = "chain", [_arm_int(kind[5:], arm)]
@@ -191,15 +209,17 @@ class DraftSpec:
                 drafter, kind = head, kind[len(head) + 1:]
         if plus and kind not in ("chain", "tree"):
             raise ValueError(f"arm {arm!r}: +lookup goes after a chain:K or tree:K:S[:B[:L]] arm")
+        if vocab is not None and kind not in ("chain", "tree"):
+            raise ValueError(f"arm {arm!r}: +vocabN goes after a head's arm (mtp-chain:K, eagle3-tree:..., auto:mtp)")
         if kind == "plain" and not args:
             return cls.from_options("none")
         if kind == "chain" and len(args) == 1:
             return cls.from_options(drafter, draft_block_size=args[0], draft_lookup=lookup,
-                                    draft_lookup_trust=trust)
+                                    draft_lookup_trust=trust, draft_vocab=vocab)
         if kind == "tree" and 2 <= len(args) <= 4:
             K, S, B, L = (args + [None, None])[:4]
             return cls.from_options(drafter, tree_topk=K, tree_depth=S, tree_budget=B, tree_lanes=L,
-                                    draft_lookup=lookup, draft_lookup_trust=trust)
+                                    draft_lookup=lookup, draft_lookup_trust=trust, draft_vocab=vocab)
         if kind in ("lookup", "suffix") and len(args) == 2:
             return cls.from_options(kind, tree_budget=args[0], tree_depth=args[1])
         if kind in ("dflash", "ddtree") and not args:  # DDTree of the drafter's default budget
@@ -210,7 +230,8 @@ class DraftSpec:
             return cls.from_options("dflash", tree_budget=args[0])
         raise ValueError(f"cannot read arm {arm!r}: use plain, chain:K, tree:K:S[:B[:L]], lookup:B:D, "
                          "suffix:B:D, dflash[:K], ddtree[:B], mtp-chain:K, mtp-tree:K:S[:B[:L]], "
-                         "eagle3-chain:K or eagle3-tree:K:S[:B[:L]] (a chain or tree may end in +lookupN[@T])")
+                         "eagle3-chain:K or eagle3-tree:K:S[:B[:L]] (a chain or tree may end in +lookupN[@T], "
+                         "a head's in +vocabN)")
 
     # ------------------------------------------------------------------ what it is
 
@@ -232,8 +253,9 @@ class DraftSpec:
         """The arm string of this spec (`parse` reads it back)."""
         if self.drafter == "none":
             return "plain"
+        vocab = f"+vocab{self.vocab}" if self.vocab else ""
         if self.adaptive:
-            return f"auto:{self.drafter}"
+            return f"auto:{self.drafter}" + vocab
         if self.drafter in ("lookup", "suffix"):
             return f"{self.drafter}:{self.budget}:{self.depth}"
         if self.drafter == "dflash":
@@ -244,7 +266,7 @@ class DraftSpec:
             base = f"{self.drafter}-{base}"
         if self.lookup:
             base += f"+lookup{self.lookup}" + (f"@{self.trust}" if self.trust else "")
-        return base
+        return base + vocab
 
     @property
     def label(self):
@@ -252,8 +274,9 @@ class DraftSpec:
         where lanes differ from K)."""
         if self.drafter == "none":
             return "plain"
+        vocab = f" over {self.vocab} ids" if self.vocab else ""
         if self.adaptive:
-            return f"adaptive {self.drafter}" + (" + lookup" if self.drafter not in ("lookup", "suffix") else "")
+            return f"adaptive {self.drafter}" + vocab + (" + lookup" if self.drafter not in ("lookup", "suffix") else "")
         if self.drafter in ("lookup", "suffix"):
             return f"{self.drafter} B={self.budget} D={self.depth}"
         if self.drafter == "dflash":
@@ -262,6 +285,7 @@ class DraftSpec:
         base = f"chain k={self.depth}" if self.is_chain else f"tree K={self.topk}{lanes} S={self.depth} B={self.budget}"
         if self.drafter in HEADS:
             base = f"{self.drafter} {base}"
+        base += vocab
         if self.lookup:
             base += f" + lookup {self.lookup}" + (f" trust {self.trust}" if self.trust else "")
         return base
@@ -320,7 +344,7 @@ class DraftSpec:
             from .drafters.head import HeadDrafter
 
             base = HeadDrafter(draft_model, topk=self.topk, depth=self.depth, budget=self.budget,
-                               lanes=self.lanes)
+                               lanes=self.lanes, vocab=self.vocab)
         else:
             from .drafters.model import ModelDrafter
 

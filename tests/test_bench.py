@@ -196,14 +196,20 @@ def test_proj_section_tiny(tmp_path):
     # each arm's share of verifies run compiled (None where no verify asked for it: on CPU)
     assert all(r["verifies_compiled"] is None or 0 <= r["verifies_compiled"] <= 1 for r in v["arms"])
     assert "eager_shapes" in v
-    # a head's whole rounds too (over a hybrid target here)
+    # a head's whole rounds too (over a hybrid target here); an arm over a draft vocabulary the
+    # file lacks is priced at its whole-vocabulary arm's figure, and says so
+    arms = ["mtp-chain:3", "mtp-tree:3:3:9:1", "mtp-chain:3+vocab40"]
     run(["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "mtp", "--config", str(tmp_path / "qwen3_5.json"),
          "--q-bits", "0", "--dtype", "float32", "--history", "32", "--rounds", "--round-reps", "1",
-         "--out", str(tmp_path / "mtp_rounds")])
+         "--arms", ",".join(arms), "--out", str(tmp_path / "mtp_rounds")])
     v = read_json(tmp_path / "mtp_rounds.json.gz")["variants"][0]
-    arms = ["mtp-chain:3", "mtp-tree:3:3:9:1"]
     assert [r["arm"] for r in v["arms"]] == arms and all(len(v["draft"]["round_ms"][a]) == 1 for a in arms)
     assert [r["round_ms"] for r in v["arms"]] == pytest.approx([v["draft"]["round_ms"][a][0] for a in arms], rel=1e-4)
+    assert [(r["tau"], r["tau_of"]) for r in v["arms"]] == [(2.0, None), (2.4, None), (2.0, "mtp-chain:3")]
+    assert "mtp-chain:3+vocab40 (at mtp-chain:3's)" in (tmp_path / "mtp_rounds.md").read_text()
+    bad = subprocess.run([sys.executable, "bench/run.py", "proj", "--acceptance", str(tmp_path / "acc.json"),
+                          "--family", "mtp", "--arms", "mtp-chain:3+vocab40"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0 and "add --rounds" in bad.stderr
 
 
 def test_derived_prompt_sets():

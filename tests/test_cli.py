@@ -158,6 +158,8 @@ def test_default_draft_shape_is_adaptive_over_the_fixed_one_lane_tree():
     (["--tree-topk", "3", "--tree-depth", "0"], "--tree-depth"),
     (["--drafter", "dflash", "--tree-topk", "3"], "--tree-topk"),
     (["--drafter", "mtp"], "MTP heads are for"),  # the demo target is a qwen3: no MTP layer
+    (["--drafter", "lookup", "--draft-vocab", "512"], "narrows a head's lm_head"),
+    (["--model", "demo-hybrid", "--drafter", "mtp", "--draft-vocab", "4096"], "--draft-vocab (token ids a head drafts) must be in 16..4095"),
     (["--model", "nonexistent-org/nonexistent-model"], "download it first"),
 ])
 def test_more_bad_input_is_one_line_exit_2(args, needle):

@@ -433,3 +433,119 @@ def test_queued_lane_steps_launch_what_a_chain_step_launches(tmp_path, monkeypat
     assert lanes.get("Concatenate", 0) - chain.get("Concatenate", 0) < 1, (lanes, chain)
     # (a ranked step launched 20 more: top-k, scores, the next lanes' argsort and gathers)
     assert sum(lanes.values()) - sum(chain.values()) <= 6, (lanes, chain)
+
+
+# ------------------------------------------------------------------ draft vocabularies (--draft-vocab)
+
+def _full_vocab_eagle3(tmp_path, target):
+    """An EAGLE-3 head over the whole target vocab, drafting through the target's lm_head."""
+    from test_heads import eagle3_tensors, safeailab_config, save_folder
+    from mlx_treespec.drafters.eagle3 import load_eagle3
+
+    tensors = {k: v for k, v in eagle3_tensors(np.random.default_rng(3))[0].items() if k != "lm_head.weight"}
+    tensors.update(d2t=mx.zeros((tiny.VOCAB,), mx.int64), t2d=mx.ones((tiny.VOCAB,), mx.bool_))
+    return load_eagle3(str(save_folder(tmp_path / "whole", safeailab_config(draft_vocab_size=tiny.VOCAB), tensors)),
+                       target)
+
+
+def test_a_projection_narrowed_to_some_rows_computes_those_outputs():
+    import mlx.nn as nn
+    from mlx_treespec.drafters import vocab_rows
+
+    rng = np.random.default_rng(4)
+    x = mx.array(rng.standard_normal((3, 64)).astype(np.float32))
+    lin, emb = nn.Linear(64, 96, bias=True), nn.Embedding(96, 64)
+    ids = np.sort(rng.choice(96, 40, replace=False))
+    for full in (lin, nn.QuantizedLinear.from_linear(lin, group_size=32, bits=4), emb.as_linear,
+                 nn.QuantizedEmbedding.from_embedding(emb, group_size=32, bits=4).as_linear):
+        whole = np.array(full(x))
+        np.testing.assert_allclose(np.array(vocab_rows(full, 40)(x)), whole[:, :40], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(np.array(vocab_rows(full, ids)(x)), whole[:, ids], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="drop --draft-vocab"):
+        vocab_rows(lambda v: v, 40)
+
+
+@pytest.mark.parametrize("kind", ["mtp-qwen3_5_tied", "mtp-qwen3_next_moe", "eagle3-whole"])
+def test_narrowed_heads_draft_only_their_ids_and_stay_exact(tmp_path, kind):
+    from test_heads import EAGLE_TARGET
+
+    if kind.startswith("mtp"):
+        head, target = make_mtp(tmp_path, kind.split("-", 1)[1])[:2]
+    else:
+        target = tiny.build(EAGLE_TARGET)
+        head = _full_vocab_eagle3(tmp_path, target)
+    ranked = np.random.default_rng(5).permutation(tiny.VOCAB).astype(np.int32)
+    prompt = np.random.default_rng(6).integers(0, tiny.VOCAB, 12).tolist()
+    ref = plain(target, prompt)
+    for ranks, shape in ((None, SHAPES["chain4"]), (ranked, SHAPES["k3l1s4"]), (ranked, SHAPES["k3l2s4b21"])):
+        head.token_ranks = ranks
+        drafter = HeadDrafter(head, vocab=40, **shape)
+        allowed = set(range(40) if ranks is None else ranks[:40].tolist())
+        drafted = []
+        original = drafter.draft
+
+        def draft(*a, **k):
+            d = original(*a, **k)
+            drafted.extend(np.array(d.tokens)[1:].tolist())  # (the root is the target's token)
+            return d
+        drafter.draft = draft
+        stats = RoundStats()
+        out = [t for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=N, stats=stats)]
+        assert out == ref
+        assert drafted and set(drafted) <= allowed
+        assert drafter.model is not head and getattr(head, "_vocab", None) is None  # the folder's head is unchanged
+    head.token_ranks = None
+    with pytest.raises(ValueError, match=r"--draft-vocab \(token ids a head drafts\) must be in 16..95"):
+        HeadDrafter(head, vocab=tiny.VOCAB)
+
+
+def test_narrowed_logits_are_the_heads_on_its_ids_and_minus_inf_elsewhere(tmp_path):
+    head, target = make_mtp(tmp_path, "qwen3_5_tied")[:2]
+    rng = np.random.default_rng(7)
+    tokens = mx.array(rng.integers(0, tiny.VOCAB, (1, 5)).astype(np.uint32))
+    hidden = mx.array(rng.standard_normal((1, 5, head.args.hidden_size)).astype(np.float32))
+    whole = np.array(head(tokens, cache=head.make_cache(), hidden=hidden))
+    head.token_ranks = rng.permutation(tiny.VOCAB).astype(np.int32)
+    for view, ids in ((head.narrowed(30), head.token_ranks[:30]), (None, np.arange(30))):
+        if view is None:
+            head.token_ranks = None
+            view = head.narrowed(30)
+        out = np.array(view(tokens, cache=view.make_cache(), hidden=hidden))
+        inside = np.zeros(tiny.VOCAB, bool)
+        inside[ids] = True
+        np.testing.assert_allclose(out[..., inside], whole[..., inside], rtol=1e-5, atol=1e-5)
+        assert np.all(np.isneginf(out[..., ~inside]))
+
+
+def test_draft_vocab_errors_name_the_fix(tmp_path):
+    from mlx_treespec.spec import DraftSpec
+
+    head, target = make_eagle3(tmp_path, "safeailab")[:2]  # its own 40-token vocabulary (d2t)
+    with pytest.raises(ValueError, match="its own 40-token vocabulary .* drop --draft-vocab"):
+        head.narrowed(32)
+    with pytest.raises(ValueError, match="not a head: drop --draft-vocab"):
+        make_drafter(None, drafter="lookup", draft_vocab=64)
+    with pytest.raises(ValueError, match="must be >= 16"):
+        DraftSpec.from_options("mtp", draft_vocab=8)
+    for arm in ("mtp-chain:10+vocab512", "eagle3-tree:3:8:24:1+vocab64", "auto:mtp+vocab300", "mtp-chain:4+lookup3+vocab256"):
+        spec = DraftSpec.parse(arm)
+        assert spec.arm == arm and DraftSpec.parse(spec.arm) == spec and spec.vocab
+    with pytest.raises(ValueError, match=r"\+vocabN goes after a head's arm"):
+        DraftSpec.parse("dflash:4+vocab64")
+
+
+def test_a_counted_ranking_is_written_read_and_checked(tmp_path):
+    from mlx_treespec.vocab import RANKS_FILE, count_ranks, main, read_ranks
+
+    assert count_ranks([3, 3, 1, 3, 1, 0], 5).tolist() == [3, 1, 0, 2, 4]  # by count, then by id
+    text = tmp_path / "text"
+    text.mkdir()
+    (text / "a.py").write_text("def parse(value):\n    return value\n" * 20)
+    out = tmp_path / "ranks"
+    out.mkdir()
+    assert main(["--model", "demo-hybrid", "--text", str(text), "--out", str(out / RANKS_FILE)]) == 0
+    ranks = read_ranks(out, 4096)
+    assert sorted(ranks.tolist()) == list(range(4096)) and ranks[0] != 0
+    assert read_ranks(tmp_path, 4096) is None  # no file: the id order
+    with pytest.raises(ValueError, match="does not rank each of the target's 96 token ids once"):
+        read_ranks(out, 96)

@@ -57,6 +57,31 @@ def host_probe_parents(branches, budget, max_depth):
     return representative_tree_parents(2, max_depth, budget)
 
 
+def vocab_rows(project, ids):
+    """Some outputs of `project` (an nn.Linear or QuantizedLinear, or an Embedding's or
+    QuantizedEmbedding's `as_linear`: an lm_head, tied or not) as a function of x: a matmul over
+    those rows of its weight (and scales, biases). `ids`: an int n (the first n rows: slices
+    sharing its memory) or an array of row ids (a copy of those rows)."""
+    owner = getattr(project, "__self__", project)  # a bound as_linear: its embedding
+    if not isinstance(owner, (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)):
+        raise ValueError(f"cannot narrow this lm_head ({type(owner).__name__}, e.g. one sharded over "
+                         "processes) to a draft vocabulary: drop --draft-vocab")
+    pick = (lambda a: a[:ids]) if isinstance(ids, int) else (lambda a: mx.take(a, mx.array(ids), axis=0))
+    rows = {k: pick(owner[k]) for k in ("weight", "scales", "biases", "bias") if k in owner}
+    mx.eval(list(rows.values()))
+    if "scales" in rows:
+        gs, bits, mode = owner.group_size, owner.bits, getattr(owner, "mode", "affine")
+
+        def matmul(x):
+            y = mx.quantized_matmul(x, rows["weight"], scales=rows["scales"], biases=rows.get("biases"),
+                                    transpose=True, group_size=gs, bits=bits, mode=mode)
+            return y + rows["bias"] if "bias" in rows else y
+        return matmul
+    if "bias" in rows:
+        return lambda x: x @ rows["weight"].T + rows["bias"]
+    return lambda x: x @ rows["weight"].T
+
+
 def dequantize_linears(module):
     """The module's quantized linear layers as float layers holding the same values.
 

@@ -50,6 +50,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from .mtp import HeadModule, _one_line, load_checked, quantize_like, read_tensors, step_rows, target_io
 from ..verify import layer_span
+from ..vocab import read_ranks
 from . import GatedMLP, dequantize_linears
 
 __all__ = ["Eagle3Head", "load_eagle3", "default_capture"]
@@ -209,8 +210,18 @@ class Eagle3Head(HeadModule):
         normed = self.norm(out)
         self.out_hidden = normed if self.norm_output else out
         if "lm_head" not in self:  # (EAGLE-1/2's way: a head over the whole target vocab)
-            return self._target_head(normed)
-        return self.to_target_vocab(self.lm_head(normed))
+            return self._logits(self._target_head, normed)
+        if self._gather is not None:  # its own draft vocabulary (narrowed() refuses it)
+            return self.to_target_vocab(self.lm_head(normed))
+        return self._logits(self.lm_head, normed)
+
+    def _full_vocab_head(self):
+        """(the projection over the whole target vocabulary, its size): the head's own lm_head,
+        or the target's where it has none; a head with its own draft vocabulary has neither."""
+        if self._gather is not None:
+            raise ValueError(f"this EAGLE-3 head drafts over its own {self.draft_vocab_size}-token "
+                             "vocabulary (its d2t map): drop --draft-vocab")
+        return (self.lm_head if "lm_head" in self else self._target_head), self.vocab_size
 
 
 def _fail(folder, msg):
@@ -370,6 +381,7 @@ def load_eagle3(folder, target_model, capture=None):
     load_checked(head, weights, f"EAGLE-3 head {folder}")
     dequantize_linears(head)  # shipped small, run as float (see drafters.dequantize_linears)
     head.set_vocab_map(d2t)
+    head.token_ranks = read_ranks(folder, t_vocab)  # (its draft vocabulary: vocab.py)
     head.eval()
     mx.eval(head.parameters())
     emb_module = None

@@ -27,6 +27,7 @@ rule too: it shifts only keys still carrying the raw `mtp.` prefix). `load_mtp(.
 zero_centred=False)` overrides this for a folder whose `mtp.*` norms were already shifted.
 To write a loaded (possibly quantized) head back in this layout, save `head.raw_weights()`.
 """
+import copy
 import dataclasses
 import glob
 import json
@@ -34,12 +35,15 @@ import os
 import struct
 import sys
 
+import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
-from . import dequantize_linears, target_io
+from . import dequantize_linears, target_io, vocab_rows
+from ..spec import MIN_DRAFT_VOCAB, check_int
+from ..vocab import read_ranks
 from ..verify import layer_span
 
 __all__ = ["MTPHead", "load_mtp", "target_io", "read_tensors", "quantize_like"]
@@ -158,18 +162,56 @@ def load_checked(module, weights, what):
 
 class HeadModule(nn.Module):
     """A drafting head's module (MTPHead, Eagle3Head): the attributes named in STATE are per-call
-    state and the target's modules, kept out of the head's parameters; one KV cache."""
+    state and the target's modules, kept out of the head's parameters; one KV cache.
 
-    STATE = ()
+    `narrowed(n)` drafts over the target's first n token ids (a draft vocabulary, FR-Spec's
+    idea): its output projection reads n rows of the lm_head, not all V, and every other id
+    gets -inf. At real vocabularies the lm_head is most of what a head step reads (Qwen3.5's
+    248,320 rows x 4,096), and the step is bound by reading it. The first ids are the frequent
+    ones for a byte-level BPE tokenizer (Qwen, Llama 3, GPT-2 style), whose ids follow its merge
+    order. A target token outside them is never drafted, so its position is a miss, never a
+    wrong token: the verify decides every token."""
+
+    STATE = ("_vocab", "token_ranks")
 
     def __setattr__(self, key, value):
-        if key in self.STATE:
+        if key in self.STATE or key in HeadModule.STATE:
             object.__setattr__(self, key, value)
         else:
             super().__setattr__(key, value)
 
     def make_cache(self):
         return [KVCache()]
+
+    def narrowed(self, n):
+        """This head drafting over n token ids (None or 0: itself): the first n of its folder's
+        token ranking (`token_ranks`, mlx_treespec/vocab.py), or ids 0..n-1 where it has none.
+        A shallow copy sharing its weights, so the heads of several drafters over one folder
+        narrow apart."""
+        if not n:
+            return self
+        project, vocab = self._full_vocab_head()
+        check_int(n, "--draft-vocab (token ids a head drafts)", MIN_DRAFT_VOCAB, vocab - 1)
+        ranks = getattr(self, "token_ranks", None)
+        view = copy.copy(self)
+        if ranks is None:  # a prefix: the rows are slices, the logits padded with -inf
+            view._vocab = (vocab_rows(project, n), vocab - n, None)
+        else:  # ranked ids: their rows, and each target id's column among them (n: the -inf pad)
+            ids = np.sort(np.asarray(ranks[:n]))
+            column = np.full(vocab, n, np.int32)
+            column[ids] = np.arange(n, dtype=np.int32)
+            view._vocab = (vocab_rows(project, ids), 1, mx.array(column))
+        return view
+
+    def _logits(self, project, x):
+        """`project(x)` (logits over the target vocab), or over the draft vocabulary, -inf elsewhere."""
+        narrow = getattr(self, "_vocab", None)
+        if narrow is None:
+            return project(x)
+        rows, pad, column = narrow
+        y = rows(x)
+        y = mx.concatenate([y, mx.full((*y.shape[:-1], pad), -mx.inf, y.dtype)], axis=-1)
+        return y if column is None else mx.take(y, column, axis=-1)
 
 
 _FAMILIES = {  # mlx-lm module of the text model -> its decoder layer class
@@ -243,6 +285,10 @@ class MTPHead(HeadModule):
         self.capture = (layer_span(target)[2] - 1,)  # the last layer's output (pre-norm)
         return self
 
+    def _full_vocab_head(self):
+        """(the projection over the whole vocabulary, its size): the target's lm_head."""
+        return self._lm_head, int(self.args.vocab_size)
+
     def target_hidden(self, last_layer_out):
         """The hidden this head reads, from the target's last layer output (what a round
         captures with `head.capture`): after the target's final norm for hidden_kind "post",
@@ -274,7 +320,7 @@ class MTPHead(HeadModule):
         z = self.layers[0](u, mask=mask, cache=c)
         o = self.norm(z)
         self.out_hidden = o
-        return self._lm_head(o)
+        return self._logits(self._lm_head, o)
 
 
 def _mlp_kind(weights):
@@ -360,6 +406,7 @@ def load_mtp(target_folder, target_model, zero_centred=None):
     quantize_like(head, weights, config, prefix="mtp.")
     load_checked(head, weights, f"MTP weights in {target_folder}")
     dequantize_linears(head)  # shipped small, run as float (see drafters.dequantize_linears)
+    head.token_ranks = read_ranks(target_folder, int(args.vocab_size))  # (its draft vocabulary: vocab.py)
     head.eval()
     mx.eval(head.parameters())
     return head

@@ -29,7 +29,8 @@ def check_vocab(model, draft_model):
 
 def make_drafter(draft_model=None, *, drafter=None, target=None, **options):
     """The drafter for mlx-lm-style options (`draft_block_size`, `tree_topk`, `tree_depth`,
-    `tree_budget`, `tree_lanes`, `draft_lookup`, `draft_lookup_trust`; see DraftSpec).
+    `tree_budget`, `tree_lanes`, `draft_lookup`, `draft_lookup_trust`, `draft_vocab`; see
+    DraftSpec).
 
     With no shape option the drafter is adaptive (mlx_treespec.adaptive): each round picks
     between the kind's default shape, prompt lookup and no draft, priced with `target`'s
@@ -69,8 +70,8 @@ def make_drafter(draft_model=None, *, drafter=None, target=None, **options):
 
 def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=256, drafter=None,
                     draft_block_size=None, tree_topk=None, tree_depth=None, tree_budget=None,
-                    tree_lanes=None, draft_lookup=None, draft_lookup_trust=None, stats=None,
-                    sampler=None, **kwargs):
+                    tree_lanes=None, draft_lookup=None, draft_lookup_trust=None, draft_vocab=None,
+                    stats=None, sampler=None, **kwargs):
     """mlx-lm's `stream_generate`, speculating with a draft tree. Yields `GenerationResponse`s.
 
     Sampling options are `temp`, `top_p`, `min_p`, `top_k`, `seed` (not a `sampler` function:
@@ -95,7 +96,7 @@ def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=25
     drafter = make_drafter(draft_model, drafter=drafter, target=model, draft_block_size=draft_block_size,
                            tree_topk=tree_topk, tree_depth=tree_depth, tree_budget=tree_budget,
                            tree_lanes=tree_lanes, draft_lookup=draft_lookup,
-                           draft_lookup_trust=draft_lookup_trust)
+                           draft_lookup_trust=draft_lookup_trust, draft_vocab=draft_vocab)
     stats = stats if stats is not None else RoundStats()
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
