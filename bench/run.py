@@ -1458,6 +1458,53 @@ def chained_us(fns, start, step, calls):
     return best
 
 
+def run_head_step(args):
+    """One head step at 8B shapes (random weights), drafting over the whole vocabulary against
+    over the first `--draft-vocab` ids (HeadModule.narrowed): synced ms a step of each `--rows`,
+    the two in turn `--round-reps` times. The head is the target's MTP layer where `--config` is
+    a qwen3_5 / qwen3_next shape, else `--head-config`'s EAGLE-3 head over the whole vocabulary."""
+    import mlx.nn as nn
+    from mlx_treespec import costmodel
+    from mlx_treespec.drafters.eagle3 import Eagle3Head, _config
+    from mlx_treespec.drafters.mtp import MTPHead
+
+    rows_list, out = [int(r) for r in args.rows.split(",")], []
+    md = [f"# {args.section}: a head step over the whole vocabulary and over {args.draft_vocab} ids "
+          f"({_commit(run_meta())})", "", f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
+          "| shape | rows | whole vocabulary ms | draft vocabulary ms | whole / draft |", "|---|---|---|---|---|"]
+    for config in args.config.split(","):
+        cfg = costmodel.load_config(config)
+        for q in _bits_list(args.q_bits):
+            target = costmodel.build_from_config(cfg, args.dtype, q)
+            if cfg.get("model_type", "").startswith(("qwen3_5", "qwen3_next")):
+                head = MTPHead(target)
+            else:
+                c, _, ids = _config(json.loads(Path(args.head_config).read_text()), args.head_config)
+                c.update(n_aux=len(ids), vocab_size=cfg["vocab_size"])
+                head = Eagle3Head(c, ids).bind(target)
+                head.set_vocab_map(mx.zeros((c["draft_vocab_size"],), mx.int32))
+            head.set_dtype(getattr(mx, args.dtype))
+            if q:
+                nn.quantize(head, bits=q, group_size=64)
+            narrow = head.narrowed(args.draft_vocab)
+            timed = {}
+            for _ in range(args.round_reps):
+                for label, h in (("whole", head), ("draft", narrow)):
+                    for r in rows_list:
+                        timed.setdefault((label, r), []).append(time_head(h, history=args.history, rows=r, repeats=15, warmup=3))
+            shape = f"{Path(config).stem}, {args.dtype}" + (f", {q}-bit" if q else "")
+            for r in rows_list:
+                w, d = statistics.median(timed["whole", r]), statistics.median(timed["draft", r])
+                out.append(dict(shape=shape, rows=r, whole_ms=timed["whole", r], draft_ms=timed["draft", r]))
+                md.append(f"| {shape} | {r} | {w:.2f} | {d:.2f} | {w / d:.2f} |")
+                print(md[-1], flush=True)
+            target = head = narrow = None
+            mx.clear_cache()
+    md += ["", f"Medians of {args.round_reps} timings (each the median of 15 synced steps over {args.history} "
+           "cached slots); every timing in the JSON.", ""]
+    write(args, dict(meta=run_meta(section=args.section, draft_vocab=args.draft_vocab), rows=out), md)
+
+
 def run_topk(args):
     """A draft step's top-k over R rows of a V-wide vocabulary (float32 logits, random): the
     one-lane trees' runners-up as they were (`put_along_axis` of the lane's token, then
@@ -2014,9 +2061,12 @@ def _json(o):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "round-host", "draft-kernels", "draft-time", "comm", "comm-rank",
-                                       "paths", "bound", "unseen-prompts", "train-prompts", "table", "attn", "topk"])
+                                       "paths", "bound", "unseen-prompts", "train-prompts", "table", "attn", "topk",
+                                       "head-step"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
-    p.add_argument("--rows", default="1,2,4,8,16,32,64", help="attn: query rows; draft-time: a step's rows; topk: logits rows")
+    p.add_argument("--rows", default="1,2,4,8,16,32,64", help="attn: query rows; draft-time, head-step: a step's "
+                                                              "rows; topk: logits rows")
+    p.add_argument("--draft-vocab", type=int, default=32768, help="head-step: the draft vocabulary's ids")
     p.add_argument("--widths", default="1024,4096", help="attn: key columns; topk: vocabulary widths")
     p.add_argument("--target", default="demo")
     p.add_argument("--draft-model", default=None, help="draft model(s), comma separated: an arm ending in /di "
@@ -2073,7 +2123,7 @@ def main(argv=None):
     if args.arms is None and args.command != "proj":
         args.arms = "plain,chain:7,tree:3:8"
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
-     "pieces": run_pieces, "round-host": run_round_host, "draft-kernels": run_draft_kernels, "draft-time": run_draft_time, "attn": run_attn, "topk": run_topk, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
+     "pieces": run_pieces, "round-host": run_round_host, "draft-kernels": run_draft_kernels, "draft-time": run_draft_time, "attn": run_attn, "topk": run_topk, "head-step": run_head_step, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
      "unseen-prompts": make_unseen_prompts, "train-prompts": make_train_prompts,
      "table": run_table}[args.command](args)
 

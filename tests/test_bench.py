@@ -210,6 +210,14 @@ def test_proj_section_tiny(tmp_path):
     bad = subprocess.run([sys.executable, "bench/run.py", "proj", "--acceptance", str(tmp_path / "acc.json"),
                           "--family", "mtp", "--arms", "mtp-chain:3+vocab40"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0 and "add --rounds" in bad.stderr
+    # head-step: a head's step over the whole vocabulary and over a draft vocabulary, both families
+    (tmp_path / "eagle3_whole.json").write_text(json.dumps(dict(eagle, draft_vocab_size=tiny.VOCAB)))
+    run(["head-step", "--config", f"{tmp_path / 'qwen3_5.json'},{tmp_path / 'qwen3.json'}", "--head-config",
+         str(tmp_path / "eagle3_whole.json"), "--q-bits", "0", "--dtype", "float32", "--draft-vocab", "40",
+         "--rows", "1,3", "--round-reps", "2", "--history", "16", "--out", str(tmp_path / "step")])
+    rows = read_json(tmp_path / "step.json.gz")["rows"]
+    assert [(r["shape"].split(",")[0], r["rows"]) for r in rows] == [("qwen3_5", 1), ("qwen3_5", 3), ("qwen3", 1), ("qwen3", 3)]
+    assert all(len(r["whole_ms"]) == len(r["draft_ms"]) == 2 and min(r["whole_ms"] + r["draft_ms"]) > 0 for r in rows)
 
 
 def test_derived_prompt_sets():
