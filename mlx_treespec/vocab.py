@@ -3,10 +3,9 @@
 A head folder may carry `token_ranks.json`: every token id of the target's vocabulary, most
 frequent first (counted over text like the text to be generated). `--draft-vocab N` drafts over
 its first N. A folder without one drafts over ids 0..N-1: a byte-level BPE tokenizer numbers its
-merges in the order it learned them, most frequent first, after its 256 byte tokens. That order
-is a weaker ranking: on the demo tokenizer (4,096 ids) the first 1,024 ids cover 74% of the
-tokens of unseen Python text, its counted ranking's first 1,024 all of them
-(bench/RESULTS.md, "Draft vocabularies").
+merges in the order it learned them, most frequent first, after its 256 byte tokens; counted
+over other text than the tokenizer's own, that order is only an estimate (bench/RESULTS.md,
+"Draft vocabularies", measures both on the demo pairs).
 
     python -m mlx_treespec.vocab --model PATH --text FILE_OR_FOLDER [...] [--out PATH]
 
