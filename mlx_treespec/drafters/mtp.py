@@ -187,20 +187,25 @@ class HeadModule(nn.Module):
         """This head drafting over n token ids (None or 0: itself): the first n of its folder's
         token ranking (`token_ranks`, mlx_treespec/vocab.py), or ids 0..n-1 where it has none.
         A shallow copy sharing its weights, so the heads of several drafters over one folder
-        narrow apart."""
+        narrow apart; the rows of one draft vocabulary are made once a head (ranked ids copy
+        theirs, n x H; a prefix slices them)."""
         if not n:
             return self
         project, vocab = self._full_vocab_head()
         check_int(n, "--draft-vocab (token ids a head drafts)", MIN_DRAFT_VOCAB, vocab - 1)
         ranks = getattr(self, "token_ranks", None)
+        ids = None if ranks is None else np.sort(np.asarray(ranks[:n]))
+        made = self.__dict__.setdefault("_narrowed_rows", {})  # (shared by the copies too)
+        key = (n, None if ids is None else ids.tobytes())
+        if key not in made:
+            if ids is None:  # a prefix: the rows are slices, the logits padded with -inf
+                made[key] = (vocab_rows(project, n), vocab - n, None)
+            else:  # ranked ids: their rows, and each target id's column among them (n: the -inf pad)
+                column = np.full(vocab, n, np.int32)
+                column[ids] = np.arange(n, dtype=np.int32)
+                made[key] = (vocab_rows(project, ids), 1, mx.array(column))
         view = copy.copy(self)
-        if ranks is None:  # a prefix: the rows are slices, the logits padded with -inf
-            view._vocab = (vocab_rows(project, n), vocab - n, None)
-        else:  # ranked ids: their rows, and each target id's column among them (n: the -inf pad)
-            ids = np.sort(np.asarray(ranks[:n]))
-            column = np.full(vocab, n, np.int32)
-            column[ids] = np.arange(n, dtype=np.int32)
-            view._vocab = (vocab_rows(project, ids), 1, mx.array(column))
+        view._vocab = made[key]
         return view
 
     def _logits(self, project, x):
