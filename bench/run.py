@@ -675,13 +675,14 @@ def run_proj(args):
     prefix = {"dflash": ("dflash", "ddtree"), "mtp": ("mtp-",), "eagle3": ("eagle3-",)}[family]
     arms = {a: t for a, t in tau.items() if a.startswith(prefix) and t}
     borrowed = {}  # a head's arm over a draft vocabulary (+vocabN) the file lacks: its whole-vocabulary
-    # arm's figure, an upper bound (a demo's vocabulary is no real tokenizer's: RESULTS, "Draft vocabularies")
+    # arm's figure, an optimistic estimate (a demo's vocabulary is no real tokenizer's: RESULTS,
+    # "Draft vocabularies")
     if args.arms is not None:  # only these of the acceptance file's arms
         wanted = args.arms.split(",")
         for a in wanted:
             spec, sync = _sync_arm(a)
             whole = dataclasses.replace(spec, vocab=0).arm + ("/sync" if sync else "")
-            if a not in arms and whole != a and whole in arms:
+            if a not in arms and spec.vocab and whole in arms:
                 arms[a], borrowed[a] = arms[whole], whole
         missing = [a for a in wanted if a not in arms]
         if missing:
@@ -742,7 +743,8 @@ def run_proj(args):
             if sync and not rounds:
                 continue  # (the same pieces as the queued arm)
             T = _verify_rows(spec)
-            d = draft_cost["per_arm"](spec)
+            # (the step-based draft estimate times whole-vocabulary steps: none for a narrowed head)
+            d = None if spec.vocab else draft_cost["per_arm"](spec)
             round_ms = statistics.median(draft_cost["timed"]["round_ms"][_round_key(spec, sync)]) if rounds else \
                 d + verify[T] + args.overhead_ms
             x = t * plain / round_ms
@@ -750,7 +752,7 @@ def run_proj(args):
             out["arms"].append(dict(arm=a, tau=t, draft_ms=d, round_ms=round_ms, x_plain=x, verifies_compiled=share,
                                     tau_of=borrowed.get(a)))
             md.append(f"| {a}" + (f" (at {borrowed[a]}'s)" if a in borrowed else "")
-                      + f" | {t:.2f} | {d:.2f} | {round_ms:.2f} | {x:.2f} | "
+                      + f" | {t:.2f} | {'-' if d is None else f'{d:.2f}'} | {round_ms:.2f} | {x:.2f} | "
                       + ("-" if share is None else f"{share:.2f}") + " |")
         md += [f"\nround = whole rounds of the arm's generation, timed (--rounds): the median of {args.round_reps} "
                "runs, the arms and plain decoding in turn (plain ms: " + ", ".join(f"{p:.2f}" for p in plains)

@@ -184,9 +184,9 @@ def setup_arg_parser():
                    help="with --draft-lookup: a round whose lookup matched this many tokens or "
                         "more (1..4) drafts with the lookup alone, skipping the draft model")
     t.add_argument("--draft-vocab", type=int, default=None,
-                   help="with --drafter mtp or eagle3: draft over the first N token ids only (the "
-                        "frequent ones of a byte-level BPE tokenizer); the head's step then reads N "
-                        "rows of the lm_head, not the whole vocabulary")
+                   help="with --drafter mtp or eagle3: draft over N token ids only, the first N of the "
+                        "head folder's token_ranks.json (python -m mlx_treespec.vocab), else ids 0..N-1; "
+                        "the head's step then reads N rows of the lm_head, not the whole vocabulary")
     t.add_argument("--allow-inexact", action="store_true",
                    help="speculate even where the exactness probe finds verify differs from decoding")
     return p

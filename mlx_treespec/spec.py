@@ -20,7 +20,8 @@ Arm grammar:
     ... +lookupN[@T]       (after chain or tree) a prompt-lookup chain of N nodes under the same
                            root; with T, rounds whose lookup matched T tokens draft with it alone
     ... +vocabN            (after a head's arm, auto:mtp or auto:eagle3 included) the head drafts
-                           over the first N token ids only (drafters/mtp.py, HeadModule.narrowed)
+                           over N token ids only: the first N of its folder's ranking, else ids
+                           0..N-1 (drafters/mtp.py, HeadModule.narrowed)
 """
 from dataclasses import dataclass, replace
 
@@ -39,7 +40,8 @@ DEFAULT_FREE_BUDGET = 16
 MAX_TOPK = 16
 MAX_TRUST = 4  # the lookup's longest n-gram
 # a head's draft vocabulary (--draft-vocab): at least MAX_TOPK ids, so that a step's candidates
-# are all in it; at most one id fewer than the target's vocabulary (checked when it is narrowed)
+# are all in it (checked here, before loading); at most one id fewer than the target's
+# vocabulary (HeadModule.narrowed checks both bounds, with this one)
 MIN_DRAFT_VOCAB = MAX_TOPK
 DRAFTERS = ("model", "lookup", "suffix", "dflash", "mtp", "eagle3", "none")
 HEADS = ("mtp", "eagle3")  # one-layer heads over the target's hidden states: a draft model's shapes
@@ -54,8 +56,8 @@ class DraftSpec:
     """What drafts (`drafter`) and its tree: `topk` children per expanded node, `lanes` nodes
     expanded per step, `depth` steps, `budget` draft nodes (root excluded), plus `lookup` nodes
     of a prompt-lookup chain under the same root and its `trust` match length. A chain is
-    `topk = 1`, `budget = depth`. `vocab`: a head drafts over token ids 0..vocab-1 only (0: all of
-    them). Build instances with `from_options` or `parse`: they check and
+    `topk = 1`, `budget = depth`. `vocab`: a head drafts over that many token ids only (the first of
+    its folder's ranking, else 0..vocab-1; 0: all of them). Build instances with `from_options` or `parse`: they check and
     default every field.
 
     A DFlash drafter (`drafter='dflash'`) proposes every block position in one forward; its tree
@@ -196,7 +198,9 @@ class DraftSpec:
         plus = lookup is not None
         parts = base.split(":")
         if parts[0] == "auto":
-            if len(parts) != 2 or parts[1] not in DRAFTERS or parts[1] == "none" or plus:
+            if plus:
+                raise ValueError(f"arm {arm!r}: +lookup goes after a chain:K or tree:K:S[:B[:L]] arm, not auto:KIND")
+            if len(parts) != 2 or parts[1] not in DRAFTERS or parts[1] == "none":
                 raise ValueError(f"cannot read arm {arm!r}: auto:KIND takes one of "
                                  f"{', '.join(d for d in DRAFTERS if d != 'none')} (a head's: +vocabN)")
             return cls.from_options(parts[1], draft_vocab=vocab, has_draft_model=True)

@@ -10,7 +10,8 @@ over other text than the tokenizer's own, that order is only an estimate (bench/
     python -m mlx_treespec.vocab --model PATH --text FILE_OR_FOLDER [...] [--out PATH]
 
 counts the tokens of the text with the model folder's tokenizer and writes the ranking
-(default: `PATH/token_ranks.json`; an EAGLE-3 head reads it from its own folder).
+(default: `PATH/token_ranks.json`). An EAGLE-3 head reads it from its own folder, which has no
+tokenizer: pass the target as `--model` and `--out HEAD_FOLDER/token_ranks.json`.
 """
 import argparse
 import json
@@ -79,6 +80,9 @@ def main(argv=None):
         from .cli import resolve_model_path
 
         folder = resolve_model_path(args.model)
+        if not any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            raise ValueError(f"{folder} has no tokenizer: pass the target's folder as --model (for an EAGLE-3 "
+                             "head, with --out HEAD_FOLDER/token_ranks.json)")
         tokenizer = AutoTokenizer.from_pretrained(folder)
         with open(os.path.join(folder, "config.json")) as f:
             cfg = json.load(f)
@@ -90,8 +94,8 @@ def main(argv=None):
         if not n:
             raise ValueError("--text: no readable UTF-8 text found")
         ranks = count_ranks(np.concatenate(ids), vocab)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # (OSError: no tokenizer in the folder)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     out = args.out or os.path.join(folder, RANKS_FILE)
     total = int(sum(a.size for a in ids))

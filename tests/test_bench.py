@@ -206,6 +206,7 @@ def test_proj_section_tiny(tmp_path):
     assert [r["arm"] for r in v["arms"]] == arms and all(len(v["draft"]["round_ms"][a]) == 1 for a in arms)
     assert [r["round_ms"] for r in v["arms"]] == pytest.approx([v["draft"]["round_ms"][a][0] for a in arms], rel=1e-4)
     assert [(r["tau"], r["tau_of"]) for r in v["arms"]] == [(2.0, None), (2.4, None), (2.0, "mtp-chain:3")]
+    assert [r["draft_ms"] is None for r in v["arms"]] == [False, False, True]  # (no whole-vocabulary estimate)
     assert "mtp-chain:3+vocab40 (at mtp-chain:3's)" in (tmp_path / "mtp_rounds.md").read_text()
     bad = subprocess.run([sys.executable, "bench/run.py", "proj", "--acceptance", str(tmp_path / "acc.json"),
                           "--family", "mtp", "--arms", "mtp-chain:3+vocab40"], cwd=ROOT, capture_output=True, text=True)

@@ -437,15 +437,21 @@ def test_queued_lane_steps_launch_what_a_chain_step_launches(tmp_path, monkeypat
 
 # ------------------------------------------------------------------ draft vocabularies (--draft-vocab)
 
-def _full_vocab_eagle3(tmp_path, target):
-    """An EAGLE-3 head over the whole target vocab, drafting through the target's lm_head."""
-    from test_heads import eagle3_tensors, safeailab_config, save_folder
+def _full_vocab_eagle3(tmp_path, target, own_lm_head=False):
+    """An EAGLE-3 head over the whole target vocab, drafting through the target's lm_head, or
+    through an lm_head of its own over the whole vocab."""
+    from test_heads import H, eagle3_tensors, safeailab_config, save_folder
     from mlx_treespec.drafters.eagle3 import load_eagle3
 
-    tensors = {k: v for k, v in eagle3_tensors(np.random.default_rng(3))[0].items() if k != "lm_head.weight"}
+    rng = np.random.default_rng(3)
+    tensors = {k: v for k, v in eagle3_tensors(rng)[0].items() if k != "lm_head.weight"}
     tensors.update(d2t=mx.zeros((tiny.VOCAB,), mx.int64), t2d=mx.ones((tiny.VOCAB,), mx.bool_))
-    return load_eagle3(str(save_folder(tmp_path / "whole", safeailab_config(draft_vocab_size=tiny.VOCAB), tensors)),
+    if own_lm_head:
+        tensors["lm_head.weight"] = mx.array(rng.standard_normal((tiny.VOCAB, H)).astype(np.float32) * 0.2)
+    head = load_eagle3(str(save_folder(tmp_path / "whole", safeailab_config(draft_vocab_size=tiny.VOCAB), tensors)),
                        target)
+    assert ("lm_head" in head) == own_lm_head and head._gather is None
+    return head
 
 
 def test_a_projection_narrowed_to_some_rows_computes_those_outputs():
@@ -465,7 +471,7 @@ def test_a_projection_narrowed_to_some_rows_computes_those_outputs():
         vocab_rows(lambda v: v, 40)
 
 
-@pytest.mark.parametrize("kind", ["mtp-qwen3_5_tied", "mtp-qwen3_next_moe", "eagle3-whole"])
+@pytest.mark.parametrize("kind", ["mtp-qwen3_5_tied", "mtp-qwen3_next_moe", "eagle3-whole", "eagle3-own-lm-head"])
 def test_narrowed_heads_draft_only_their_ids_and_stay_exact(tmp_path, kind):
     from test_heads import EAGLE_TARGET
 
@@ -473,7 +479,7 @@ def test_narrowed_heads_draft_only_their_ids_and_stay_exact(tmp_path, kind):
         head, target = make_mtp(tmp_path, kind.split("-", 1)[1])[:2]
     else:
         target = tiny.build(EAGLE_TARGET)
-        head = _full_vocab_eagle3(tmp_path, target)
+        head = _full_vocab_eagle3(tmp_path, target, own_lm_head=kind == "eagle3-own-lm-head")
     ranked = np.random.default_rng(5).permutation(tiny.VOCAB).astype(np.int32)
     prompt = np.random.default_rng(6).integers(0, tiny.VOCAB, 12).tolist()
     ref = plain(target, prompt)
@@ -534,7 +540,7 @@ def test_draft_vocab_errors_name_the_fix(tmp_path):
         DraftSpec.parse("dflash:4+vocab64")
 
 
-def test_a_counted_ranking_is_written_read_and_checked(tmp_path):
+def test_a_counted_ranking_is_written_read_and_checked(tmp_path, capsys):
     from mlx_treespec.vocab import RANKS_FILE, count_ranks, main, read_ranks
 
     assert count_ranks([3, 3, 1, 3, 1, 0], 5).tolist() == [3, 1, 0, 2, 4]  # by count, then by id
@@ -547,5 +553,7 @@ def test_a_counted_ranking_is_written_read_and_checked(tmp_path):
     ranks = read_ranks(out, 4096)
     assert sorted(ranks.tolist()) == list(range(4096)) and ranks[0] != 0
     assert read_ranks(tmp_path, 4096) is None  # no file: the id order
+    assert main(["--model", "demo-eagle3", "--text", str(text), "--out", str(out / "x.json")]) == 2
+    assert "has no tokenizer: pass the target's folder" in capsys.readouterr().err
     with pytest.raises(ValueError, match="does not rank each of the target's 96 token ids once"):
         read_ranks(out, 96)

@@ -67,7 +67,7 @@ def _lane_spans(steps, lanes):
 class HeadDrafter(ModelDrafter):
     """`head`: an MTPHead or Eagle3Head bound to its target (drafters/mtp.py, drafters/eagle3.py);
     the shape options are a draft model's (`topk`, `lanes`, `depth`, `budget`); `vocab`: draft
-    over the first `vocab` token ids only (HeadModule.narrowed; 0: the whole vocabulary)."""
+    over that many token ids only (HeadModule.narrowed; 0: the whole vocabulary)."""
 
     def __init__(self, head, topk=1, depth=8, budget=None, lanes=None, vocab=0, prefill_step_size=2048):
         head = head.narrowed(vocab)

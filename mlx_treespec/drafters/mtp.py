@@ -169,8 +169,9 @@ class HeadModule(nn.Module):
     gets -inf. At real vocabularies the lm_head is most of what a head step reads (Qwen3.5's
     248,320 rows x 4,096), and the step is bound by reading it. The first ids are the frequent
     ones for a byte-level BPE tokenizer (Qwen, Llama 3, GPT-2 style), whose ids follow its merge
-    order. A target token outside them is never drafted, so its position is a miss, never a
-    wrong token: the verify decides every token."""
+    order; special tokens (an end of turn) come last, so a narrowed head does not draft them.
+    A target token outside them is never drafted, so its position is a miss, never a wrong
+    token: the verify decides every token."""
 
     STATE = ("_vocab", "token_ranks")
 
@@ -196,7 +197,7 @@ class HeadModule(nn.Module):
         ranks = getattr(self, "token_ranks", None)
         ids = None if ranks is None else np.sort(np.asarray(ranks[:n]))
         made = self.__dict__.setdefault("_narrowed_rows", {})  # (shared by the copies too)
-        key = (n, None if ids is None else ids.tobytes())
+        key = (id(getattr(project, "__self__", project)), n, None if ids is None else ids.tobytes())
         if key not in made:
             if ids is None:  # a prefix: the rows are slices, the logits padded with -inf
                 made[key] = (vocab_rows(project, n), vocab - n, None)
