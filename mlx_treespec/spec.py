@@ -55,10 +55,10 @@ def _opt(value, name, low, high):
 class DraftSpec:
     """What drafts (`drafter`) and its tree: `topk` children per expanded node, `lanes` nodes
     expanded per step, `depth` steps, `budget` draft nodes (root excluded), plus `lookup` nodes
-    of a prompt-lookup chain under the same root and its `trust` match length. A chain is
-    `topk = 1`, `budget = depth`. `vocab`: a head drafts over that many token ids only (the first of
-    its folder's ranking, else 0..vocab-1; 0: all of them). Build instances with `from_options` or `parse`: they check and
-    default every field.
+    of a prompt-lookup chain under the same root and its `trust` match length; `vocab`: a head
+    drafts over that many token ids only (the first of its folder's ranking, else 0..vocab-1;
+    0: all of them). A chain is `topk = 1`, `budget = depth`. Build instances with
+    `from_options` or `parse`: they check and default every field.
 
     A DFlash drafter (`drafter='dflash'`) proposes every block position in one forward; its tree
     is DDTree's best-first tree over the per-position marginals with `topk` candidates per
