@@ -42,13 +42,15 @@ import glob
 import json
 import os
 
+import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 from mlx_lm.models.rope_utils import initialize_rope
 
-from .mtp import HeadModule, _one_line, load_checked, quantize_like, read_tensors, step_rows, target_io
+from .mtp import (HeadModule, _one_line, load_checked, quantize_like, read_tensors, step_rows, target_io,
+                  to_target_vocab, vocab_columns)
 from ..verify import layer_span
 from ..vocab import read_ranks
 from . import GatedMLP, dequantize_linears
@@ -162,11 +164,8 @@ class Eagle3Head(HeadModule):
                                  "needs a d2t map")
             self._gather = None
             return
-        ids = mx.arange(self.draft_vocab_size, dtype=mx.int32) + d2t.astype(mx.int32)
-        gather = mx.full((self.vocab_size,), self.draft_vocab_size, mx.int32)
-        gather[ids] = mx.arange(self.draft_vocab_size, dtype=mx.int32)
-        mx.eval(ids, gather)
-        self._gather = gather
+        self._gather = vocab_columns(np.arange(self.draft_vocab_size) + np.array(d2t.astype(mx.int64)),
+                                     self.vocab_size)
 
     def bind(self, target, embed=None):
         """Use `target`'s embedding (or `embed`, an embedding module the checkpoint ships)."""
@@ -176,10 +175,7 @@ class Eagle3Head(HeadModule):
 
     def to_target_vocab(self, logits):
         """Draft-vocab logits [..., Vd] -> target-vocab logits [..., V], -inf off the draft vocab."""
-        if self._gather is None:
-            return logits
-        pad = mx.full((*logits.shape[:-1], 1), -mx.inf, logits.dtype)
-        return mx.take(mx.concatenate([logits, pad], axis=-1), self._gather, axis=-1)
+        return logits if self._gather is None else to_target_vocab(logits, self._gather)
 
     def project(self, feats):
         """The first step's hidden: fc of the target features [..., n * H_t]."""

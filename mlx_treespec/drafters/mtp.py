@@ -160,6 +160,22 @@ def load_checked(module, weights, what):
 
 # ---------------------------------------------------------------------------------------------
 
+def vocab_columns(ids, vocab):
+    """A draft vocabulary's scatter map (int32 [vocab]): each target id's column among `ids`
+    (the draft ids' target ids, distinct), len(ids) (the -inf column) for every other id."""
+    ids = np.asarray(ids)
+    column = np.full(vocab, len(ids), np.int32)
+    column[ids] = np.arange(len(ids), dtype=np.int32)
+    return mx.array(column)
+
+
+def to_target_vocab(logits, column):
+    """Draft-vocabulary logits [..., n] -> target-vocabulary logits [..., V] through a
+    `vocab_columns` map: -inf off the draft vocabulary."""
+    pad = mx.full((*logits.shape[:-1], 1), -mx.inf, logits.dtype)
+    return mx.take(mx.concatenate([logits, pad], axis=-1), column, axis=-1)
+
+
 class HeadModule(nn.Module):
     """A drafting head's module (MTPHead, Eagle3Head): the attributes named in STATE are per-call
     state and the target's modules, kept out of the head's parameters; one KV cache.
@@ -198,13 +214,9 @@ class HeadModule(nn.Module):
         ids = None if ranks is None else np.sort(np.asarray(ranks[:n]))
         made = self.__dict__.setdefault("_narrowed_rows", {})  # (shared by the copies too)
         key = (id(getattr(project, "__self__", project)), n, None if ids is None else ids.tobytes())
-        if key not in made:
-            if ids is None:  # a prefix: the rows are slices, the logits padded with -inf
-                made[key] = (vocab_rows(project, n), vocab - n, None)
-            else:  # ranked ids: their rows, and each target id's column among them (n: the -inf pad)
-                column = np.full(vocab, n, np.int32)
-                column[ids] = np.arange(n, dtype=np.int32)
-                made[key] = (vocab_rows(project, ids), 1, mx.array(column))
+        if key not in made:  # a prefix: its rows are slices, its logits padded with -inf after them
+            made[key] = (vocab_rows(project, n), None, vocab) if ids is None else \
+                (vocab_rows(project, ids), vocab_columns(ids, vocab), vocab)
         view = copy.copy(self)
         view._vocab = made[key]
         return view
@@ -214,10 +226,11 @@ class HeadModule(nn.Module):
         narrow = getattr(self, "_vocab", None)
         if narrow is None:
             return project(x)
-        rows, pad, column = narrow
+        rows, column, vocab = narrow
         y = rows(x)
-        y = mx.concatenate([y, mx.full((*y.shape[:-1], pad), -mx.inf, y.dtype)], axis=-1)
-        return y if column is None else mx.take(y, column, axis=-1)
+        if column is not None:
+            return to_target_vocab(y, column)
+        return mx.concatenate([y, mx.full((*y.shape[:-1], vocab - y.shape[-1]), -mx.inf, y.dtype)], axis=-1)
 
 
 _FAMILIES = {  # mlx-lm module of the text model -> its decoder layer class
