@@ -28,6 +28,7 @@ import numpy as np
 import mlx.core as mx
 
 from ..draft import Draft, Layout
+from ..spec import DEFAULT_DEPTH
 from ..verify import grown, install, whole_buffer_forward
 from ..device_tree import top_k
 from .model import (ModelDrafter, _logprobs, keep_best, keeps_every_candidate, kept_nodes,
@@ -69,7 +70,8 @@ class HeadDrafter(ModelDrafter):
     the shape options are a draft model's (`topk`, `lanes`, `depth`, `budget`); `vocab`: draft
     over that many token ids only (HeadModule.narrowed; 0: the whole vocabulary)."""
 
-    def __init__(self, head, topk=1, depth=8, budget=None, lanes=None, vocab=0, prefill_step_size=2048):
+    def __init__(self, head, topk=1, depth=DEFAULT_DEPTH, budget=None, lanes=None, vocab=0,
+                 prefill_step_size=2048):
         head = head.narrowed(vocab)
         super().__init__(head, topk=topk, depth=depth, budget=budget, lanes=lanes,
                          prefill_step_size=prefill_step_size)

@@ -26,6 +26,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..cache import cache_kind
 from ..device_tree import top_k
 from ..draft import Draft, Layout
+from ..spec import DEFAULT_DEPTH
 from ..support import tree_support
 from ..tree import chain_parents, eagle2_candidates
 from ..verify import TreeRound, cached_array
@@ -215,7 +216,7 @@ class ModelDrafter:
     # (bench/RESULTS.md, "Lanes ranked once")
     ranked_lane_steps = 1
 
-    def __init__(self, model, topk=1, depth=8, budget=None, prefill_step_size=2048, lanes=None):
+    def __init__(self, model, topk=1, depth=DEFAULT_DEPTH, budget=None, prefill_step_size=2048, lanes=None):
         # its steps fork over the round's tree as a target's verify does; positions a tree cannot
         # give per token only make its drafts poorer (the target decides every token)
         blockers = [b for b in tree_support(model) if not b.positions]
