@@ -195,10 +195,10 @@ class DraftSpec:
                 vocab = _arm_int(extra[len("vocab"):], arm)
             else:
                 raise ValueError(f"cannot read arm {arm!r}: after '+' comes lookupN, lookupN@T or vocabN")
-        plus = lookup is not None
+        has_lookup = lookup is not None
         parts = base.split(":")
         if parts[0] == "auto":
-            if plus:
+            if has_lookup:
                 raise ValueError(f"arm {arm!r}: +lookup goes after a chain:K or tree:K:S[:B[:L]] arm, not auto:KIND")
             if len(parts) != 2 or parts[1] not in DRAFTERS or parts[1] == "none":
                 raise ValueError(f"cannot read arm {arm!r}: auto:KIND takes one of "
@@ -211,7 +211,7 @@ class DraftSpec:
         for head in HEADS:  # 'mtp-chain:4', 'eagle3-tree:3:4:12:1'
             if kind.startswith(head + "-"):
                 drafter, kind = head, kind[len(head) + 1:]
-        if plus and kind not in ("chain", "tree"):
+        if has_lookup and kind not in ("chain", "tree"):
             raise ValueError(f"arm {arm!r}: +lookup goes after a chain:K or tree:K:S[:B[:L]] arm")
         if vocab is not None and kind not in ("chain", "tree"):
             raise ValueError(f"arm {arm!r}: +vocabN goes after a head's arm (mtp-chain:K, eagle3-tree:..., auto:mtp)")
