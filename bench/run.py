@@ -38,6 +38,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import functools
 import gzip
 import itertools
 import json
@@ -836,14 +837,7 @@ def _at_least_one(text):
 
 def _draft_cost(family, target, cfg, head_cfg, args, q):
     """Time the family's drafter at this shape; returns the figures and draft ms per arm."""
-    import mlx.nn as nn
-
-    def quantize(m):
-        m.set_dtype(getattr(mx, args.dtype))
-        if q:
-            nn.quantize(m, bits=q, group_size=64)
-        return m
-
+    quantize = functools.partial(_cast, dtype=args.dtype, q=q)
     if family == "dflash":
         from mlx_treespec.drafters.dflash import DFlashModel, bind_dflash
 
@@ -860,17 +854,7 @@ def _draft_cost(family, target, cfg, head_cfg, args, q):
                     text=f"DFlash draft forward {ms:.2f} ms; a queued tree round's own pieces, each synced: "
                     + ", ".join(f"{k} {v:.2f}" for k, v in pieces.items())
                     + " ms; round ms: whole rounds timed (--rounds)")
-    if family == "mtp":
-        from mlx_treespec.drafters.mtp import MTPHead
-
-        head = quantize(MTPHead(target))
-    else:
-        from mlx_treespec.drafters.eagle3 import Eagle3Head, _config
-
-        c, _, ids = _config(head_cfg, args.head_config)
-        c.update(n_aux=len(ids), vocab_size=cfg["vocab_size"])
-        head = quantize(Eagle3Head(c, ids)).bind(target)
-        head.set_vocab_map(mx.zeros((c["draft_vocab_size"],), mx.int32))
+    head = _random_head(family, target, cfg, head_cfg, args.head_config, quantize)
     step = {L: time_head(head, history=args.history, rows=L) for L in (1, 2, 4)}
 
     def per_arm(spec):  # the spine's one-token steps; EAGLE-2 lanes step L rows after the first
@@ -883,6 +867,33 @@ def _draft_cost(family, target, cfg, head_cfg, args, q):
     timed, round_ms = _round_timer(head, target, args)
     return dict(bits=q, timed=dict(step_ms=step, round_ms=timed), per_arm=per_arm, round_ms=round_ms,
                 text=text + "; round ms: whole rounds timed (--rounds)")
+
+
+def _cast(module, dtype, q):
+    """The module in `dtype`, quantized to `q` bits (group 64) where q is given."""
+    import mlx.nn as nn
+
+    module.set_dtype(getattr(mx, dtype))
+    if q:
+        nn.quantize(module, bits=q, group_size=64)
+    return module
+
+
+def _random_head(family, target, cfg, head_cfg, head_config, quantize):
+    """A head of random weights at the target's shape: its MTP layer ("mtp"), or an EAGLE-3 head
+    from `head_cfg` (read from the file `head_config`) over the whole vocabulary; `quantize`
+    sets its dtype and bits."""
+    if family == "mtp":
+        from mlx_treespec.drafters.mtp import MTPHead
+
+        return quantize(MTPHead(target))
+    from mlx_treespec.drafters.eagle3 import Eagle3Head, _config
+
+    c, _, ids = _config(head_cfg, head_config)
+    c.update(n_aux=len(ids), vocab_size=cfg["vocab_size"])
+    head = quantize(Eagle3Head(c, ids)).bind(target)
+    head.set_vocab_map(mx.zeros((c["draft_vocab_size"],), mx.int32))
+    return head
 
 
 def _round_timer(draft_model, target, args):
@@ -1465,10 +1476,7 @@ def run_head_step(args):
     over the first `--draft-vocab` ids (HeadModule.narrowed): synced ms a step of each `--rows`,
     the two in turn `--round-reps` times. The head is the target's MTP layer where `--config` is
     a qwen3_5 / qwen3_next shape, else `--head-config`'s EAGLE-3 head over the whole vocabulary."""
-    import mlx.nn as nn
     from mlx_treespec import costmodel
-    from mlx_treespec.drafters.eagle3 import Eagle3Head, _config
-    from mlx_treespec.drafters.mtp import MTPHead
 
     rows_list, out = [int(r) for r in args.rows.split(",")], []
     md = [f"# {args.section}: a head step over the whole vocabulary and over {args.draft_vocab} ids "
@@ -1478,16 +1486,10 @@ def run_head_step(args):
         cfg = costmodel.load_config(config)
         for q in _bits_list(args.q_bits):
             target = costmodel.build_from_config(cfg, args.dtype, q)
-            if cfg.get("model_type", "").startswith(("qwen3_5", "qwen3_next")):
-                head = MTPHead(target)
-            else:
-                c, _, ids = _config(json.loads(Path(args.head_config).read_text()), args.head_config)
-                c.update(n_aux=len(ids), vocab_size=cfg["vocab_size"])
-                head = Eagle3Head(c, ids).bind(target)
-                head.set_vocab_map(mx.zeros((c["draft_vocab_size"],), mx.int32))
-            head.set_dtype(getattr(mx, args.dtype))
-            if q:
-                nn.quantize(head, bits=q, group_size=64)
+            mtp = cfg.get("model_type", "").startswith(("qwen3_5", "qwen3_next"))
+            head = _random_head("mtp" if mtp else "eagle3", target, cfg,
+                                None if mtp else json.loads(Path(args.head_config).read_text()), args.head_config,
+                                functools.partial(_cast, dtype=args.dtype, q=q))
             narrow = head.narrowed(args.draft_vocab)
             timed = {}
             for _ in range(args.round_reps):
