@@ -28,9 +28,13 @@ trees of no leaves, TREE/replay a spine-first tree's accepted paths re-run by th
 as any tree's are, where the library commits them in place, ARM/separate every linear layer run
 on its own, where the library joins those that read one input (mlx_treespec/join.py),
 TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the first lane
-step only (suffixes in that order: ARM[/dI][/auto][/sync], ARM[/chains], ARM[/astree], ARM[/replay],
-ARM[/ranked], ARM[/separate]). Speed figures are
-ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt. Each run writes
+step only, ARM/uncoupled (with --temp) a draft model's or head's steps taking their logits'
+argmax, where the library's guess the target's draw (sampling.Draw) (suffixes in that order:
+ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains], ARM[/astree], ARM[/replay], ARM[/ranked],
+ARM[/separate]). Speed figures are
+ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt (with --temp every
+arm samples: mlx-plain by mlx-lm's sampler, the others' tokens checked against this library's
+plain sampled decoding, `plain`). Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
 --out names another place.
 """
@@ -78,10 +82,12 @@ def log(msg):
 class Arms:
     """The arms of a run, each a function (prompt, max_tokens) -> (tokens, RoundStats, seconds)."""
 
-    def __init__(self, target, target_name, texts, draft_name=None, dflash_name=None, head_names=None):
+    def __init__(self, target, target_name, texts, draft_name=None, dflash_name=None, head_names=None,
+                 sampling=None):
         from mlx_lm.utils import load
 
         self.target, self.target_name = target, target_name
+        self.sampling = sampling or {}  # temp > 0: every arm samples (mlx-plain with mlx-lm's sampler)
         self.texts = texts
         demo = DEMO_DRAFTERS.get(target_name, {})
         # each drafter option may name several folders, comma separated: an arm ending in /dI
@@ -125,13 +131,19 @@ class Arms:
         from mlx_lm.generate import generate_step, speculative_generate_step
 
         if arm == "mlx-plain":
-            return lambda p, n: _timed(t for t, _ in generate_step(mx.array(p), self.target, max_tokens=n))
+            sampler = None
+            if self.sampling:
+                from mlx_lm.sample_utils import make_sampler
+
+                sampler = make_sampler(self.sampling["temp"])
+            return lambda p, n: _timed(t for t, _ in generate_step(mx.array(p), self.target, max_tokens=n,
+                                                                   sampler=sampler))
         if arm.startswith("mlx-chain:"):
             k = int(arm.split(":")[1])
             return lambda p, n: _timed(t for t, _, _ in speculative_generate_step(
                 mx.array(p), self.target, self.draft_model(), num_draft_tokens=k, max_tokens=n))
         make = self.maker(arm)
-        return lambda p, n: run_once(self.target, make(), p, n)
+        return lambda p, n: run_once(self.target, make(), p, n, **self.sampling)
 
     def maker(self, arm):
         """A function making the arm's drafter: a fresh one per prompt, as each library call
@@ -144,6 +156,7 @@ class Arms:
         arm, as_tree = (arm[: -len("/astree")], True) if arm.endswith("/astree") else (arm, False)
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
+        arm, uncoupled = (arm[: -len("/uncoupled")], True) if arm.endswith("/uncoupled") else (arm, False)
         arm, auto = (arm[: -len("/auto")], True) if arm.endswith("/auto") else (arm, False)
         arm, which = arm.rsplit("/d", 1) if "/d" in arm and arm.rsplit("/d", 1)[1].isdigit() else (arm, 1)
         spec, which = DraftSpec.parse(arm), int(which)
@@ -156,6 +169,9 @@ class Arms:
                   "eagle3": lambda: self.head("eagle3", which)}.get(spec.drafter)
         make = (lambda: spec.build(source(), target=self.target)) if source else \
             (lambda: spec.build(None, target=self.target))
+        if uncoupled:  # "ARM/uncoupled": at temp > 0 its steps take their logits' argmax (the A/B arm
+            inner = make  # of sampling.Draw)
+            make = lambda: argmax_drafting(inner())  # noqa: E731
         if separate:  # "ARM/separate": every linear layer on its own (join.py's A/B arm)
             inner = self.maker(arm_in)
             return lambda: Separate(inner(), self.target)
@@ -173,6 +189,17 @@ class Arms:
         if chains:  # "auto:KIND/chains": the adaptive drafter queueing its primary's chains
             return lambda: ChainsQueued.of(make())
         return make
+
+
+def argmax_drafting(drafter):
+    """A model or head drafter (or an adaptive one over it) that drafts its logits' argmax at
+    temp > 0 too, where the library's guesses the target's draw (sampling.Draw): the A/B arm
+    ARM/uncoupled."""
+    if not hasattr(drafter, "draw"):
+        raise ValueError("ARM/uncoupled takes a draft model's or head's arm (a drafter that guesses draws)")
+    drafter.__class__ = type("Uncoupled" + type(drafter).__name__, (type(drafter),),
+                             {"draw": property(lambda self: None, lambda self, draw: None)})
+    return drafter
 
 
 def every_step_ranked(drafter):
@@ -227,11 +254,11 @@ class Separate:
                 self.drafter._forward = forward
 
 
-def run_once(target, drafter, prompt, max_tokens):
+def run_once(target, drafter, prompt, max_tokens, **sampling):
     """`generate_once`, inside the drafter's `separate` where it has one (ARM/separate)."""
     separate = getattr(drafter, "separate", None)
     with separate() if separate is not None else contextlib.nullcontext():
-        return generate_once(target, drafter, prompt, max_tokens)
+        return generate_once(target, drafter, prompt, max_tokens, **sampling)
 
 
 class Unqueued:
@@ -299,8 +326,9 @@ class ChainsQueued:
 
     @staticmethod
     def of(drafter):
-        if not getattr(drafter, "queues_trees", False) or not hasattr(drafter, "queue_more"):
-            raise ValueError("ARM/chains takes an adaptive arm over a tree-drafting primary (auto:dflash)")
+        if not getattr(getattr(drafter, "primary", None), "queues_trees", False) or not hasattr(drafter, "queue_more"):
+            raise ValueError("ARM/chains takes an adaptive arm over a tree-drafting primary (auto:dflash; a "
+                             "head's, auto:eagle3, at --temp above 0)")
         drafter.__class__ = type("ChainsQueued" + type(drafter).__name__, (type(drafter),), {"queues_trees": False})
         return drafter
 
@@ -324,6 +352,9 @@ def load_target(name):
 def run_loop(args):
     """Every arm on every prompt of each set, interleaved; tok/s against mlx-lm's plain loop."""
     names = ["mlx-plain"] + [a for a in args.arms.split(",") if a and a != "mlx-plain"]
+    sampling = _sampling(args)
+    if sampling and "plain" not in names:  # (the tokens every arm must equal: plain sampled decoding's)
+        names.insert(1, "plain")
     if args.versus is not None and args.versus not in names:
         sys.exit(f"--versus {args.versus} is not one of --arms: pass one of {','.join(names)}")
     target, tok = load_target(args.target)
@@ -335,7 +366,8 @@ def run_loop(args):
     for pset in args.prompts.split(","):
         texts = load_prompts(pset)[: args.n]
         prompts = encode_prompts(tok, texts)
-        arms = Arms(target, args.target, texts, args.draft_model, args.dflash, dict(mtp=args.mtp, eagle3=args.eagle3))
+        arms = Arms(target, args.target, texts, args.draft_model, args.dflash, dict(mtp=args.mtp, eagle3=args.eagle3),
+                    sampling)
         runners = {a: arms.runner(a) for a in names}
         outputs = {a: [] for a in names}
 
@@ -363,13 +395,18 @@ def run_loop(args):
         log(f"{pset}: {len(prompts)} prompts x {args.max_tokens} tokens x {args.reps}, {len(names)} arms")
         runs = interleave(names, prompts * args.reps, run, warmup=warmup, max_seconds=budget, log=log,
                           progress=(lambda m: log(m)) if args.verbose else None)
-        rows = summarize_arms(names, runs, outputs)
+        rows = summarize_arms(names, runs, outputs, reference="plain" if sampling else "mlx-plain")
         ran = len({r["prompt"] for r in runs["mlx-plain"]})
         eager = eager_shapes(target)
         log(f"{pset}: verify shapes run eagerly after their checks (rows, key width): {eager or 'none'}")
         report["sets"][pset] = dict(prompts=ran, runs=len(runs["mlx-plain"]), arms=rows, eager_shapes=eager)
-        md += set_table(pset, ran, args.max_tokens, len(runs["mlx-plain"]), rows, args.versus)
+        md += set_table(pset, ran, args.max_tokens, len(runs["mlx-plain"]), rows, args.versus, args.temp)
         write(args, report, md)  # after each set: a run cut short keeps what it measured
+
+
+def _sampling(args):
+    """The generations' sampling options (--temp, --seed; none at temp 0: greedy)."""
+    return dict(temp=args.temp, seed=args.seed) if args.temp > 0 else {}
 
 
 def verify_counts(target):
@@ -398,11 +435,13 @@ def pooled_tok_s(rs):
     return {p: tokens[p] / seconds[p] for p in tokens if seconds[p] > 0}
 
 
-def summarize_arms(names, runs, outputs):
+def summarize_arms(names, runs, outputs, reference="mlx-plain"):
     """Per arm: x plain is per prompt (each prompt's runs pooled, as `pooled_tok_s`), over
-    mlx-lm's plain decoding of the same prompt; its spread is over the prompts."""
+    mlx-lm's plain decoding of the same prompt; its spread is over the prompts. Identity is
+    against `reference`'s tokens (sampled: this library's plain sampled decoding, whose draws
+    are keyed by position; mlx-lm's sampler draws others)."""
     base = pooled_tok_s(runs["mlx-plain"])
-    ref = {r["prompt"]: o for r, o in zip(runs["mlx-plain"], outputs["mlx-plain"])}
+    ref = {r["prompt"]: o for r, o in zip(runs[reference], outputs[reference])}
     rows = []
     for a in names:
         rs = runs[a]
@@ -479,9 +518,9 @@ def table(rows, versus=None):
     return "\n".join(lines)
 
 
-def set_table(pset, prompts, max_tokens, runs, rows, versus=None):
+def set_table(pset, prompts, max_tokens, runs, rows, versus=None, temp=0.0):
     """A loop set's markdown: its heading, how to read it, its table."""
-    return [f"## {pset} prompts ({prompts} x {max_tokens} tokens, {runs} runs an arm, temp 0)", "",
+    return [f"## {pset} prompts ({prompts} x {max_tokens} tokens, {runs} runs an arm, temp {temp:g})", "",
             "x plain" + (f", x {versus}" if versus else "") + " and tok/s: per prompt, its runs pooled; "
             "per-round columns: medians over runs; identical: runs.", "", table(rows, versus), ""]
 
@@ -512,7 +551,8 @@ def run_acceptance(args):
     for pset in args.prompts.split(","):
         texts = load_prompts(pset)[: args.n]
         prompts = encode_prompts(tok, texts)
-        arms = Arms(target, args.target, texts, args.draft_model, args.dflash, dict(mtp=args.mtp, eagle3=args.eagle3))
+        arms = Arms(target, args.target, texts, args.draft_model, args.dflash, dict(mtp=args.mtp, eagle3=args.eagle3),
+                    _sampling(args))
         rows = []
         ref = None
         for a in names:
@@ -533,7 +573,7 @@ def run_acceptance(args):
             write(args, report, md + [f"(partial: {pset}, {len(rows)} of {len(names)} arms)"], echo=False)
         chainlike = {r["arm"]: r["emitted_per_verify"] for r in rows}
         report["sets"][pset] = dict(prompts=len(prompts), arms=rows)
-        md += [f"## {pset} prompts ({len(prompts)} x {args.max_tokens} tokens, temp 0, pooled)", "",
+        md += [f"## {pset} prompts ({len(prompts)} x {args.max_tokens} tokens, temp {args.temp:g}, pooled)", "",
                "| arm | emitted/verify | rounds | identical to plain |", "|---|---|---|---|"]
         md += [f"| {r['arm']} | {r['emitted_per_verify']:.3f} | {r['rounds']} | {r['identical']} |" for r in rows]
         if args.ratio:
@@ -2086,6 +2126,9 @@ def main(argv=None):
     p.add_argument("--prompts", default="unseen,heldout", help="prompt sets or files, comma separated")
     p.add_argument("--n", "--prompts-per-set", dest="n", type=int, default=20, help="prompts per set")
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temp", type=float, default=0.0, help="loop, acceptance: sample at this temperature (every "
+                   "arm's tokens checked against this library's plain sampled decoding)")
+    p.add_argument("--seed", type=int, default=0, help="loop, acceptance: the sampling seed (--temp)")
     p.add_argument("--reps", type=int, default=1, help="loop: runs of each prompt per arm (pooled per prompt)")
     p.add_argument("--seconds", type=float, default=None, help="loop: start no prompt after this (all sets)")
     p.add_argument("--versus", default=None, help="loop, table: a column of each arm's tok/s over this arm's, "

@@ -225,6 +225,16 @@ class AdaptiveDrafter:
     def depth(self):
         return getattr(self.primary if self.primary is not None else self.host, "depth", 0)
 
+    @property
+    def draw(self):
+        """The primary's sampling.Draw (set by the loop at temp > 0; None where it guesses none)."""
+        return getattr(self.primary, "draw", None)
+
+    @draw.setter
+    def draw(self, draw):
+        if hasattr(self.primary, "draw"):
+            self.primary.draw = draw
+
     # ------------------------------------------------------------------ the drafter calls
 
     def reset(self):
@@ -395,17 +405,19 @@ class AdaptiveDrafter:
         `queue_more` hands it to the adaptive rounds when they lose to plain decoding."""
         if self.primary is None:
             return None
-        return self.primary.tree_ahead if self.queues_trees else getattr(self.primary, "chain_ahead", None)
+        return self.primary.ahead if self.queues_trees else getattr(self.primary, "chain_ahead", None)
 
     @property
     def queues_trees(self):
         # DDTree's trees queue; a head's one-lane tree adds a few percent to its chain's
         # emitted per verify for its verify's extra rows, and queued in the adaptive rounds it
         # lost to the head's chain (bench/RESULTS.md at a9f0a7f, "Head trees queued ahead"): a head queues
-        # its chain here
+        # its chain here, greedy. Sampled, its draws miss more often and a step's runners-up
+        # catch a fifth more tokens a verify (bench/RESULTS.md, "Sampled rounds"): its tree
         from .drafters.head import HeadDrafter
 
-        return bool(getattr(self.primary, "queues_trees", False)) and not isinstance(self.primary, HeadDrafter)
+        return bool(getattr(self.primary, "queues_trees", False)) and (
+            not isinstance(self.primary, HeadDrafter) or self.draw is not None)
 
     def queued_read(self, emitted):
         """(queued.py: the host read queued rounds that emitted `emitted` tokens since queueing

@@ -79,13 +79,14 @@ def encode_prompts(tokenizer, texts):
     return out
 
 
-def generate_once(target, drafter, prompt, max_tokens, stop_tokens=()):
-    """One generation at temp 0: (tokens, RoundStats, decode seconds). The clock starts at the
-    first token (prefill excluded) and stops at the last."""
+def generate_once(target, drafter, prompt, max_tokens, stop_tokens=(), **sampling):
+    """One generation (greedy; `sampling`: tree_generate_step's temp, seed, ...): (tokens,
+    RoundStats, decode seconds). The clock starts at the first token (prefill excluded) and
+    stops at the last."""
     stats = RoundStats()
     out, t_first = [], None
     for tok, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=max_tokens,
-                                        stop_tokens=stop_tokens, stats=stats):
+                                        stop_tokens=stop_tokens, stats=stats, **sampling):
         out.append(int(tok))
         if t_first is None:
             t_first = time.perf_counter()

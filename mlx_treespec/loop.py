@@ -25,7 +25,7 @@ from .cache import cache_kind, committed_offset, restore, snapshot
 from .draft import check_drafter
 from .join import join
 from .launch import agree, drafter_digest, in_launch, model_digest
-from .sampling import make_node_sampler
+from .sampling import Draw, make_node_sampler
 from .support import require_tree_support
 from .tree import MAX_NODES, DraftTree, check_int
 from .adaptive import PlainStretch, QueueAhead
@@ -342,7 +342,9 @@ def tree_generate_step(
         yield from _plain_decode(model, caches, prompt[-1], max_tokens, choose, quantize, stop_tokens,
                                  stats, settle=prompt_cache is not None)
         return
-    queue = can_queue(drafter, caches, choose.greedy, kv_bits)  # rounds with no host sync between them
+    if hasattr(drafter, "draw"):  # (a model or head drafter: it guesses draws at temp > 0)
+        drafter.draw = None if choose.greedy else Draw(choose.scores)
+    queue = can_queue(drafter, caches, kv_bits)  # rounds with no host sync between them
     if hasattr(drafter, "queueable"):  # (an adaptive drafter: its model arm is queued rounds)
         drafter.queueable = queue
 
@@ -354,7 +356,7 @@ def tree_generate_step(
     # queued rounds and the round loop hand the generation to each other: (root, tokens emitted)
     resume = None
     if queue:
-        resume = yield from queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens,
+        resume = yield from queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
                                           stop_tokens, stats, land)
         if resume is None:
             return
@@ -364,7 +366,7 @@ def tree_generate_step(
                                     settle=prompt_cache is not None, resume=resume)
         if resume is None:
             return
-        resume = yield from queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens,
+        resume = yield from queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
                                           stop_tokens, stats, land, resume=resume)
         if resume is None:
             return
@@ -425,6 +427,7 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
 
     failed = False  # an error (not the consumer's stop) unwinds the generation
     queued = False  # handed to queued rounds: the generation goes on there
+    draw = getattr(drafter, "draw", None)
     try:
         if resume is None:  # (else the drafter was prefilled and caught up: queued.py)
             drafter.prefill(prompt, hidden) if capture else drafter.prefill(prompt)
@@ -432,6 +435,8 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
             room = float("inf") if max_tokens < 0 else max_tokens - n
             t0 = time.perf_counter()
             depth_cap, base = _depth_cap(caches, room, kv_bits, quantized_kv_start)
+            if draw is not None:  # the root's position: the held tokens lead it
+                draw.position = base + (0 if held is None else held.shape[0])
             draft = drafter.draft(root, depth_cap)                                            # draft
             if isinstance(draft, PlainStretch):  # no speculation for a while (adaptive.py)
                 count = draft.tokens if room == float("inf") else int(min(draft.tokens, room))

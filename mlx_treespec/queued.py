@@ -28,9 +28,9 @@ from .walk import cut_at_stop
 __all__ = ["can_queue", "queued_rounds"]
 
 
-def can_queue(drafter, caches, greedy, kv_bits):
+def can_queue(drafter, caches, kv_bits):
     """Whether a generation's rounds may be queued ahead (see the module docstring)."""
-    return (getattr(drafter, "ahead", None) is not None and greedy and kv_bits is None
+    return (getattr(drafter, "ahead", None) is not None and kv_bits is None
             and verify.pad_keys_default() and any(type(c).__name__ == "KVCache" for c in caches)
             and all(_queueable(c) for c in caches))
 
@@ -44,9 +44,11 @@ def _queueable(cache):
             and cache.left_padding is None)
 
 
-def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, stop_tokens, stats, land,
+def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose, stop_tokens, stats, land,
                   resume=None):
-    """Yields (token, logprobs, from_draft) as loop.tree_generate_step. `land(token, failed)`
+    """Yields (token, logprobs, from_draft) as loop.tree_generate_step; `choose` is the target's
+    token at a node (sampling.make_node_sampler: greedy, or a draw keyed by the node's
+    position, so a queued round's draws are plain sampled decoding's). `land(token, failed)`
     forwards a delivered token the caches do not hold (the prompt cache's rule; `failed`: an
     error, not the consumer's stop, ends the generation). `resume`: (root, tokens emitted
     so far) where the round loop handed the generation over (None: from the prompt). Returns
@@ -70,6 +72,8 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
     bound = start
     consts = {}  # a round's constants per (width, rows): the rounds are host-bound
     in_place = None  # tree rounds: whether they commit their paths in place (`_spine_first`)
+    draw = getattr(drafter, "draw", None)  # at temp > 0: the drafter guesses draws from the root's position
+    chosen = _chooser(choose)
 
     def mask_constants(width, T, dtype):
         key = (width, T, dtype)
@@ -87,6 +91,8 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         tree (`_spine_first`: its path is in place but for an accepted leaf) re-runs the path's
         last node at its own column, just before the root."""
         nonlocal keys, values, bound, in_place
+        if draw is not None:  # the root's position: after the re-run path's accepted rows, where one leads
+            draw.position = dev_start + count if path is not None and not in_place else dev_start
         # draft (a tree round's drafter also reads the path the previous tree round accepted)
         drafted = ahead(dev_root, rows, count) if path is None else ahead(dev_root, rows, count, path)
         tree = isinstance(drafted, Draft)
@@ -142,10 +148,10 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         res = compiled_forward(model, capture, T, args, reference, kernel, scans)  # verify
         logits, rows, keys, values = reference() if res is None else res[0]
         if tree:                                                                              # walk
-            choice = mx.argmax(logits[m:], axis=-1).astype(mx.uint32)
+            choice = chosen(logits[m:], positions[m:])
             count_now, order, choice = walk(choice, drafted.tokens, parents, depths, visible)  # path first
         else:
-            choice = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            choice = chosen(logits, positions)
             count_now = mx.sum(mx.cumprod((drafted == choice[:-1]).astype(mx.int32))) + 1
         # commit: no K/V row moves (a chain's accepted rows are the first `count_now`; a tree's
         # path is re-run by the next round: a gather per layer costs more launches than the
@@ -248,6 +254,15 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, s
         drafter.handed_back(start, everything)
         return root, n
     return None
+
+
+def _chooser(choose):
+    """(logits, positions) -> the target's token after each row: its argmax (greedy: one
+    kernel, where `choose`'s log-softmax would add two), or `choose`'s draw at the row's
+    position, compiled (a queued round is host-bound, and the draw is a dozen elementwise ops)."""
+    if choose.greedy:
+        return lambda logits, positions: mx.argmax(logits, axis=-1).astype(mx.uint32)
+    return mx.compile(choose)
 
 
 def _spine_length(parents):

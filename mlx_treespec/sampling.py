@@ -9,7 +9,7 @@ drawn in one vectorized call and no random state is carried between calls.
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-__all__ = ["make_node_sampler", "position_uniform", "apply_xtc_rows"]
+__all__ = ["make_node_sampler", "position_uniform", "apply_xtc_rows", "Draw"]
 
 
 def _mix(x):
@@ -65,18 +65,46 @@ def make_node_sampler(temp=0.0, top_p=0.0, min_p=0.0, top_k=0, min_tokens_to_kee
     if top_k > 0:
         filters.append(lambda x, coin: apply_top_k(x, top_k))
 
-    def choose(logits, positions):
+    def scores(logits, positions):
+        # the draw's scores [n, V] in float32 (a small temp overflows a half-precision model's
+        # log-probabilities to -inf): the drawn token is their argmax
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        if temp == 0:
-            return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
         V = logprobs.shape[-1]
         u = position_uniform(seed, positions, V + (1 if xtc_probability > 0 else 0))
         coin, u = (u[:, V], u[:, :V]) if xtc_probability > 0 else (None, u)
         for f in filters:
             logprobs = f(logprobs, coin)
-        gumbel = -mx.log(-mx.log(u))
-        # in float32: a small temp overflows a half-precision model's log-probabilities to -inf
-        return mx.argmax(logprobs.astype(mx.float32) * (1 / temp) + gumbel, axis=-1).astype(mx.uint32)
+        return logprobs.astype(mx.float32) * (1 / temp) - mx.log(-mx.log(u))
+
+    def choose(logits, positions):
+        if temp == 0:
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
+        return mx.argmax(scores(logits, positions), axis=-1).astype(mx.uint32)
 
     choose.greedy = temp == 0  # positions are not read: callers may pass None
+    # a drafter that picks its tokens by the draw's scores over its own logits, at the positions
+    # the target draws at, shares the target's noise: where the two distributions agree it
+    # guesses the target's draw, not its argmax (`Draw`)
+    choose.scores = None if temp == 0 else scores
     return choose
+
+
+class Draw:
+    """What a drafter needs to guess sampled tokens (temp > 0): the sampler's `scores` and the
+    position of the round's root (set by the loop before each draft; a device int32 scalar in
+    rounds queued ahead). The target draws the token after a node at the node's position, so a
+    drafter picks the token after a node at depth d (root 0) by argmax (its runners-up: the next
+    best) of `at(logits, d)`. Exactness does not rest on it: any draft is exact."""
+
+    __slots__ = ("scores", "position")
+
+    def __init__(self, scores):
+        self.scores, self.position = scores, None
+
+    def at(self, logits, depth):
+        """The draw's scores of `logits` [n, V], every row at `depth` from the root (an int, or
+        an mx int32 array [n])."""
+        depth = mx.array(depth, mx.int32) if isinstance(depth, int) else depth
+        positions = mx.broadcast_to(self.position + depth, (logits.shape[0],))
+        return self.scores(logits, positions)

@@ -313,3 +313,33 @@ def test_off_order_accepts_are_rerun_not_moved(pairs, monkeypatch, pad):
     assert out == ref
     assert sum(stats.held) > 0, "no sibling was ever accepted"
     assert moved and not any(moved)
+
+
+def test_a_drafter_that_is_the_target_guesses_every_sampled_token(pairs):
+    # at temp > 0 a drafter picks its tokens by the draw's scores of its own logits at the
+    # positions the target draws at (sampling.Draw): a draft model that is the target draws
+    # what the target draws, so every round accepts its whole chain and its trees' first lane
+    # (pins the draw's positions, held tokens leading the root included). A drafter that took
+    # its logits' argmax instead guesses the target's argmax, which the draw often is not
+    from mlx_treespec.drafters.model import ModelDrafter
+
+    target, _ = pairs("qwen3")
+    prompt = prompt_tokens(6)
+    kw = dict(temp=1.0, top_p=0.9, seed=4)
+    ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **kw)]
+    assert ref != plain(target, prompt), "the draw must differ from greedy decoding here"
+    for shape in (dict(topk=1, depth=4), dict(topk=2, lanes=1, depth=4, budget=8), dict(topk=2, lanes=2, depth=3, budget=10)):
+        stats = RoundStats()
+        out = [t for t, _, _ in tree_generate_step(prompt, target, ModelDrafter(target, **shape), max_tokens=N,
+                                                   stats=stats, **kw)]
+        assert out == ref
+        full = [a == d for a, d, e in zip(stats.accepted, stats.depth, stats.emitted)]
+        assert all(full[:-1]), (shape, stats.accepted, stats.depth)  # (the last round: the tokens left)
+
+    class ArgmaxDrafter(ModelDrafter):
+        draw = property(lambda self: None, lambda self, draw: None)
+
+    stats = RoundStats()
+    out = [t for t, _, _ in tree_generate_step(prompt, target, ArgmaxDrafter(target, topk=1, depth=4), max_tokens=N,
+                                               stats=stats, **kw)]
+    assert out == ref and not all(a == d for a, d in zip(stats.accepted[:-1], stats.depth[:-1]))

@@ -92,6 +92,25 @@ def test_make_drafter_loads_heads_and_merges_lookup(tmp_path):
     assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N)] == ref
 
 
+def test_the_adaptive_head_queues_its_tree_when_sampling(tmp_path, monkeypatch):
+    # where rounds queue (here on CPU), the adaptive default over a head queues its chain when
+    # greedy and its one-lane tree when sampling (its draws miss more often: the runners-up pay);
+    # both are plain (sampled) decoding's tokens
+    import mlx_treespec.verify as verify
+
+    head, target = make_mtp(tmp_path, "qwen3_5_tied")[:2]
+    folder = str(tmp_path / "qwen3_5_tied")
+    prompt = np.random.default_rng(2).integers(0, tiny.VOCAB, 8).tolist() * 2
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    for sampling, nodes in ((dict(), 1 + 8), (dict(temp=0.7, seed=1), 1 + 3 * 8)):
+        ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **sampling)]
+        d, stats = make_drafter(folder, drafter="mtp", target=target), RoundStats()
+        assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N, stats=stats, **sampling)] == ref
+        queued = [n for n, k in zip(stats.nodes, stats.drafter) if k == "queued"]
+        assert queued and set(queued) == {nodes}, (sampling, stats.nodes, stats.drafter)
+        assert d.queues_trees == bool(sampling) and (d.draw is None) != bool(sampling)
+
+
 def test_one_token_prompt(tmp_path):
     # nothing to continue from in the first round: root only, then the head drafts
     head, target = make_mtp(tmp_path, "qwen3_5_tied")[:2]
@@ -169,21 +188,24 @@ class PositionOracle(tiny.FollowsText, HeadDrafter):
         return self.hand_back_after is None or self.queued_rounds < self.hand_back_after
 
 
-def _round_loop_then_queued(oracle, head, target, prompt, opts, hand_back, monkeypatch):
+def _round_loop_then_queued(oracle, head, target, prompt, opts, hand_back, monkeypatch, **sampling):
     """The oracle drafter's generation through the round loop, then queued (the GPU path, here on
     CPU) handing back after `hand_back` queued rounds (None: never): both plain decoding's
-    tokens, the queued one's first rounds queued and none after a hand-back. Returns (the round
-    loop's drafter, the queued one, its RoundStats)."""
+    tokens (with `sampling`: plain sampled decoding's), the queued one's first rounds queued and
+    none after a hand-back. Returns (the round loop's drafter, the queued one, its RoundStats)."""
     import mlx_treespec.verify as verify
 
-    ref = plain(target, prompt)
+    ref = plain(target, prompt) if not sampling else \
+        [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **sampling)]
     host = oracle(head, target, **opts)
-    assert [t for t, _, _ in tree_generate_step(prompt, target, host, max_tokens=N)] == ref
+    assert [t for t, _, _ in tree_generate_step(prompt, target, host, max_tokens=N, **sampling)] == ref
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
     queued = oracle(head, target, **opts)
     queued.hand_back_after = hand_back
     stats = RoundStats()
-    assert [t for t, _, _ in tree_generate_step(prompt, target, queued, max_tokens=N, stats=stats)] == ref
+    assert [t for t, _, _ in tree_generate_step(prompt, target, queued, max_tokens=N, stats=stats,
+                                                **sampling)] == ref
+    assert (queued.draw is not None) == bool(sampling.get("temp"))
     kinds = ["queued"] * (hand_back or len(stats.drafter))
     assert stats.drafter[: len(kinds)] == kinds and "queued" not in stats.drafter[len(kinds):]
     return host, queued, stats
@@ -217,6 +239,33 @@ def test_queued_head_rounds_draft_what_the_round_loop_drafts(tmp_path, monkeypat
     for pos, raw in queued.raw:
         if pos in by_position:
             assert raw[: len(by_position[pos])] == by_position[pos], pos
+
+
+@pytest.mark.parametrize("kind, opts, hand_back", [
+    ("mtp-qwen3_5_tied", dict(topk=1, depth=4), 3), ("eagle3-safeailab", dict(topk=3, lanes=1, depth=4, budget=12), None),
+    ("eagle3-safeailab", dict(topk=3, lanes=3, depth=4, budget=10), 3), ("mtp-qwen3_5_tied", dict(topk=3, lanes=2, depth=4, budget=21), None)])
+def test_sampled_queued_head_rounds_draw_what_the_round_loop_draws(tmp_path, monkeypatch, kind, opts, hand_back):
+    # at temp > 0 queued rounds run too (the target's draw at a node is keyed by its position,
+    # on the device as on the host), and a head picks its tokens by the draw's scores of its
+    # logits at the positions the target draws at (sampling.Draw): the queued drafts are the
+    # round loop's, text position by text position (chains, one-lane trees, EAGLE-2 lanes,
+    # fixed lanes), through a hand-back; tokens are plain sampled decoding's
+    family, name = kind.split("-", 1)
+    head, target = (make_mtp(tmp_path, name)[:2] if family == "mtp" else make_eagle3(tmp_path, name)[:2])
+    prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
+    sampling = dict(temp=0.6, top_p=0.95, seed=5)
+    if opts["topk"] == 1 or opts["lanes"] == 1:
+        host, queued, stats = _round_loop_then_queued(PositionOracle, head, target, prompt, opts, hand_back,
+                                                      monkeypatch, **sampling)
+        by_position = dict(host.raw)
+        compared = [(pos, raw) for pos, raw in queued.raw if pos in by_position]
+        assert len(compared) >= len(host.raw) - 1 and queued.queued_rounds >= min(hand_back or 4, 4)
+        for pos, raw in compared:
+            assert raw[: len(by_position[pos])] == by_position[pos], pos
+    else:
+        host, queued, stats = _round_loop_then_queued(LaneOracle, head, target, prompt, opts, hand_back,
+                                                      monkeypatch, **sampling)
+        assert_same_root_paths(host, queued, stats, hand_back, depth=4)
 
 
 @pytest.mark.parametrize("kind", ["mtp-qwen3_5_tied", "eagle3-safeailab"])

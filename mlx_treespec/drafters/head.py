@@ -56,6 +56,15 @@ def _ranges(*sizes):
     return tuple(mx.array(np.arange(n, dtype=np.int32)) for n in sizes)
 
 
+def _picker(draw):
+    """`pick(logits, at, depth)`: what a queued step ranks its tokens by (ModelDrafter._scores
+    inside a compiled draft, the root's position `at` an input): the logits, or the draw's
+    scores of them."""
+    if draw is None:
+        return lambda logits, at, depth: logits
+    return lambda logits, at, depth: draw.scores(logits, mx.broadcast_to(at + depth, (logits.shape[0],)))
+
+
 @functools.lru_cache(maxsize=64)
 def _lane_spans(steps, lanes):
     """Each lane step's `start` less the base column (`whole_buffer_forward`): written at s L;
@@ -63,6 +72,18 @@ def _lane_spans(steps, lanes):
     only their own rows after it); none from (s + 1) L on."""
     s = np.arange(steps)
     return mx.array(np.stack([s * lanes, s if lanes == 1 else 0 * s, (s + 1) * lanes], 1).astype(np.int32))
+
+
+_NO_DRAW = mx.array(0, mx.int32)  # the root's position input of a greedy draft (not read)
+
+
+def _forget_samplers(store, key):
+    """Drops the compiled drafts of samplers other than `key`'s (a generation's sampler is a
+    trace constant; an earlier generation's is not drawn with again)."""
+    own = key[-1] if isinstance(key, tuple) and callable(key[-1]) else None
+    for k in [k for k in store if isinstance(k, tuple) and k[0] in ("_compiled_ahead", "_compiled_lanes")
+              and callable(k[-1]) and k[-1] is not own]:
+        del store[k]
 
 
 class HeadDrafter(ModelDrafter):
@@ -249,7 +270,8 @@ class HeadDrafter(ModelDrafter):
         P = tokens.shape[0]
         keys, values = self._buffers(q["bound"] + P + self.depth * lanes)
         ranges = _ranges(keys.shape[2], P, max(self.depth - 1, 1), self.topk)
-        out = self._ahead_fn(kind)(tokens, slot_rows, count, q["L0"], keys, values, ranges)
+        at = _NO_DRAW if self.draw is None else self.draw.position  # the root's position (the queue's)
+        out = self._ahead_fn(kind)(tokens, slot_rows, count, q["L0"], keys, values, ranges, at)
         c.keys, c.values = out[-2:]
         first = out[0]
         q.update(L0=q["L0"] + count, bound=q["bound"] + P, last=(slot_rows, count))
@@ -275,22 +297,27 @@ class HeadDrafter(ModelDrafter):
 
     def _ahead_fn(self, kind):
         """The slots' forward and `depth` steps: (slot tokens [P], their target rows, real slots,
-        L0, K, V) -> `kind`'s outputs (`_steps_ahead`: a chain, or a fixed lane tree's lane tokens,
-        logits and root leaves; or the EAGLE-2 tree's tokens, root 0, parents, depths, ancestor
-        rows), then K and V. A chain or fixed lane tree is one compiled function (traced per slot
-        count and buffer width); an
-        EAGLE-2 tree calls `_lanes_fns`' compiled functions, one a step."""
-        fn = self.__dict__.get(("_compiled_ahead", kind))
+        L0, K, V, the root's position (read at temp > 0: `ModelDrafter._scores`)) -> `kind`'s
+        outputs (`_steps_ahead`: a chain, or a fixed lane tree's lane tokens, scores and root
+        leaves; or the EAGLE-2 tree's tokens, root 0, parents, depths, ancestor rows), then K
+        and V. A chain or fixed lane tree is one compiled function (traced per slot count and
+        buffer width, and per sampler: its settings are constants of the trace); an EAGLE-2
+        tree calls `_lanes_fns`' compiled functions, one a step."""
+        key = ("_compiled_ahead", kind) if self.draw is None else ("_compiled_ahead", kind, self.draw.scores)
+        fn = self.__dict__.get(key)
         if fn is not None:
             return fn
+        _forget_samplers(self.__dict__, key)
         head, depth, K, L = self.model, self.depth, self.topk, (1 if kind == "chain" else self.lanes)
         install(head)
         forward = whole_buffer_forward(head, ())
+        pick = _picker(self.draw)
 
-        def chain(tokens, slot_rows, count, L0, keys, values, ranges):
+        def chain(tokens, slot_rows, count, L0, keys, values, ranges, at):
             # (a fixed lane tree's L lanes too: every step forwards each lane's last node, a chain
             # step's kernels over L rows; lane j's step s row is column base + s L + j)
             root_logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values, ranges)
+            root_logits = pick(root_logits, at, 0)
             if L == 1:
                 tok, others = mx.argmax(root_logits, axis=-1).astype(mx.uint32), None
             else:
@@ -309,9 +336,10 @@ class HeadDrafter(ModelDrafter):
             spans = base + _lane_spans(max(depth - 1, 1), L)
             for s in range(depth - 1):  # each step over its parents' output hidden, after the real slots
                 self._set_hidden(hidden, first=False)
-                at = pos[s : s + 1] if L == 1 else mx.broadcast_to(pos[s : s + 1], (L,))
-                logits, _, ks, vs = forward(tok, at, masks[s], spans[s], ks, vs)
+                step_at = pos[s : s + 1] if L == 1 else mx.broadcast_to(pos[s : s + 1], (L,))
+                logits, _, ks, vs = forward(tok, step_at, masks[s], spans[s], ks, vs)
                 hidden = head.out_hidden[0]
+                logits = pick(logits, at, s + 1)
                 tok = mx.argmax(logits, axis=-1).astype(mx.uint32)
                 toks.append(tok)
                 rows.append(logits)
@@ -319,7 +347,7 @@ class HeadDrafter(ModelDrafter):
                 return mx.concatenate(toks), None, ks[0], vs[0]
             return mx.stack(toks), mx.concatenate(rows), others, ks[0], vs[0]
 
-        def lanes(tokens, slot_rows, count, L0, keys, values, ranges):
+        def lanes(tokens, slot_rows, count, L0, keys, values, ranges, at):
             # ModelDrafter._tree's steps: step s (1..S-1) forwards the L lanes at depth s
             # (position base + s - 1) into columns base + (s - 1) L.., each seeing the history
             # and the real slots (the columns before base) and, among the R step rows, its
@@ -327,23 +355,23 @@ class HeadDrafter(ModelDrafter):
             # keep their shapes from step to step (the step is an input): unrolled, every step's
             # shapes differed and each was a kernel compile of its own on a fresh GPU (minutes)
             start, step, argmax_inputs, argmax_step, rank, steps = self._lanes_fns(forward)
-            state, first, ks, vs = start(tokens, slot_rows, count, L0, keys, values, ranges)
+            state, first, ks, vs = start(tokens, slot_rows, count, L0, keys, values, ranges, at)
             later, own = [], ()
             for own_rows, offsets in steps:
                 state, made, ks, vs = step(own_rows, offsets, state, ks, vs)
                 later.append(made)
             if len(steps) < depth - 1:  # steps past the ranked ones: each lane by its own argmax
-                masks, positions, starts = argmax_inputs(state, ks)
+                masks, positions, starts, drawn_at = argmax_inputs(state, ks)
                 toks, hidden, logits, argmaxes = state[4], state[7], [], []
                 for g in range(masks.shape[0]):  # (slices of arrays made once: views)
                     toks, hidden, made, ks, vs = argmax_step(masks[g], positions[g], starts[g], toks, hidden,
-                                                             ks, vs)
+                                                             ks, vs, drawn_at[g])
                     logits.append(made)
                     argmaxes.append(toks)
                 own = (state[5], state[6], logits, argmaxes)
             return (*rank(first, later, own), ks[0], vs[0])
 
-        fn = self.__dict__[("_compiled_ahead", kind)] = lanes if kind == "lanes" else mx.compile(chain)
+        fn = self.__dict__[key] = lanes if kind == "lanes" else mx.compile(chain)
         return fn
 
     def _slots(self, forward, tokens, slot_rows, count, L0, keys, values, ranges):
@@ -374,40 +402,43 @@ class HeadDrafter(ModelDrafter):
         once in `start` or `argmax_inputs`, what does not change between rounds (each step's
         own rows, offsets) once per drafter, and the candidates are joined once in `rank`
         rather than written a step at a time."""
-        fns = self.__dict__.get("_compiled_lanes")
+        key = "_compiled_lanes" if self.draw is None else ("_compiled_lanes", self.draw.scores)
+        fns = self.__dict__.get(key)
         if fns is not None:
             return fns
+        _forget_samplers(self.__dict__, key)
         head, S, K, L = self.model, self.depth, self.topk, self.lanes
+        pick = _picker(self.draw)
         R = (S - 1) * L  # step rows
         ranked = min(self.ranked_lane_steps, S - 1)
 
-        def start(tokens, slot_rows, count, L0, keys, values, ranges):
+        def start(tokens, slot_rows, count, L0, keys, values, ranges, at):
             logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values, ranges)
-            idx, lp = top_k(_logprobs(logits), K)  # the root's children
+            idx, lp = top_k(_logprobs(pick(logits, at, 0)), K)  # the root's children
             scores = mx.minimum(lp[0], 0)
             choice = ranges[3] if L == K else mx.argsort(-scores)[:L]
             base = (L0 + count).astype(mx.int32)
             rel = ranges[0] - base  # the step rows' columns are 0..R-1
             state = (base, rel < 0, (rel >= 0) & (rel < R), mx.clip(rel, 0, R - 1),
                      idx[0][choice].astype(mx.uint32), scores[choice], choice.astype(mx.int32),
-                     mx.broadcast_to(hidden, (L, hidden.shape[-1])), mx.zeros((L, R), mx.bool_))
+                     mx.broadcast_to(hidden, (L, hidden.shape[-1])), mx.zeros((L, R), mx.bool_), at)
             return state, (idx[0].astype(mx.uint32), scores.astype(mx.float32)), ks, vs
 
         def step(own, offsets, state, ks, vs):
             # own: [L, R] each lane's own step row; offsets: the forward's `start` less the base
             # column (its first step row, 0, R), its position less the base, its first candidate id
-            base, history, window, column, lane_tokens, lane_scores, lane_cands, lane_hidden, lane_seen = state
+            base, history, window, column, lane_tokens, lane_scores, lane_cands, lane_hidden, lane_seen, at = state
             rows = lane_seen | own  # [L, R]
             mask = _additive(history[None] | (window[None] & mx.take(rows, column, axis=1)), ks[0].dtype)
             self._set_hidden(lane_hidden, first=False)
             logits, _, ks, vs = forward(lane_tokens, mx.broadcast_to(base + offsets[3], (L,)), mask,
                                         base + offsets[:3], ks, vs)
-            idx, lp = top_k(_logprobs(logits), K)
+            idx, lp = top_k(_logprobs(pick(logits, at, offsets[3] + 1)), K)  # (the lanes' depth: step s)
             scores = (lane_scores[:, None] + mx.minimum(lp, 0)).reshape(-1)
             choice = mx.argsort(-scores)[:L]  # the next lanes among this step's L * K
             parent = choice // K
             state = (base, history, window, column, idx.reshape(-1)[choice].astype(mx.uint32), scores[choice],
-                     (offsets[4] + choice).astype(mx.int32), head.out_hidden[0][parent], rows[parent])
+                     (offsets[4] + choice).astype(mx.int32), head.out_hidden[0][parent], rows[parent], at)
             return state, (idx.reshape(-1).astype(mx.uint32), scores.astype(mx.float32), lane_cands), ks, vs
 
         # the argmax steps (ranked + 1 .. S - 1): step s's lane i writes step row (s - 1) L + i
@@ -423,14 +454,17 @@ class HeadDrafter(ModelDrafter):
         argmax_positions = mx.array(np.repeat((argmax_steps - 1)[:, None], L, 1).astype(np.int32))
 
         def argmax_inputs(state, ks):
-            base, history, window, column, _, _, _, _, lane_seen = state
+            base, history, window, column, _, _, _, _, lane_seen, at = state
             rows = lane_seen[None] | own_after  # [G, L, R]
             visible = history[None, None] | (window[None, None] & mx.take(rows, column, axis=2))
-            return _additive(visible, ks[0].dtype), base + argmax_positions, base + argmax_offsets
+            # (the draw's positions: step s's lanes are at depth s)
+            return _additive(visible, ks[0].dtype), base + argmax_positions, base + argmax_offsets, \
+                at + argmax_positions + 1
 
-        def argmax_step(mask, positions, bounds, lane_tokens, lane_hidden, ks, vs):
+        def argmax_step(mask, positions, bounds, lane_tokens, lane_hidden, ks, vs, drawn_at):
             self._set_hidden(lane_hidden, first=False)
             logits, _, ks, vs = forward(lane_tokens, positions, mask, bounds, ks, vs)
+            logits = pick(logits, drawn_at, 0)
             return mx.argmax(logits, axis=-1).astype(mx.uint32), head.out_hidden[0], logits, ks, vs
 
         depths = np.concatenate([np.ones(K, np.int32), np.repeat(np.arange(2, S + 1, dtype=np.int32), L * K)])
@@ -463,7 +497,7 @@ class HeadDrafter(ModelDrafter):
             own[np.arange(L), (s - 1) * L + np.arange(L)] = True
             first = (s - 1) * L
             steps.append((mx.array(own), mx.array([first, 0, R, s - 1, K + first * K], mx.int32)))
-        fns = self.__dict__["_compiled_lanes"] = (mx.compile(start), mx.compile(step), mx.compile(argmax_inputs),
+        fns = self.__dict__[key] = (mx.compile(start), mx.compile(step), mx.compile(argmax_inputs),
                                                   mx.compile(argmax_step), mx.compile(rank), steps)
         return fns
 

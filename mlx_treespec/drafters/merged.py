@@ -80,6 +80,16 @@ class MergedDrafter:
     def depth(self):
         return self.base.depth
 
+    @property
+    def draw(self):
+        """The model drafter's sampling.Draw (the loop sets it at temp > 0)."""
+        return getattr(self.base, "draw", None)
+
+    @draw.setter
+    def draw(self, draw):
+        if hasattr(self.base, "draw"):
+            self.base.draw = draw
+
     def reset(self):
         self.base.reset()
         self.extra.reset()

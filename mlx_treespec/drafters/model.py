@@ -232,6 +232,9 @@ class ModelDrafter:
         self.prefill_step_size = prefill_step_size
         self.cache = None
         self.pending = []  # emitted tokens not yet in the draft cache; the last is the root
+        # at temp > 0 the loop's sampling.Draw (set per generation): steps pick their tokens by
+        # the draw's scores of their logits, not the logits (`_scores`)
+        self.draw = None
 
     def reset(self):
         self.cache, self.pending = None, []
@@ -279,21 +282,28 @@ class ModelDrafter:
             return rnd.forward(tokens, parents)
         return rnd.forward_rows(tokens, depth, rows)
 
+    def _scores(self, logits, depth):
+        """What a step ranks the tokens after its nodes by (rows at `depth` from the root): their
+        logits, or at temp > 0 the draw's scores of them (sampling.Draw: the target's noise at
+        their positions), so the step's best token is its guess of the target's draw."""
+        return logits if self.draw is None else self.draw.at(logits, depth)
+
     def _spine(self, logits, rnd, depth):
-        """Greedy one-token steps from the root: each step's logits and argmax token."""
+        """Greedy one-token steps from the root: each step's scores (`_scores`) and best token."""
+        logits = self._scores(logits, 0)
         rows, toks = self._lanes(rnd, depth, mx.argmax(logits, axis=-1).astype(mx.uint32))
         return [logits] + rows, toks
 
     def _lanes(self, rnd, depth, first):
         """Fixed lanes from the root (the round's last node): `first` [L] the lanes' tokens at
         depth 1; each later step forwards every lane's last node, and each lane goes on by its
-        own argmax. Returns the steps' logits ([L, V] at depths 1..depth-1) and each depth's
-        lane tokens [L]."""
+        own argmax. Returns the steps' scores (`_scores`: [L, V] at depths 1..depth-1) and each
+        depth's lane tokens [L]."""
         L = first.shape[0]
         parents = [rnd.size - 1] * L
         rows, toks = [], [first]
-        for _ in range(1, depth):
-            logits = self._forward(rnd, toks[-1], parents, feeds=parents)
+        for s in range(1, depth):
+            logits = self._scores(self._forward(rnd, toks[-1], parents, feeds=parents), s)
             parents = list(range(rnd.size - L, rnd.size))
             rows.append(logits)
             toks.append(mx.argmax(logits, axis=-1).astype(mx.uint32))
@@ -314,6 +324,7 @@ class ModelDrafter:
             rows, toks = self._spine(logits, rnd, S)
             others = None
         else:
+            logits = self._scores(logits, 0)
             first, others = root_children(logits, K, L)
             rows, toks = self._lanes(rnd, S, first)
             rows = [logits] + rows
@@ -374,7 +385,7 @@ class ModelDrafter:
         K, L = self.topk, self.lanes
         root_node = rnd.size - 1
         root_depth = int(rnd.depths[root_node])
-        idx, lp = top_k(_logprobs(logits), K)  # the root's children, the first candidates
+        idx, lp = top_k(_logprobs(self._scores(logits, 0)), K)  # the root's children, the first candidates
         step_scores = mx.minimum(lp[0], 0)
         choice = mx.arange(K) if L == K else mx.argsort(-step_scores)[:L]
         lane_tokens, lane_scores = idx[0][choice], step_scores[choice]
@@ -398,6 +409,7 @@ class ModelDrafter:
                                        feeds=lane_parents)
                 visible = mx.concatenate(
                     [mx.concatenate([visible, mx.zeros((first, L), mx.bool_)], axis=1), rows], axis=0)
+            logits = self._scores(logits, s)
             forwarded_at.append(mx.arange(first, first + L))
             cand_depths.append(np.full(L * K, s + 1, np.int32))
             if s > self.ranked_lane_steps:  # each lane by its own argmax
