@@ -359,7 +359,7 @@ def run_loop(args):
         sys.exit(f"--versus {args.versus} is not one of --arms: pass one of {','.join(names)}")
     target, tok = load_target(args.target)
     report = dict(meta=run_meta(section=args.section, target=args.target, arms=names,
-                                max_tokens=args.max_tokens), sets={})
+                                max_tokens=args.max_tokens, temp=args.temp, seed=args.seed), sets={})
     md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", ""]
     budget = args.seconds / max(len(args.prompts.split(",")), 1) if args.seconds else None
@@ -535,7 +535,8 @@ def run_table(args):
         names = [r["arm"] for r in s["arms"]]
         if args.versus is not None and args.versus not in names:
             sys.exit(f"--versus {args.versus} is not an arm of {args.source}: pass one of {','.join(names)}")
-        md += set_table(pset, s["prompts"], report["meta"]["max_tokens"], s["runs"], s["arms"], args.versus)
+        md += set_table(pset, s["prompts"], report["meta"]["max_tokens"], s["runs"], s["arms"], args.versus,
+                        report["meta"].get("temp", 0.0))
     print("\n".join(md))
 
 
@@ -545,7 +546,7 @@ def run_acceptance(args):
     target, tok = load_target(args.target)
     names = ["plain"] + [a for a in args.arms.split(",") if a and a != "plain"]
     report = dict(meta=run_meta(section=args.section, target=args.target, arms=names,
-                                max_tokens=args.max_tokens), sets={})
+                                max_tokens=args.max_tokens, temp=args.temp, seed=args.seed), sets={})
     md = [f"# {args.section}: {args.target} (commit {_commit(report['meta'])})", "",
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", ""]
     for pset in args.prompts.split(","):

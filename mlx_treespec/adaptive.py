@@ -462,8 +462,9 @@ class AdaptiveDrafter:
     def _shadow(self):
         """The host drafter follows the queued rounds' text as the adaptive rounds would run it:
         from its root, the round the adaptive rounds would draft (its draft at this reach where
-        it matches, else a plain token), walked against the tokens the target emitted (exact:
-        decoding is greedy where rounds queue), priced (a host round as `_expected_ms` prices it,
+        it matches, else a plain token), walked against the tokens the target emitted (exact at
+        any temperature: the target's token at a position is the text's wherever the path
+        before it is), priced (a host round as `_expected_ms` prices it,
         a plain token at plain's start-up cost), and committed. A round is walked once the text
         holds its deepest path and the bonus token.
         What the host's draft is accepted to goes into this text's record of its rate, as a

@@ -259,10 +259,10 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, c
 def _chooser(choose):
     """(logits, positions) -> the target's token after each row: its argmax (greedy: one
     kernel, where `choose`'s log-softmax would add two), or `choose`'s draw at the row's
-    position, compiled (a queued round is host-bound, and the draw is a dozen elementwise ops)."""
+    position."""
     if choose.greedy:
         return lambda logits, positions: mx.argmax(logits, axis=-1).astype(mx.uint32)
-    return mx.compile(choose)
+    return choose
 
 
 def _spine_length(parents):

@@ -6,6 +6,8 @@ what plain sampled decoding with the same seed draws at that position. Sampling 
 with noise from a counter-based hash of (seed, position, token id), so all nodes of a tree are
 drawn in one vectorized call and no random state is carried between calls.
 """
+import functools
+
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
@@ -22,10 +24,11 @@ def _mix(x):
 
 
 def position_uniform(seed, positions, vocab):
-    """Uniform (0, 1) noise [n, vocab], a pure function of (seed, position, token id)."""
+    """Uniform (0, 1) noise [n, vocab], a pure function of (seed (an int, or mx uint32), position,
+    token id)."""
     pos = positions.astype(mx.uint32)[:, None]
     tok = mx.arange(vocab, dtype=mx.uint32)[None, :]
-    s = mx.array(seed & 0xFFFFFFFF, mx.uint32)
+    s = seed if isinstance(seed, mx.array) else mx.array(seed & 0xFFFFFFFF, mx.uint32)
     x = _mix(_mix(pos * mx.array(0x9E3779B1, mx.uint32) + s) ^ (tok * mx.array(0x27D4EB2F, mx.uint32)))
     return ((x >> 8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
 
@@ -49,11 +52,39 @@ def make_node_sampler(temp=0.0, top_p=0.0, min_p=0.0, top_k=0, min_tokens_to_kee
     filters are mlx-lm's own (top-p, min-p, XTC, top-k, in make_sampler's order) and the draw is
     Gumbel-max at temperature temp. XTC's coin is keyed by (seed, position) like the draw: it is
     the noise of the token id one past the vocabulary, so the draw's noise stays as it was.
+    `choose.scores(logits, positions, choose.seed)`: the draw's scores (its argmax is the draw),
+    what a drafter guesses the draw by (`Draw`).
     """
     if not 0 <= xtc_threshold <= 0.5:
         raise ValueError(f"xtc_threshold must be in 0..0.5, got {xtc_threshold}")
     if not 0 <= xtc_probability <= 1.0:
         raise ValueError(f"xtc_probability must be in 0..1, got {xtc_probability}")
+    if temp == 0:
+        def choose(logits, positions):
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
+
+        choose.greedy, choose.scores, choose.seed = True, None, None  # (positions are not read: may be None)
+        return choose
+    scores, draw = _draws(float(temp), float(top_p), float(min_p), int(top_k), int(min_tokens_to_keep),
+                          float(xtc_probability), float(xtc_threshold), tuple(xtc_special_tokens))
+    key = mx.array(seed & 0xFFFFFFFF, mx.uint32)
+
+    def choose(logits, positions):
+        return draw(logits, positions, key)
+
+    choose.greedy, choose.scores, choose.seed = False, scores, key
+    return choose
+
+
+@functools.lru_cache(maxsize=16)
+def _draws(temp, top_p, min_p, top_k, min_tokens_to_keep, xtc_probability, xtc_threshold, xtc_special_tokens):
+    """(scores, draw) of one sampler setting, compiled, the seed an input (mx uint32): a draw is a
+    dozen elementwise ops over the vocabulary, each a launch of its own uncompiled, and a
+    setting's traces (one per row count, and a head's compiled drafts over them) are shared by
+    every generation, whatever its seed (a trace per generation cost queued rounds their first
+    rounds: bench/RESULTS.md, "Sampled rounds"). Plain and speculative decoding draw a row alike:
+    both call these."""
     filters = []
     if 0 < top_p < 1.0:
         filters.append(lambda x, coin: apply_top_p(x, top_p))
@@ -65,9 +96,8 @@ def make_node_sampler(temp=0.0, top_p=0.0, min_p=0.0, top_k=0, min_tokens_to_kee
     if top_k > 0:
         filters.append(lambda x, coin: apply_top_k(x, top_k))
 
-    def scores(logits, positions):
-        # the draw's scores [n, V] in float32 (a small temp overflows a half-precision model's
-        # log-probabilities to -inf): the drawn token is their argmax
+    def scores(logits, positions, seed):
+        # float32: a small temp overflows a half-precision model's log-probabilities to -inf
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         V = logprobs.shape[-1]
         u = position_uniform(seed, positions, V + (1 if xtc_probability > 0 else 0))
@@ -76,35 +106,29 @@ def make_node_sampler(temp=0.0, top_p=0.0, min_p=0.0, top_k=0, min_tokens_to_kee
             logprobs = f(logprobs, coin)
         return logprobs.astype(mx.float32) * (1 / temp) - mx.log(-mx.log(u))
 
-    def choose(logits, positions):
-        if temp == 0:
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-            return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
-        return mx.argmax(scores(logits, positions), axis=-1).astype(mx.uint32)
+    def draw(logits, positions, seed):
+        return mx.argmax(scores(logits, positions, seed), axis=-1).astype(mx.uint32)
 
-    choose.greedy = temp == 0  # positions are not read: callers may pass None
-    # a drafter that picks its tokens by the draw's scores over its own logits, at the positions
-    # the target draws at, shares the target's noise: where the two distributions agree it
-    # guesses the target's draw, not its argmax (`Draw`)
-    choose.scores = None if temp == 0 else scores
-    return choose
+    return mx.compile(scores), mx.compile(draw)
 
 
 class Draw:
-    """What a drafter needs to guess sampled tokens (temp > 0): the sampler's `scores` and the
-    position of the round's root (set by the loop before each draft; a device int32 scalar in
-    rounds queued ahead). The target draws the token after a node at the node's position, so a
-    drafter picks the token after a node at depth d (root 0) by argmax (its runners-up: the next
-    best) of `at(logits, d)`. Exactness does not rest on it: any draft is exact."""
+    """What a drafter needs to guess sampled tokens (temp > 0): the sampler's `scores` (compiled,
+    one function per sampler setting: a compiled draft keys its traces by it), its `seed` (mx
+    uint32) and the position of the round's root (set by the loop before each draft; a device
+    int32 scalar in rounds queued ahead). The target draws the token after a node at the node's
+    position, so a drafter picks the token after a node at depth d (root 0) by argmax (its
+    runners-up: the next best) of `at(logits, d)`. Exactness does not rest on it: any draft is
+    exact."""
 
-    __slots__ = ("scores", "position")
+    __slots__ = ("scores", "seed", "position")
 
-    def __init__(self, scores):
-        self.scores, self.position = scores, None
+    def __init__(self, choose):
+        self.scores, self.seed, self.position = choose.scores, choose.seed, None
 
     def at(self, logits, depth):
         """The draw's scores of `logits` [n, V], every row at `depth` from the root (an int, or
         an mx int32 array [n])."""
         depth = mx.array(depth, mx.int32) if isinstance(depth, int) else depth
         positions = mx.broadcast_to(self.position + depth, (logits.shape[0],))
-        return self.scores(logits, positions)
+        return self.scores(logits, positions, self.seed)

@@ -343,3 +343,16 @@ def test_a_drafter_that_is_the_target_guesses_every_sampled_token(pairs):
     out = [t for t, _, _ in tree_generate_step(prompt, target, ArgmaxDrafter(target, topk=1, depth=4), max_tokens=N,
                                                stats=stats, **kw)]
     assert out == ref and not all(a == d for a, d in zip(stats.accepted[:-1], stats.depth[:-1]))
+
+
+def test_a_sampler_setting_is_compiled_once_whatever_the_seed():
+    # the draw is compiled per setting with the seed an input: every generation of a setting
+    # shares its traces (and a head's compiled drafts over them); seeds still draw apart
+    from mlx_treespec.sampling import make_node_sampler
+
+    a, b = make_node_sampler(temp=0.7, top_p=0.9, seed=1), make_node_sampler(temp=0.7, top_p=0.9, seed=2)
+    assert a.scores is b.scores and make_node_sampler(temp=0.5, top_p=0.9, seed=1).scores is not a.scores
+    logits, positions = mx.array(np.random.default_rng(0).normal(size=(64, 50)).astype(np.float32)), mx.arange(64)
+    assert np.array(a(logits, positions)).tolist() != np.array(b(logits, positions)).tolist()
+    assert np.array(a(logits, positions)).tolist() == np.array(make_node_sampler(temp=0.7, top_p=0.9, seed=1)(
+        logits, positions)).tolist()

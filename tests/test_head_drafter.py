@@ -262,6 +262,13 @@ def test_sampled_queued_head_rounds_draw_what_the_round_loop_draws(tmp_path, mon
         assert len(compared) >= len(host.raw) - 1 and queued.queued_rounds >= min(hand_back or 4, 4)
         for pos, raw in compared:
             assert raw[: len(by_position[pos])] == by_position[pos], pos
+        # a sampler setting's compiled draft serves every generation whatever its seed (a trace
+        # per generation cost queued rounds their first rounds)
+        drafts = {k: f for k, f in queued.__dict__.items() if isinstance(k, tuple)}
+        other = dict(sampling, seed=6)
+        ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **other)]
+        assert [t for t, _, _ in tree_generate_step(prompt, target, queued, max_tokens=N, **other)] == ref
+        assert {k: f for k, f in queued.__dict__.items() if isinstance(k, tuple)} == drafts
     else:
         host, queued, stats = _round_loop_then_queued(LaneOracle, head, target, prompt, opts, hand_back,
                                                       monkeypatch, **sampling)

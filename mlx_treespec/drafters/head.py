@@ -58,11 +58,11 @@ def _ranges(*sizes):
 
 def _picker(draw):
     """`pick(logits, at, depth)`: what a queued step ranks its tokens by (ModelDrafter._scores
-    inside a compiled draft, the root's position `at` an input): the logits, or the draw's
-    scores of them."""
+    inside a compiled draft; `at`, an input: the root's position and the draw's seed): the
+    logits, or the draw's scores of them."""
     if draw is None:
         return lambda logits, at, depth: logits
-    return lambda logits, at, depth: draw.scores(logits, mx.broadcast_to(at + depth, (logits.shape[0],)))
+    return lambda logits, at, depth: draw.scores(logits, mx.broadcast_to(at[0] + depth, (logits.shape[0],)), at[1])
 
 
 @functools.lru_cache(maxsize=64)
@@ -74,7 +74,7 @@ def _lane_spans(steps, lanes):
     return mx.array(np.stack([s * lanes, s if lanes == 1 else 0 * s, (s + 1) * lanes], 1).astype(np.int32))
 
 
-_NO_DRAW = mx.array(0, mx.int32)  # the root's position input of a greedy draft (not read)
+_NO_DRAW = (mx.array(0, mx.int32), mx.array(0, mx.uint32))  # a greedy draft's `at` (not read)
 
 
 def _forget_samplers(store, key):
@@ -270,7 +270,7 @@ class HeadDrafter(ModelDrafter):
         P = tokens.shape[0]
         keys, values = self._buffers(q["bound"] + P + self.depth * lanes)
         ranges = _ranges(keys.shape[2], P, max(self.depth - 1, 1), self.topk)
-        at = _NO_DRAW if self.draw is None else self.draw.position  # the root's position (the queue's)
+        at = _NO_DRAW if self.draw is None else (self.draw.position, self.draw.seed)  # (the queue's)
         out = self._ahead_fn(kind)(tokens, slot_rows, count, q["L0"], keys, values, ranges, at)
         c.keys, c.values = out[-2:]
         first = out[0]
@@ -297,11 +297,11 @@ class HeadDrafter(ModelDrafter):
 
     def _ahead_fn(self, kind):
         """The slots' forward and `depth` steps: (slot tokens [P], their target rows, real slots,
-        L0, K, V, the root's position (read at temp > 0: `ModelDrafter._scores`)) -> `kind`'s
+        L0, K, V, the root's position and the draw's seed (read at temp > 0: `ModelDrafter._scores`)) -> `kind`'s
         outputs (`_steps_ahead`: a chain, or a fixed lane tree's lane tokens, scores and root
         leaves; or the EAGLE-2 tree's tokens, root 0, parents, depths, ancestor rows), then K
         and V. A chain or fixed lane tree is one compiled function (traced per slot count and
-        buffer width, and per sampler: its settings are constants of the trace); an EAGLE-2
+        buffer width, and per sampler setting: constants of the trace, the seed an input); an EAGLE-2
         tree calls `_lanes_fns`' compiled functions, one a step."""
         key = ("_compiled_ahead", kind) if self.draw is None else ("_compiled_ahead", kind, self.draw.scores)
         fn = self.__dict__.get(key)
@@ -365,7 +365,7 @@ class HeadDrafter(ModelDrafter):
                 toks, hidden, logits, argmaxes = state[4], state[7], [], []
                 for g in range(masks.shape[0]):  # (slices of arrays made once: views)
                     toks, hidden, made, ks, vs = argmax_step(masks[g], positions[g], starts[g], toks, hidden,
-                                                             ks, vs, drawn_at[g])
+                                                             ks, vs, (drawn_at[g], at[1]))
                     logits.append(made)
                     argmaxes.append(toks)
                 own = (state[5], state[6], logits, argmaxes)
@@ -459,7 +459,7 @@ class HeadDrafter(ModelDrafter):
             visible = history[None, None] | (window[None, None] & mx.take(rows, column, axis=2))
             # (the draw's positions: step s's lanes are at depth s)
             return _additive(visible, ks[0].dtype), base + argmax_positions, base + argmax_offsets, \
-                at + argmax_positions + 1
+                at[0] + argmax_positions + 1
 
         def argmax_step(mask, positions, bounds, lane_tokens, lane_hidden, ks, vs, drawn_at):
             self._set_hidden(lane_hidden, first=False)
