@@ -131,19 +131,24 @@ class Arms:
         from mlx_lm.generate import generate_step, speculative_generate_step
 
         if arm == "mlx-plain":
-            sampler = None
-            if self.sampling:
-                from mlx_lm.sample_utils import make_sampler
-
-                sampler = make_sampler(self.sampling["temp"])
+            sampler = self._mlx_sampler()
             return lambda p, n: _timed(t for t, _ in generate_step(mx.array(p), self.target, max_tokens=n,
                                                                    sampler=sampler))
         if arm.startswith("mlx-chain:"):
             k = int(arm.split(":")[1])
             return lambda p, n: _timed(t for t, _, _ in speculative_generate_step(
-                mx.array(p), self.target, self.draft_model(), num_draft_tokens=k, max_tokens=n))
+                mx.array(p), self.target, self.draft_model(), num_draft_tokens=k, max_tokens=n,
+                sampler=self._mlx_sampler()))
         make = self.maker(arm)
         return lambda p, n: run_once(self.target, make(), p, n, **self.sampling)
+
+    def _mlx_sampler(self):
+        """mlx-lm's own sampler at --temp (None: greedy), for its loops' arms."""
+        if not self.sampling:
+            return None
+        from mlx_lm.sample_utils import make_sampler
+
+        return make_sampler(self.sampling["temp"])
 
     def maker(self, arm):
         """A function making the arm's drafter: a fresh one per prompt, as each library call
@@ -194,12 +199,27 @@ class Arms:
 def argmax_drafting(drafter):
     """A model or head drafter (or an adaptive one over it) that drafts its logits' argmax at
     temp > 0 too, where the library's guesses the target's draw (sampling.Draw): the A/B arm
-    ARM/uncoupled."""
+    ARM/uncoupled. (An adaptive one over a head then also queues the head's chain, as it does
+    greedy: compare it with ARM/chains.)"""
     if not hasattr(drafter, "draw"):
         raise ValueError("ARM/uncoupled takes a draft model's or head's arm (a drafter that guesses draws)")
     drafter.__class__ = type("Uncoupled" + type(drafter).__name__, (type(drafter),),
                              {"draw": property(lambda self: None, lambda self, draw: None)})
     return drafter
+
+
+class Wraps:
+    """A bench wrapper over `self.drafter`: the loop's sampling.Draw goes to the drafter it wraps
+    (a wrapper reads through `__getattr__`, but an assignment would land on the wrapper)."""
+
+    @property
+    def draw(self):
+        return getattr(self.drafter, "draw", None)
+
+    @draw.setter
+    def draw(self, draw):
+        if hasattr(self.drafter, "draw"):
+            self.drafter.draw = draw
 
 
 def every_step_ranked(drafter):
@@ -211,7 +231,7 @@ def every_step_ranked(drafter):
     return drafter
 
 
-class Separate:
+class Separate(Wraps):
     """A drafter whose generations run every linear layer on its own, the target's and the
     drafter's (mlx_treespec/join.py joins those that read one input): the A/B arm
     (ARM/separate; `run_once` runs it inside `separate`). The joined layers get their own
@@ -261,7 +281,7 @@ def run_once(target, drafter, prompt, max_tokens, **sampling):
         return generate_once(target, drafter, prompt, max_tokens, **sampling)
 
 
-class Unqueued:
+class Unqueued(Wraps):
     """A drafter whose chains are not queued ahead (mlx_treespec/queued.py): the A/B arm."""
 
     ahead = None
@@ -274,7 +294,7 @@ class Unqueued:
         return getattr(self.drafter, name)
 
 
-class ChainAsTree:
+class ChainAsTree(Wraps):
     """A head's queued chains drafted as trees (Draft, a chain's parents): the A/B arm that
     prices a queued tree round's own work (its re-run row, the tree mask, the device walk, the
     path's gathers) apart from its leaves."""
@@ -298,7 +318,7 @@ class ChainAsTree:
         return Draft(tokens, Layout.fixed(chain_parents(d + 1)), budget=d, depth=d, forwards=d)
 
 
-class Replayed:
+class Replayed(Wraps):
     """A queued tree drafter whose spine-first trees are committed as any tree is (the next round
     re-runs the whole accepted path, `queued._replay_layout`), where the library commits them in
     place: the A/B arm that prices the re-run path apart from a second lane's draft."""
@@ -327,8 +347,8 @@ class ChainsQueued:
     @staticmethod
     def of(drafter):
         if not getattr(getattr(drafter, "primary", None), "queues_trees", False) or not hasattr(drafter, "queue_more"):
-            raise ValueError("ARM/chains takes an adaptive arm over a tree-drafting primary (auto:dflash; a "
-                             "head's, auto:eagle3, at --temp above 0)")
+            raise ValueError("ARM/chains takes an adaptive arm over a tree-drafting primary (auto:dflash; "
+                             "auto:eagle3 or auto:mtp, which queue their trees at --temp above 0 only)")
         drafter.__class__ = type("ChainsQueued" + type(drafter).__name__, (type(drafter),), {"queues_trees": False})
         return drafter
 

@@ -27,7 +27,8 @@ _HEADER = {"metal": "#define TS_NEG_INF (-INFINITY)\n",
 # A top-k of at most this many is taken by argmaxes, one pass over the row each; a larger one by
 # argpartition. Why: MLX's argpartition sorts whole rows on a GPU, and a draft's rows are a
 # vocabulary wide: over 128k-250k ids, 10 rows' runners-up cost 190-300 us that way and 80-110
-# by argmaxes (bench/RESULTS.md, "Shorter head trees, and a step's runners-up by argmaxes").
+# by argmaxes (bench/RESULTS.md, "Shorter head trees, and a step's runners-up by argmaxes", in git
+# history: `git show d557c13:bench/RESULTS.md`).
 ARGMAX_TOP_K = 8
 
 

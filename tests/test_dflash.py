@@ -561,6 +561,23 @@ def test_queued_chain_rounds_are_plain_decoding(targets, folders, gpu_path, fami
     target.__dict__.pop("_treespec_compiled_verify", None)
 
 
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_queued_sampled_rounds_are_plain_sampled_decoding(targets, folders, gpu_path, family):
+    # at temp > 0 DFlash's chains, DDTree's trees and one-lane trees queue too (the verify's draw
+    # at each row's position, on the device; DFlash drafts its own tokens): the tokens are
+    # plain sampled decoding's, hybrids' recurrent layers included
+    target = targets(family)
+    prompt = prompt_tokens(4)
+    kw = dict(temp=0.8, top_p=0.95, seed=2)
+    ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **kw)]
+    for shape in ("chain", "ddtree", "spine"):
+        bound = bind_dflash(folders(family), target)
+        d = QueuedOracle(bound, target, topk=1, depth=7) if shape == "chain" else tree_oracle(shape, bound, target, 1)
+        out, stats = speculative(target, d, prompt, **kw)
+        queued = [n for n, k in zip(stats.nodes, stats.drafter) if k == "queued"]
+        assert out == ref and queued and (max(queued) > 8) == (shape != "chain"), (shape, queued)
+
+
 @pytest.mark.parametrize("family,what", [("qwen3_5", "payload"), ("qwen3", "buffers")])
 def test_a_compiled_verify_whose_state_for_later_rounds_differs_runs_eagerly(targets, folders, gpu_path, monkeypatch,
                                                                              family, what):

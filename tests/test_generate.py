@@ -319,7 +319,8 @@ def test_a_drafter_that_is_the_target_guesses_every_sampled_token(pairs):
     # at temp > 0 a drafter picks its tokens by the draw's scores of its own logits at the
     # positions the target draws at (sampling.Draw): a draft model that is the target draws
     # what the target draws, so every round accepts its whole chain and its trees' first lane
-    # (pins the draw's positions, held tokens leading the root included). A drafter that took
+    # (pins the draw's positions; a root after held tokens: the queued head test's one-lane
+    # tree, whose leaves end paths). A drafter that took
     # its logits' argmax instead guesses the target's argmax, which the draw often is not
     from mlx_treespec.drafters.model import ModelDrafter
 

@@ -78,8 +78,9 @@ _NO_DRAW = (mx.array(0, mx.int32), mx.array(0, mx.uint32))  # a greedy draft's `
 
 
 def _forget_samplers(store, key):
-    """Drops the compiled drafts of samplers other than `key`'s (a generation's sampler is a
-    trace constant; an earlier generation's is not drawn with again)."""
+    """Where a draft is compiled for a new sampler setting (`key`), drops those compiled for
+    other settings (a setting is a trace constant; the last one is what generations reuse).
+    Kept meanwhile: a greedy generation compiles nothing new and drops none."""
     own = key[-1] if isinstance(key, tuple) and callable(key[-1]) else None
     for k in [k for k in store if isinstance(k, tuple) and k[0] in ("_compiled_ahead", "_compiled_lanes")
               and callable(k[-1]) and k[-1] is not own]:
