@@ -397,9 +397,15 @@ def _probe(args, model, drafter):
     from .probe import check_speculation
     from .tree import chain_parents, depths_of
 
+    from .sampling import make_node_sampler
+
     parents = drafter.probe_parents()
     topologies = [chain_parents(int(depths_of(parents).max()) + 1), parents]
-    check_speculation(model, topologies, allow_inexact=args.allow_inexact)
+    # sampled: the probe compares draws (a near-tie flips a draw more often than an argmax),
+    # under a fixed seed (any seed's draws flip as often; the run's own is drawn later)
+    sampler = make_node_sampler(args.temp, args.top_p, args.min_p, args.top_k, args.min_tokens_to_keep, 0,
+                                args.xtc_probability, args.xtc_threshold)
+    check_speculation(model, topologies, allow_inexact=args.allow_inexact, sampler=sampler)
 
 
 def main(argv=None):

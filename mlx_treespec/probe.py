@@ -10,8 +10,9 @@ device and the dtype actually in use:
 - for each topology, run one T-row verify (`TreeRound.forward`) from a copy of that state, and,
   from other copies, one-token decoding along every node's root path (each node is decoded once,
   from a copy of the cache after its parent);
-- compare, per node, the argmax and the largest absolute logit difference; repeat on `n_inputs`
-  random inputs.
+- compare, per node, the argmax (with a sampler at temp > 0: the draw at the node's position,
+  which a near-tie flips more often) and the largest absolute logit difference; repeat on
+  `n_inputs` random inputs.
 
 `check_speculation` turns the report into a start-up check: it raises `InexactError` when any
 argmax flips (unless allowed).
@@ -59,11 +60,12 @@ class TopologyProbe:
     depth: int
     n_inputs: int
     checked: int  # nodes compared in all (nodes x n_inputs)
-    flips: int  # nodes whose argmax differs
+    flips: int  # nodes whose argmax (sampled: draw) differs
     max_abs_diff: float  # max |verify logit - one-token logit| over all nodes and inputs
     exact: bool  # flips == 0 and (on CPU) max_abs_diff == 0
     per_input: List[Dict[str, float]] = field(default_factory=list)
     cached: bool = False  # True when this entry came from the memo
+    kind: str = "argmax"  # what a flip is: "argmax", or "draw" (a sampler's, at temp > 0)
 
     @property
     def shape(self):
@@ -78,7 +80,7 @@ class TopologyProbe:
     def describe(self, device):
         s = "" if self.flips == 1 else "s"
         return (f"verify of {self.nodes} nodes differs from one-token decoding on {device}: "
-                f"{self.flips} argmax flip{s} in {self.checked} nodes, "
+                f"{self.flips} {self.kind} flip{s} in {self.checked} nodes, "
                 f"max |dlogit| {self.max_abs_diff:.3g}")
 
 
@@ -113,16 +115,17 @@ class ProbeReport:
     def message(self):
         """One line with the figures of the worst topology (and a count of the others)."""
         bad = [t for t in self.topologies if t.flips]
+        kind = self.topologies[0].kind if self.topologies else "argmax"
         if not bad:
             w = self.worst()
             if w is None:
                 return "no topology probed"
             if not self.exact:  # on CPU a verify must be bitwise: a difference with no flip yet
                 return (f"verify is not bitwise one-token decoding on {self.device} ({self.dtype}): max "
-                        f"|dlogit| {self.max_abs_diff:.3g} (0 argmax flips in {self.checked} nodes; a near-tie "
+                        f"|dlogit| {self.max_abs_diff:.3g} (0 {kind} flips in {self.checked} nodes; a near-tie "
                         "would flip)")
             return (f"verify matches one-token decoding on {self.device} ({self.dtype}): "
-                    f"0 argmax flips in {self.checked} nodes, max |dlogit| {self.max_abs_diff:.3g}")
+                    f"0 {kind} flips in {self.checked} nodes, max |dlogit| {self.max_abs_diff:.3g}")
         w = self.worst()
         msg = w.describe(self.device)
         if len(bad) > 1:
@@ -219,10 +222,13 @@ def _decode_tree(model, committed, tokens, parents):
     return mx.stack(out)
 
 
-def _compare(verify, ref):
+def _compare(verify, ref, sampler=None, positions=None):
     v = verify.astype(mx.float32)
     r = ref.astype(mx.float32)
-    flips = int(mx.sum(mx.argmax(v, axis=-1) != mx.argmax(r, axis=-1)).item())
+    if sampler is None:
+        flips = int(mx.sum(mx.argmax(v, axis=-1) != mx.argmax(r, axis=-1)).item())
+    else:  # the draws from the model's own logits (the sampler casts them as decoding does)
+        flips = int(mx.sum(sampler(verify, positions) != sampler(ref, positions)).item())
     diff = mx.abs(v - r)
     # NaN anywhere is a difference too
     bad = mx.isnan(v) != mx.isnan(r)
@@ -233,14 +239,17 @@ def _compare(verify, ref):
 
 
 def probe_exactness(model, tree_parents_list, n_inputs=3, history=32, seed=0,
-                    perturb: Optional[Callable] = None, memo=True) -> ProbeReport:
+                    perturb: Optional[Callable] = None, memo=True, sampler=None) -> ProbeReport:
     """Compare one T-row tree verify with one-token decoding along each node's root path.
 
     tree_parents_list: parents arrays (or DraftTrees), one per topology, e.g. a chain and the
     configured tree. history: length of the random prompt prefilled first. perturb: test-only
-    hook applied to the verify logits [T, V] before the comparison (never memoized). Returns a
-    ProbeReport with one entry per topology.
+    hook applied to the verify logits [T, V] before the comparison (never memoized). sampler:
+    a sampled `sampling.make_node_sampler` (temp > 0): a flip is a node whose draw at its
+    position differs (None, or a greedy one: its argmax). Returns a ProbeReport with one entry
+    per topology.
     """
+    sampler = None if sampler is None or sampler.greedy else sampler
     if n_inputs < 1:
         raise ValueError(f"n_inputs must be >= 1, got {n_inputs}")
     topologies = [_as_parents(t) for t in tree_parents_list]
@@ -249,9 +258,11 @@ def probe_exactness(model, tree_parents_list, n_inputs=3, history=32, seed=0,
     if history < 1:
         raise ValueError(f"history must be >= 1, got {history}")
 
+    draws = None if sampler is None else (id(sampler.scores), int(sampler.seed.item()))
+
     def key(parents):
         return (id(model), device, dtype, parents.astype(np.int64).tobytes(), n_inputs, history,
-                seed)
+                seed, draws)
 
     results: List[Optional[TopologyProbe]] = [None] * len(topologies)
     todo = []
@@ -285,7 +296,8 @@ def probe_exactness(model, tree_parents_list, n_inputs=3, history=32, seed=0,
                     logits = perturb(logits)
                 mx.eval(logits)
                 ref = _decode_tree(model, committed, tokens, parents)
-                flips, diff = _compare(logits, ref)
+                positions = mx.array((history - 1 + depths_of(parents)).astype(np.int32))  # (the root's: history - 1)
+                flips, diff = _compare(logits, ref, sampler, positions)
                 a = acc[j]
                 a["flips"] += flips
                 a["diff"] = max(a["diff"], diff)
@@ -299,7 +311,7 @@ def probe_exactness(model, tree_parents_list, n_inputs=3, history=32, seed=0,
             tp = TopologyProbe(parents=tuple(int(p) for p in parents), nodes=len(parents),
                                depth=depth, n_inputs=n_inputs, checked=len(parents) * n_inputs,
                                flips=a["flips"], max_abs_diff=a["diff"], exact=exact,
-                               per_input=a["per_input"])
+                               per_input=a["per_input"], kind="argmax" if sampler is None else "draw")
             results[j] = tp
             if memo and perturb is None:
                 cached = copy.copy(tp)
@@ -311,7 +323,7 @@ def probe_exactness(model, tree_parents_list, n_inputs=3, history=32, seed=0,
 
 
 def check_speculation(model, topologies, allow_inexact=False, **probe_kwargs) -> ProbeReport:
-    """Probe `topologies` on `model`; raise InexactError when any argmax flips.
+    """Probe `topologies` on `model`; raise InexactError when any argmax (sampled: draw) flips.
 
     With `allow_inexact`, a flip only warns. Returns the ProbeReport.
     """

@@ -359,3 +359,20 @@ def test_use_default_chat_template_applies_the_tokenizers_default(monkeypatch, c
     assert capsys.readouterr().out.strip()
     _, adapter_path, tokenizer_config = loads[0]
     assert adapter_path == str(adapters) and tokenizer_config["trust_remote_code"] is True
+
+
+def test_the_probe_compares_draws_when_sampling(monkeypatch):
+    # on a GPU the CLI probes the verify before speculating: sampled (--temp > 0), with the run's
+    # sampler settings, so it counts flipped draws, not argmaxes (on CPU it probes nothing)
+    import types
+
+    import mlx_treespec.cli as cli
+    import mlx_treespec.probe as probe
+
+    seen = []
+    monkeypatch.setattr(cli, "mx", types.SimpleNamespace(default_device=lambda: "a gpu", cpu=mx.cpu))
+    monkeypatch.setattr(probe, "check_speculation", lambda model, topologies, **k: seen.append(k))
+    drafter = types.SimpleNamespace(probe_parents=lambda: np.array([-1, 0, 1, 0]))
+    for flags in (["--temp", "0.7", "--top-p", "0.9"], []):
+        cli._probe(cli.setup_arg_parser().parse_args(["--model", "demo"] + flags), None, drafter)
+    assert not seen[0]["sampler"].greedy and seen[1]["sampler"].greedy

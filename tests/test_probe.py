@@ -136,3 +136,28 @@ def test_probe_exact_on_demo_target():
     report = probe_exactness(model, [chain_parents(5), representative_tree_parents(2, 4, 8)], n_inputs=1)
     print(f"probe ran on the demo target ({report.dtype})")
     assert report.flips == 0 and report.exact
+
+
+def _near_tie(logits):
+    """Every token but each row's argmax raised to 0.01 below it: no argmax moves, draws do."""
+    top = mx.max(logits, axis=-1, keepdims=True)
+    return mx.where(logits == top, logits, top - 0.01)
+
+
+def test_a_sampled_probe_counts_draw_flips(models):
+    # at temp > 0 the probe compares each node's draw at its position (sampling.make_node_sampler):
+    # a verify whose runners-up crowd the top flips no argmax (a greedy probe passes it) but
+    # flips draws, and the error says so
+    from mlx_treespec.sampling import make_node_sampler
+
+    model = models[FAMILIES[0]]
+    tree = representative_tree_parents(2, 3, 6)
+    assert probe_exactness(model, [tree], n_inputs=2, perturb=_near_tie).flips == 0
+    sampler = make_node_sampler(temp=1.0, seed=0)
+    report = probe_exactness(model, [tree], n_inputs=2, perturb=_near_tie, sampler=sampler)
+    assert report.flips > 0 and report.topologies[0].kind == "draw"
+    with pytest.raises(InexactError, match="draw flip"):
+        check_speculation(model, [tree], n_inputs=2, perturb=_near_tie, sampler=sampler)
+    # unperturbed, on CPU: bitwise, no draw flips (and a greedy sampler probes argmaxes)
+    assert probe_exactness(model, [tree], n_inputs=2, sampler=sampler, memo=False).exact
+    assert probe_exactness(model, [tree], n_inputs=1, sampler=make_node_sampler(), memo=False).topologies[0].kind == "argmax"
