@@ -369,13 +369,13 @@ def test_round_host_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
             queued.replay_prefix, mx.async_eval, joining.running)
     main(["round-host", "--target", "demo", "--arms",
           "eagle3-chain:3,eagle3-chain:3/astree,eagle3-tree:2:3:6:1,eagle3-chain:3/separate",
-          "--prompts", "unseen", "--n", "2", "--max-tokens", "12", "--out", str(tmp_path / "rh")])
+          "--prompts", "unseen", "--n", "1", "--max-tokens", "12", "--out", str(tmp_path / "rh")])
     assert (queued.compiled_forward, queued.walk, queued._replay_layout, queued._spine_layout,
             queued.replay_prefix, mx.async_eval, joining.running) == kept
     rows = {r["arm"]: r for r in read_json(tmp_path / "rh.json.gz")["arms"]}
     assert list(rows) == ["eagle3-chain:3", "eagle3-chain:3/astree", "eagle3-tree:2:3:6:1", "eagle3-chain:3/separate"]
     for arm, r in rows.items():
-        assert len(r["runs"]) == 2 and r["round"] > 0 and r["draft"] > 0 and r["verify"] > 0 and r["launch"] > 0
+        assert len(r["runs"]) == 1 and r["round"] > 0 and r["draft"] > 0 and r["verify"] > 0 and r["launch"] > 0
         assert ("walk" in r) == ("layout" in r) == ("tree" in arm or "astree" in arm) and r["kernels"] < r["primitives"]
         assert r.get("layout", 1) > 0  # (a one-lane tree's layout is timed too)
     # the chain as a tree runs the chain's tokens through the tree's machinery: more kernels on
@@ -463,3 +463,31 @@ def test_attn_section_tiny(tmp_path):
     mask = mx.where(mx.random.uniform(shape=(5, 37)) > 0.3, 0.0, -1e4).astype(mx.float16)
     want = mx.fast.scaled_dot_product_attention(q, k, k, scale=0.125, mask=mask)
     assert mx.array_equal(composed_attention(q, k, k, mask, 0.125), want).item()
+
+
+def test_sampled_loop_checks_tokens_against_plain_sampled_decoding(tmp_path, capsys):
+    # --temp: every arm samples (mlx-plain with mlx-lm's sampler, the speed baseline only); the
+    # loop adds this library's plain sampled decoding (`plain`) and checks every arm's tokens
+    # against it; ARM/uncoupled drafts argmaxes where the library's drafter guesses the draw
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from run import Arms, load_target, main
+
+    main(["loop", "--target", "demo", "--temp", "0.7", "--seed", "3", "--arms",
+          "eagle3-chain:2,eagle3-tree:2:2:4:1/uncoupled", "--prompts", "unseen", "--n", "1", "--max-tokens", "6",
+          "--out", str(tmp_path / "loop")])
+    data = read_json(tmp_path / "loop.json.gz")
+    assert (data["meta"]["temp"], data["meta"]["seed"]) == (0.7, 3)
+    rows = {r["arm"]: r for r in data["sets"]["unseen"]["arms"]}
+    assert list(rows) == ["mlx-plain", "plain", "eagle3-chain:2", "eagle3-tree:2:2:4:1/uncoupled"]
+    assert all(rows[a]["identical"] == "1/1" for a in ("plain", "eagle3-chain:2", "eagle3-tree:2:2:4:1/uncoupled"))
+    assert "(1 x 6 tokens, 1 runs an arm, temp 0.7)" in (tmp_path / "loop.md").read_text()
+    capsys.readouterr()
+    main(["table", "--from", str(tmp_path / "loop.json.gz")])
+    assert "temp 0.7" in capsys.readouterr().out
+    target, _ = load_target("demo")
+    arms = Arms(target, "demo", [])
+    coupled, uncoupled = arms.maker("eagle3-chain:2")(), arms.maker("eagle3-chain:2/uncoupled")()
+    coupled.draw = uncoupled.draw = "a draw"
+    assert coupled.draw == "a draw" and uncoupled.draw is None
+    with pytest.raises(ValueError, match="ARM/uncoupled takes"):
+        arms.maker("lookup:8:4/uncoupled")()

@@ -561,7 +561,7 @@ def test_queued_chain_rounds_are_plain_decoding(targets, folders, gpu_path, fami
     target.__dict__.pop("_treespec_compiled_verify", None)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3_5"])  # (a hybrid: attention and recurrent layers)
 def test_queued_sampled_rounds_are_plain_sampled_decoding(targets, folders, gpu_path, family):
     # at temp > 0 DFlash's chains, DDTree's trees and one-lane trees queue too (the verify's draw
     # at each row's position, on the device; DFlash drafts its own tokens): the tokens are
