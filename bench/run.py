@@ -63,6 +63,7 @@ from mlx_treespec.cli import resolve_model_path  # noqa: E402
 from mlx_treespec.harness import (encode_prompts, first_divergence, generate_once, interleave,  # noqa: E402
                                   load_prompts, ratio_interval, record, run_meta, spread)
 from mlx_treespec.spec import HEADS, DraftSpec  # noqa: E402
+from mlx_treespec.sampling import draw_of  # noqa: E402
 from mlx_treespec.tree import MAX_NODES  # noqa: E402
 
 # the drafter each demo target uses, by kind
@@ -212,14 +213,7 @@ class Wraps:
     """A bench wrapper over `self.drafter`: the loop's sampling.Draw goes to the drafter it wraps
     (a wrapper reads through `__getattr__`, but an assignment would land on the wrapper)."""
 
-    @property
-    def draw(self):
-        return getattr(self.drafter, "draw", None)
-
-    @draw.setter
-    def draw(self, draw):
-        if hasattr(self.drafter, "draw"):
-            self.drafter.draw = draw
+    draw = draw_of("drafter")
 
 
 def every_step_ranked(drafter):

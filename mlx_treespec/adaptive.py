@@ -24,6 +24,7 @@ import numpy as np
 from .builders import best_first_tree
 from .draft import Draft
 from .tree import MAX_NODES, DraftTree, depths_of, preorder
+from .sampling import draw_of
 from .verify import pad_keys_default, row_bucket
 from .walk import greedy_walk
 
@@ -225,15 +226,7 @@ class AdaptiveDrafter:
     def depth(self):
         return getattr(self.primary if self.primary is not None else self.host, "depth", 0)
 
-    @property
-    def draw(self):
-        """The primary's sampling.Draw (set by the loop at temp > 0; None where it guesses none)."""
-        return getattr(self.primary, "draw", None)
-
-    @draw.setter
-    def draw(self, draw):
-        if hasattr(self.primary, "draw"):
-            self.primary.draw = draw
+    draw = draw_of("primary")
 
     # ------------------------------------------------------------------ the drafter calls
 

@@ -395,9 +395,8 @@ def _probe(args, model, drafter):
     if mx.default_device() == mx.cpu:
         return
     from .probe import check_speculation
-    from .tree import chain_parents, depths_of
-
     from .sampling import make_node_sampler
+    from .tree import chain_parents, depths_of
 
     parents = drafter.probe_parents()
     topologies = [chain_parents(int(depths_of(parents).max()) + 1), parents]

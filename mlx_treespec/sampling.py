@@ -11,7 +11,7 @@ import functools
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
-__all__ = ["make_node_sampler", "position_uniform", "apply_xtc_rows", "Draw"]
+__all__ = ["make_node_sampler", "position_uniform", "apply_xtc_rows", "Draw", "draw_of"]
 
 
 def _mix(x):
@@ -126,9 +126,26 @@ class Draw:
     def __init__(self, choose):
         self.scores, self.seed, self.position = choose.scores, choose.seed, None
 
-    def at(self, logits, depth):
+    def at(self, logits, depth, root=None):
         """The draw's scores of `logits` [n, V], every row at `depth` from the root (an int, or
-        an mx int32 array [n])."""
+        an mx int32 array [n]). `root`: (the root's position, the seed) as arrays, where a
+        compiled draft takes them as inputs (default: this round's)."""
+        position, seed = (self.position, self.seed) if root is None else root
         depth = mx.array(depth, mx.int32) if isinstance(depth, int) else depth
-        positions = mx.broadcast_to(self.position + depth, (logits.shape[0],))
-        return self.scores(logits, positions, self.seed)
+        return self.scores(logits, mx.broadcast_to(position + depth, (logits.shape[0],)), seed)
+
+
+def draw_of(inner):
+    """A wrapper drafter's `draw` property: the drafter it holds in attribute `inner` (an
+    adaptive drafter's primary, a merged drafter's base) gets the loop's Draw and reads it back,
+    where it guesses draws (elsewhere None)."""
+
+    def get(self):
+        return getattr(getattr(self, inner), "draw", None)
+
+    def put(self, draw):
+        held = getattr(self, inner)
+        if hasattr(held, "draw"):
+            held.draw = draw
+
+    return property(get, put, doc=f"The sampling.Draw of `{inner}` (set by the loop at temp > 0).")

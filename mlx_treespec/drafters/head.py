@@ -62,7 +62,7 @@ def _picker(draw):
     logits, or the draw's scores of them."""
     if draw is None:
         return lambda logits, at, depth: logits
-    return lambda logits, at, depth: draw.scores(logits, mx.broadcast_to(at[0] + depth, (logits.shape[0],)), at[1])
+    return lambda logits, at, depth: draw.at(logits, depth, at)
 
 
 @functools.lru_cache(maxsize=64)

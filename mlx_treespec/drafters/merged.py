@@ -21,6 +21,7 @@ import numpy as np
 import mlx.core as mx
 
 from ..draft import Draft, Layout
+from ..sampling import draw_of
 from ..tree import MAX_NODES, ancestors_of, depths_of
 from ..verify import cached_array
 
@@ -80,15 +81,7 @@ class MergedDrafter:
     def depth(self):
         return self.base.depth
 
-    @property
-    def draw(self):
-        """The model drafter's sampling.Draw (the loop sets it at temp > 0)."""
-        return getattr(self.base, "draw", None)
-
-    @draw.setter
-    def draw(self, draw):
-        if hasattr(self.base, "draw"):
-            self.base.draw = draw
+    draw = draw_of("base")
 
     def reset(self):
         self.base.reset()
