@@ -23,14 +23,15 @@ suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselin
 drafts with the I-th folder its drafter's option names (--draft-model, --dflash, --mtp and --eagle3
 take comma lists: two heads in one interleaved run), ARM/auto adaptive drafting over ARM's
 shape (a draft model's or head's chain or tree: an earlier default's arm), /sync without queued rounds, auto:dflash/chains
-queueing the primary's chains instead of its trees, HEAD-chain:K/astree a head's chains queued as
+queueing the primary's chains instead of its trees, auto:KIND/noprior (with --temp) judging its
+sampled queued rounds by their window alone as greedy ones are (adaptive.QUEUED_PRIOR's A/B arm), HEAD-chain:K/astree a head's chains queued as
 trees of no leaves, TREE/replay a spine-first tree's accepted paths re-run by the next round
 as any tree's are, where the library commits them in place, ARM/separate every linear layer run
 on its own, where the library joins those that read one input (mlx_treespec/join.py),
 TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the first lane
 step only, ARM/uncoupled (with --temp) a draft model's or head's steps taking their logits'
 argmax, where the library's guess the target's draw (sampling.Draw) (suffixes in that order:
-ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains], ARM[/astree], ARM[/replay], ARM[/ranked],
+ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains][/noprior], ARM[/astree], ARM[/replay], ARM[/ranked],
 ARM[/separate]). Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt (with --temp every
 arm samples: mlx-plain by mlx-lm's sampler, the others' tokens checked against this library's
@@ -160,6 +161,7 @@ class Arms:
         arm, ranked = (arm[: -len("/ranked")], True) if arm.endswith("/ranked") else (arm, False)
         arm, replay = (arm[: -len("/replay")], True) if arm.endswith("/replay") else (arm, False)
         arm, as_tree = (arm[: -len("/astree")], True) if arm.endswith("/astree") else (arm, False)
+        arm, noprior = (arm[: -len("/noprior")], True) if arm.endswith("/noprior") else (arm, False)
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
         arm, uncoupled = (arm[: -len("/uncoupled")], True) if arm.endswith("/uncoupled") else (arm, False)
@@ -193,7 +195,11 @@ class Arms:
         if replay:  # "TREE/replay": a spine-first tree's paths re-run as any tree's are
             return lambda: Replayed(make())
         if chains:  # "auto:KIND/chains": the adaptive drafter queueing its primary's chains
-            return lambda: ChainsQueued.of(make())
+            inner = make
+            make = lambda: ChainsQueued.of(inner())  # noqa: E731
+        if noprior:  # "auto:KIND/noprior": sampled queued rounds judged as greedy ones
+            inner = make
+            make = lambda: NoPrior.of(inner())  # noqa: E731
         return make
 
 
@@ -344,6 +350,19 @@ class ChainsQueued:
             raise ValueError("ARM/chains takes an adaptive arm over a tree-drafting primary (auto:dflash; "
                              "auto:eagle3 or auto:mtp, which queue their trees at --temp above 0 only)")
         drafter.__class__ = type("ChainsQueued" + type(drafter).__name__, (type(drafter),), {"queues_trees": False})
+        return drafter
+
+
+class NoPrior:
+    """An adaptive drafter that judges sampled queued rounds as greedy ones: its window alone,
+    from QUEUED_MIN booked rounds (the rule before `adaptive.QUEUED_PRIOR`): the A/B arm."""
+
+    @staticmethod
+    def of(drafter):
+        if not hasattr(drafter, "queue_more"):
+            raise ValueError("ARM/noprior takes an adaptive arm (auto, auto:mtp, auto:eagle3, auto:dflash)")
+        drafter.__class__ = type("NoPrior" + type(drafter).__name__, (type(drafter),),
+                                 {"sampled": property(lambda self: False, lambda self, sampled: None)})
         return drafter
 
 

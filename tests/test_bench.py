@@ -491,3 +491,9 @@ def test_sampled_loop_checks_tokens_against_plain_sampled_decoding(tmp_path, cap
     assert coupled.draw == "a draw" and uncoupled.draw is None
     with pytest.raises(ValueError, match="ARM/uncoupled takes"):
         arms.maker("lookup:8:4/uncoupled")()
+    # auto:KIND/noprior: the adaptive drafter judging sampled queued rounds as greedy ones
+    auto, noprior = arms.maker("auto:eagle3")(), arms.maker("auto:eagle3/noprior")()
+    auto.draw = noprior.draw = "a draw"
+    assert auto.sampled and not noprior.sampled and noprior.draw == "a draw"
+    with pytest.raises(ValueError, match="ARM/noprior takes"):
+        arms.maker("eagle3-chain:2/noprior")()
