@@ -178,8 +178,9 @@ class Arms:
         make = (lambda: spec.build(source(), target=self.target)) if source else \
             (lambda: spec.build(None, target=self.target))
         if uncoupled:  # "ARM/uncoupled": at temp > 0 its steps take their logits' argmax (the A/B arm
-            inner = make  # of sampling.Draw)
-            make = lambda: argmax_drafting(inner())  # noqa: E731
+            # of sampling.Draw; each wrapper binds the maker it wraps: a shared name would
+            # call itself once a second suffix rebinds it)
+            make = lambda inner=make: argmax_drafting(inner())  # noqa: E731
         if separate:  # "ARM/separate": every linear layer on its own (join.py's A/B arm)
             inner = self.maker(arm_in)
             return lambda: Separate(inner(), self.target)
@@ -190,16 +191,13 @@ class Arms:
         if unqueued:  # "ARM/sync": the same drafter through the round loop (one host sync a round)
             return lambda: Unqueued(make())
         if as_tree:  # "HEAD-chain:K/astree": its chains queued as one-lane trees of no leaves
-            inner = make
-            make = lambda: ChainAsTree(inner())  # noqa: E731
+            make = lambda inner=make: ChainAsTree(inner())  # noqa: E731
         if replay:  # "TREE/replay": a spine-first tree's paths re-run as any tree's are
             return lambda: Replayed(make())
         if chains:  # "auto:KIND/chains": the adaptive drafter queueing its primary's chains
-            inner = make
-            make = lambda: ChainsQueued.of(inner())  # noqa: E731
+            make = lambda inner=make: ChainsQueued.of(inner())  # noqa: E731
         if noprior:  # "auto:KIND/noprior": sampled queued rounds judged as greedy ones
-            inner = make
-            make = lambda: NoPrior.of(inner())  # noqa: E731
+            make = lambda inner=make: NoPrior.of(inner())  # noqa: E731
         return make
 
 
@@ -210,9 +208,13 @@ def argmax_drafting(drafter):
     greedy: compare it with ARM/chains.)"""
     if not hasattr(drafter, "draw"):
         raise ValueError("ARM/uncoupled takes a draft model's or head's arm (a drafter that guesses draws)")
+    def put(self, draw):  # (an adaptive drafter still knows it samples: its hand-back rule)
+        if "sampled" in vars(self):
+            self.sampled = draw is not None
+
     drafter.__class__ = type("Uncoupled" + type(drafter).__name__, (type(drafter),),
-                             {"draw": property(lambda self: None, lambda self, draw: None)})
-    return drafter
+                             {"draw": property(lambda self: None, put)})
+    return own_record(drafter, "uncoupled") if hasattr(drafter, "queue_more") else drafter
 
 
 class Wraps:
@@ -350,7 +352,7 @@ class ChainsQueued:
             raise ValueError("ARM/chains takes an adaptive arm over a tree-drafting primary (auto:dflash; "
                              "auto:eagle3 or auto:mtp, which queue their trees at --temp above 0 only)")
         drafter.__class__ = type("ChainsQueued" + type(drafter).__name__, (type(drafter),), {"queues_trees": False})
-        return drafter
+        return own_record(drafter, "chains")
 
 
 class NoPrior:
@@ -363,7 +365,21 @@ class NoPrior:
             raise ValueError("ARM/noprior takes an adaptive arm (auto, auto:mtp, auto:eagle3, auto:dflash)")
         drafter.__class__ = type("NoPrior" + type(drafter).__name__, (type(drafter),),
                                  {"sampled": property(lambda self: False, lambda self, sampled: None)})
-        return drafter
+        return own_record(drafter, "noprior")
+
+
+def own_record(drafter, tag):
+    """An adaptive A/B arm's drafter learning apart from the arm it varies (its rates, its
+    sampled queued record: adaptive.Learned under a memory key of its own)."""
+    from mlx_treespec.adaptive import LEARNED
+
+    drafter.memory = (tag, drafter.memory)
+    if drafter.memory in LEARNED:
+        drafter.learned = LEARNED[drafter.memory]
+        drafter._restart()
+    else:
+        drafter.reset()
+    return drafter
 
 
 def _timed(gen):

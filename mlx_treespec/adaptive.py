@@ -57,8 +57,8 @@ QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 4, 32, 0.8
 # Sampled, a queued round's emitted count is mostly the draws' luck (1 to depth + 1 round to
 # round within a text, where greedy it follows the text): the window's tokens per round are
 # read as if QUEUED_PRIOR rounds at the drafter's long-run tokens per queued round (`Learned.
-# queued`, the last QUEUED_SPAN booked rounds of its generations) were in it, and until that
-# record holds QUEUED_PRIOR rounds the first decision waits for QUEUED_PRIOR booked rounds. Without it the default
+# queued`, the last QUEUED_SPAN booked rounds of its generations) were in it; until that
+# record holds QUEUED_PRIOR rounds (this window's included) there is no decision. Without it the default
 # handed back at the first decision of every generation's first stretch and ran at 0.99x plain
 # where its fixed tree ran at 1.27x (bench/RESULTS.md, "The default when sampling")
 QUEUED_PRIOR, QUEUED_SPAN = 16, 256

@@ -493,7 +493,11 @@ def test_sampled_loop_checks_tokens_against_plain_sampled_decoding(tmp_path, cap
         arms.maker("lookup:8:4/uncoupled")()
     # auto:KIND/noprior: the adaptive drafter judging sampled queued rounds as greedy ones
     auto, noprior = arms.maker("auto:eagle3")(), arms.maker("auto:eagle3/noprior")()
-    auto.draw = noprior.draw = "a draw"
+    both, argmaxes = arms.maker("auto:eagle3/uncoupled/chains/noprior")(), arms.maker("auto:eagle3/uncoupled")()
+    auto.draw = noprior.draw = both.draw = argmaxes.draw = "a draw"
     assert auto.sampled and not noprior.sampled and noprior.draw == "a draw"
+    assert argmaxes.sampled and argmaxes.draw is None and not both.sampled and not both.queues_trees
+    # (A/B arms learn apart from the arm they vary)
+    assert len({id(d.learned) for d in (auto, noprior, both, argmaxes)}) == 4
     with pytest.raises(ValueError, match="ARM/noprior takes"):
         arms.maker("eagle3-chain:2/noprior")()
