@@ -23,15 +23,14 @@ suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselin
 drafts with the I-th folder its drafter's option names (--draft-model, --dflash, --mtp and --eagle3
 take comma lists: two heads in one interleaved run), ARM/auto adaptive drafting over ARM's
 shape (a draft model's or head's chain or tree: an earlier default's arm), /sync without queued rounds, auto:dflash/chains
-queueing the primary's chains instead of its trees, auto:KIND/noprior (with --temp) judging its
-sampled queued rounds by their window alone as greedy ones are (adaptive.QUEUED_PRIOR's A/B arm), HEAD-chain:K/astree a head's chains queued as
+queueing the primary's chains instead of its trees, HEAD-chain:K/astree a head's chains queued as
 trees of no leaves, TREE/replay a spine-first tree's accepted paths re-run by the next round
 as any tree's are, where the library commits them in place, ARM/separate every linear layer run
 on its own, where the library joins those that read one input (mlx_treespec/join.py),
 TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the first lane
 step only, ARM/uncoupled (with --temp) a draft model's or head's steps taking their logits'
 argmax, where the library's guess the target's draw (sampling.Draw) (suffixes in that order:
-ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains][/noprior], ARM[/astree], ARM[/replay], ARM[/ranked],
+ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains], ARM[/astree], ARM[/replay], ARM[/ranked],
 ARM[/separate]). Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt (with --temp every
 arm samples: mlx-plain by mlx-lm's sampler, the others' tokens checked against this library's
@@ -161,7 +160,6 @@ class Arms:
         arm, ranked = (arm[: -len("/ranked")], True) if arm.endswith("/ranked") else (arm, False)
         arm, replay = (arm[: -len("/replay")], True) if arm.endswith("/replay") else (arm, False)
         arm, as_tree = (arm[: -len("/astree")], True) if arm.endswith("/astree") else (arm, False)
-        arm, noprior = (arm[: -len("/noprior")], True) if arm.endswith("/noprior") else (arm, False)
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
         arm, uncoupled = (arm[: -len("/uncoupled")], True) if arm.endswith("/uncoupled") else (arm, False)
@@ -196,8 +194,6 @@ class Arms:
             return lambda: Replayed(make())
         if chains:  # "auto:KIND/chains": the adaptive drafter queueing its primary's chains
             make = lambda inner=make: ChainsQueued.of(inner())  # noqa: E731
-        if noprior:  # "auto:KIND/noprior": sampled queued rounds judged as greedy ones
-            make = lambda inner=make: NoPrior.of(inner())  # noqa: E731
         return make
 
 
@@ -208,12 +204,8 @@ def argmax_drafting(drafter):
     greedy: compare it with ARM/chains.)"""
     if not hasattr(drafter, "draw"):
         raise ValueError("ARM/uncoupled takes a draft model's or head's arm (a drafter that guesses draws)")
-    def put(self, draw):  # (an adaptive drafter still knows it samples: its hand-back rule)
-        if "sampled" in vars(self):
-            self.sampled = draw is not None
-
     drafter.__class__ = type("Uncoupled" + type(drafter).__name__, (type(drafter),),
-                             {"draw": property(lambda self: None, put)})
+                             {"draw": property(lambda self: None, lambda self, draw: None)})
     return own_record(drafter, "uncoupled") if hasattr(drafter, "queue_more") else drafter
 
 
@@ -355,22 +347,9 @@ class ChainsQueued:
         return own_record(drafter, "chains")
 
 
-class NoPrior:
-    """An adaptive drafter that judges sampled queued rounds as greedy ones: its window alone,
-    from QUEUED_MIN booked rounds (the rule before `adaptive.QUEUED_PRIOR`): the A/B arm."""
-
-    @staticmethod
-    def of(drafter):
-        if not hasattr(drafter, "queue_more"):
-            raise ValueError("ARM/noprior takes an adaptive arm (auto, auto:mtp, auto:eagle3, auto:dflash)")
-        drafter.__class__ = type("NoPrior" + type(drafter).__name__, (type(drafter),),
-                                 {"sampled": property(lambda self: False, lambda self, sampled: None)})
-        return own_record(drafter, "noprior")
-
-
 def own_record(drafter, tag):
-    """An adaptive A/B arm's drafter learning apart from the arm it varies (its rates, its
-    sampled queued record: adaptive.Learned under a memory key of its own)."""
+    """An adaptive A/B arm's drafter learning apart from the arm it varies (its rates:
+    adaptive.Learned under a memory key of its own)."""
     from mlx_treespec.adaptive import LEARNED
 
     drafter.memory = (tag, drafter.memory)

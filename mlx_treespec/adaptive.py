@@ -54,14 +54,6 @@ SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # arm queues again when chosen (`QueueAhead`), so the decision comes early (bench/RESULTS.md,
 # "The default comes back to queued rounds" and "The default, three runs of each prompt")
 QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 4, 32, 0.8
-# Sampled, a queued round's emitted count is mostly the draws' luck (1 to depth + 1 round to
-# round within a text, where greedy it follows the text): the window's tokens per round are
-# read as if QUEUED_PRIOR rounds at the drafter's long-run tokens per queued round (`Learned.
-# queued`, the last QUEUED_SPAN booked rounds of its generations) were in it; until that
-# record holds QUEUED_PRIOR rounds (this window's included) there is no decision. Without it the default
-# handed back at the first decision of every generation's first stretch and ran at 0.99x plain
-# where its fixed tree ran at 1.27x (bench/RESULTS.md, "The default when sampling")
-QUEUED_PRIOR, QUEUED_SPAN = 16, 256
 
 
 @dataclass(frozen=True)
@@ -137,21 +129,6 @@ class Learned:
         self.calibration = Calibration()
         self.overhead = None  # EWMA of a DFlash round's ms beyond its verify's
         self.plain_at = plain_ms  # the plain ms per token the plain rate stands at (repricing scales it)
-        self.queued = [0.0, 0]  # booked sampled queued rounds' tokens and count (the last QUEUED_SPAN, about)
-
-    def book_queued(self, tokens):
-        """A booked queued round's tokens into the long-run record (older rounds fade out past
-        QUEUED_SPAN)."""
-        total, rounds = self.queued
-        if rounds >= QUEUED_SPAN:
-            total, rounds = total * (QUEUED_SPAN - 1) / rounds, QUEUED_SPAN - 1
-        self.queued = [total + tokens, rounds + 1]
-
-    @property
-    def queued_tokens(self):
-        """Tokens per booked queued round over the record (None before any)."""
-        total, rounds = self.queued
-        return total / rounds if rounds else None
 
 
 LEARNED = {}  # memory key -> Learned, for this process
@@ -220,7 +197,6 @@ class AdaptiveDrafter:
                       "host": _kind(host) if host is not None else "", "plain": "plain"}
         self.memory = memory
         self.queueable = False  # set by the loop per generation: rounds can be queued ahead (queued.py)
-        self.sampled = False  # set by the loop per generation (`draw`): it samples (temp > 0)
         if memory is not None and memory in LEARNED:
             self.learned = LEARNED[memory]
             self._restart()
@@ -250,18 +226,7 @@ class AdaptiveDrafter:
     def depth(self):
         return getattr(self.primary if self.primary is not None else self.host, "depth", 0)
 
-    _primary_draw = draw_of("primary")
-
-    @property
-    def draw(self):
-        """The primary's sampling.Draw where it guesses draws (a head, a draft model), else None."""
-        return self._primary_draw
-
-    @draw.setter
-    def draw(self, draw):
-        # (set by the loop each generation: whether it samples, whatever the primary drafts)
-        self.sampled = draw is not None
-        self._primary_draw = draw
+    draw = draw_of("primary")
 
     # ------------------------------------------------------------------ the drafter calls
 
@@ -484,16 +449,8 @@ class AdaptiveDrafter:
         if total[0] and 2 * total[0] >= window:
             host = total[0] / max(total[1], 1e-6)
             plain = host if plain is None else max(plain, host)
-        n, ms_booked = len(booked), sum(m for _, m in booked)
-        least = QUEUED_MIN
-        if self.sampled:  # the window read against the long-run record (QUEUED_PRIOR)
-            if self.learned.queued[1] < QUEUED_PRIOR:  # (a record of fewer rounds is this window)
-                least = QUEUED_PRIOR
-            else:
-                window = (QUEUED_PRIOR * self.learned.queued_tokens + window) / (QUEUED_PRIOR + n) * n
-            self.learned.book_queued(len(tokens))  # (sampled rounds only: greedy ones emit more)
-        rate = window / max(ms_booked, 1e-6)
-        return plain is None or n < least or rate >= QUEUED_LOSS * plain  # (QUEUED_MIN, QUEUED_PRIOR <= the window)
+        rate = window / max(sum(m for _, m in booked), 1e-6)
+        return plain is None or len(booked) < QUEUED_MIN or rate >= QUEUED_LOSS * plain  # (QUEUED_MIN <= the window)
 
     def _shadow(self):
         """The host drafter follows the queued rounds' text as the adaptive rounds would run it:

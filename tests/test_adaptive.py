@@ -786,37 +786,6 @@ def test_queued_rounds_hand_back_below_the_margin_only():
     assert answers.index(False) == adaptive.QUEUED_WARM + adaptive.QUEUED_MIN - 1, answers
 
 
-def test_sampled_queued_rounds_read_their_window_against_the_long_run_record():
-    # sampled, a queued round's emitted count is mostly the draws' luck: before any record the
-    # first decision waits for QUEUED_PRIOR booked rounds (greedy: QUEUED_MIN); with a record of
-    # 12 tokens a round over 100 rounds, rounds of 2 read as (16 x r + 2 n) / (16 + n) a round,
-    # r the record (each booked sampled round joins it: 11.2 at the ninth), and hand back once
-    # that is below the margin (10 ms rounds, plain 1 token/ms: 8), at n = 9, where greedy they
-    # hand back at the first decision
-    def drafter(sampled):
-        d = AdaptiveDrafter(host=LookupDrafter(8, 6), costs=(1.0, flat(1.0)))
-        d.draw = object() if sampled else None  # (the loop's Draw at temp > 0)
-        assert d.sampled == sampled
-        return d
-
-    for sampled, first_no in ((False, adaptive.QUEUED_MIN), (True, adaptive.QUEUED_PRIOR)):
-        d = drafter(sampled)
-        answers = [d.queue_more([1] * 7, 10.0) for _ in range(adaptive.QUEUED_WARM + 2 * adaptive.QUEUED_PRIOR)]
-        assert answers.index(False) == adaptive.QUEUED_WARM + first_no - 1, answers
-        booked = 2 * adaptive.QUEUED_PRIOR
-        assert d.learned.queued == ([7.0 * booked, booked] if sampled else [0.0, 0])
-    for sampled, first_no in ((False, adaptive.QUEUED_MIN), (True, 9)):
-        d = drafter(sampled)
-        d.learned.queued = [1200.0, 100]
-        answers = [d.queue_more([1] * 2, 10.0) for _ in range(adaptive.QUEUED_WARM + 2 * adaptive.QUEUED_PRIOR)]
-        assert answers.index(False) == adaptive.QUEUED_WARM + first_no - 1, answers
-    # the record fades past QUEUED_SPAN rounds: its mean follows the newer rounds
-    d.learned.queued = [12.0 * adaptive.QUEUED_SPAN, adaptive.QUEUED_SPAN]
-    for _ in range(adaptive.QUEUED_SPAN):
-        d.learned.book_queued(2)
-    assert d.learned.queued[1] == adaptive.QUEUED_SPAN and 2 < d.learned.queued_tokens < 7
-
-
 def test_a_freed_models_record_is_not_a_new_models():
     # memory keys name live models: a new model that takes a freed one's id (CPython reuses
     # them) starts a record of its own

@@ -491,13 +491,10 @@ def test_sampled_loop_checks_tokens_against_plain_sampled_decoding(tmp_path, cap
     assert coupled.draw == "a draw" and uncoupled.draw is None
     with pytest.raises(ValueError, match="ARM/uncoupled takes"):
         arms.maker("lookup:8:4/uncoupled")()
-    # auto:KIND/noprior: the adaptive drafter judging sampled queued rounds as greedy ones
-    auto, noprior = arms.maker("auto:eagle3")(), arms.maker("auto:eagle3/noprior")()
-    both, argmaxes = arms.maker("auto:eagle3/uncoupled/chains/noprior")(), arms.maker("auto:eagle3/uncoupled")()
-    auto.draw = noprior.draw = both.draw = argmaxes.draw = "a draw"
-    assert auto.sampled and not noprior.sampled and noprior.draw == "a draw"
-    assert argmaxes.sampled and argmaxes.draw is None and not both.sampled and not both.queues_trees
-    # (A/B arms learn apart from the arm they vary)
-    assert len({id(d.learned) for d in (auto, noprior, both, argmaxes)}) == 4
-    with pytest.raises(ValueError, match="ARM/noprior takes"):
-        arms.maker("eagle3-chain:2/noprior")()
+    # wrapper suffixes combine (each binds the maker it wraps), and an adaptive A/B arm learns
+    # apart from the arm it varies
+    auto, both = arms.maker("auto:eagle3")(), arms.maker("auto:eagle3/uncoupled/chains")()
+    argmaxes, chains = arms.maker("auto:eagle3/uncoupled")(), arms.maker("auto:eagle3/chains")()
+    both.draw = "a draw"
+    assert both.draw is None and not both.queues_trees and isinstance(both.primary, type(auto.primary))
+    assert len({id(d.learned) for d in (auto, both, argmaxes, chains)}) == 4
