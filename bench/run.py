@@ -28,7 +28,7 @@ trees of no leaves, TREE/replay a spine-first tree's accepted paths re-run by th
 as any tree's are, where the library commits them in place, ARM/separate every linear layer run
 on its own, where the library joins those that read one input (mlx_treespec/join.py),
 TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the first lane
-step only, ARM/uncoupled (with --temp) a draft model's or head's steps taking their logits'
+step only, ARM/uncoupled (with --temp) a draft model's, head's or DFlash drafter's steps taking their logits'
 argmax, where the library's guess the target's draw (sampling.Draw) (suffixes in that order:
 ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains], ARM[/astree], ARM[/replay], ARM[/ranked],
 ARM[/separate]). Speed figures are
@@ -198,12 +198,12 @@ class Arms:
 
 
 def argmax_drafting(drafter):
-    """A model or head drafter (or an adaptive one over it) that drafts its logits' argmax at
+    """A model, head or DFlash drafter (or an adaptive one over it) that drafts its logits' argmax at
     temp > 0 too, where the library's guesses the target's draw (sampling.Draw): the A/B arm
     ARM/uncoupled. (An adaptive one over a head then also queues the head's chain, as it does
     greedy: compare it with ARM/chains.)"""
     if not hasattr(drafter, "draw"):
-        raise ValueError("ARM/uncoupled takes a draft model's or head's arm (a drafter that guesses draws)")
+        raise ValueError("ARM/uncoupled takes a draft model's, head's or DFlash arm (a drafter that guesses draws)")
     drafter.__class__ = type("Uncoupled" + type(drafter).__name__, (type(drafter),),
                              {"draw": property(lambda self: None, lambda self, draw: None)})
     return own_record(drafter, "uncoupled") if hasattr(drafter, "queue_more") else drafter

@@ -155,6 +155,74 @@ def test_sampled_equals_plain_sampled(targets, folders):
         assert out == ref and sum(stats.accepted) > 0
 
 
+class DrawSpy(DFlashDrafter):
+    """Keeps each round's block logits and root position with what it drafted from them."""
+
+    def _block_logits(self, root):
+        self.last = super()._block_logits(root)
+        return self.last
+
+    def _ahead_logits(self, root, rows, count):
+        self.last = super()._ahead_logits(root, rows, count)
+        return self.last
+
+    def _seen(self, drafted):
+        position = None if self.draw is None else int(np.array(self.draw.position))
+        self.rounds.append((position, self.last, drafted))
+        return drafted
+
+    def draft(self, root, max_depth):  # (a tree's: its `ranked`)
+        drafted = super().draft(root, max_depth)
+        return self._seen(drafted) if self.topk == 1 else drafted
+
+    def chain_ahead(self, root, rows, count):
+        return self._seen(super().chain_ahead(root, rows, count))
+
+    def ranked(self, root, depth):
+        return self._seen(super().ranked(root, depth))
+
+
+@pytest.mark.parametrize("queued", [False, True])
+def test_sampled_dflash_drafts_guess_the_draw(targets, folders, monkeypatch, queued):
+    # at temp > 0 a DFlash chain, and DDTree's ranks at each position, are the target's draw's:
+    # block position k ranked by the sampler's scores at the position where the target draws
+    # the token k places after the root (the root's position + k - 1), through the round loop
+    # and in rounds queued ahead (the GPU path, here on CPU); greedy, by the logits. Tokens are
+    # plain (sampled) decoding's either way
+    from mlx_treespec.sampling import make_node_sampler
+    import mlx_treespec.verify as verify
+
+    if queued:
+        monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    target = targets("qwen3")
+    prompt = prompt_tokens(5)
+    kw = dict(temp=0.8, top_p=0.95, seed=4)
+    choose = make_node_sampler(**kw)
+    shapes = [dict(topk=1, depth=7)] + ([] if queued else [dict(budget=12)])
+    for shape, sampling in [(s, k) for s in shapes for k in (kw, {})]:
+        d = DrawSpy(bind_dflash(folders("qwen3"), target), **shape)
+        d.rounds = []
+        out, stats = speculative(target, d, prompt, **sampling)
+        assert out == [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **sampling)]
+        assert d.rounds and (set(stats.drafter) == {"queued"}) == queued, stats.drafter
+        differ = 0
+        for position, logits, drafted in d.rounds:
+            block = logits[1 : 1 + d.depth].astype(mx.float32)
+            if sampling:
+                want = choose.scores(block, position + mx.arange(d.depth, dtype=mx.int32), choose.seed)
+                differ += int((mx.argmax(want, -1) != mx.argmax(block, -1)).any().item())
+            else:
+                assert position is None
+                want = block
+            if d.topk == 1:
+                chain = np.array(drafted if isinstance(drafted, mx.array) else drafted.tokens[1:]).tolist()
+                assert chain == np.array(mx.argmax(want, -1)).tolist()[: len(chain)]  # (near the end: fewer)
+            else:  # (ranked: the top-k ids of each position, best first)
+                ids = drafted[0]
+                assert (ids[:, 0] == np.array(mx.argmax(want, -1))[: len(ids)]).all()
+        assert (differ > 0) == bool(sampling)  # (the draw is not the argmax at some positions)
+
+
 class Recorder(DFlashDrafter):
     """Keeps every hidden row the loop hands over (prefill, then each commit's path rows)."""
 

@@ -13,6 +13,10 @@ The round's tree:
   (builders.best_first_tree over each position's top `topk`; one host sync for the top-k). In
   rounds queued ahead (queued.py) the same tree is built on the device (`device_tree.best_first`):
   no host sync between rounds.
+At temp > 0 both rank a position's tokens by the target's draw there (sampling.Draw: the same
+filters, temperature and noise over the block's logits, position k drawn where the target draws
+the token k places after the root), so the chain and each position's best candidate are guesses
+of the draw, not argmaxes, as a draft model's and a head's are.
 
 Either way the drafter costs one forward per round whatever the tree's size. The draft cache
 holds the context's keys and values only; commit appends the accepted path's hidden states (the
@@ -253,6 +257,7 @@ class DFlashDrafter:
         if key not in compiled:
             compiled[key] = self._compile()
         self._forward = compiled[key]
+        self.draw = None  # set by the loop per generation (not by reset): at temp > 0 the sampling.Draw it guesses
         self.reset()
 
     # ------------------------------------------------------------------ the context cache
@@ -263,6 +268,13 @@ class DFlashDrafter:
         self.pending = None  # context features not yet projected [n, n*H]
         self._queued = None  # rounds queued ahead: (context rows on the device, a host bound on them)
         self._entry = 0  # the context rows when the rounds under way began to queue
+
+    def _scores(self, logits):
+        """What a block's positions 1..n (`logits` [n, V]) rank their tokens by: the logits, or at
+        temp > 0 the draw's scores of them (position k is drawn at depth k - 1 from the root)."""
+        if self.draw is None:
+            return logits
+        return self.draw.at(logits, mx.arange(logits.shape[0], dtype=mx.int32))
 
     def _room(self, rows):
         """Grow every layer's buffers (`verify.grown`: a multiple of `width_step()`, each width
@@ -391,7 +403,7 @@ class DFlashDrafter:
             return Draft.root_only(root)
         if self.topk == 1:
             logits = self._block_logits(root)[1 : depth + 1]  # position k predicts k after the root
-            chain = mx.argmax(logits, axis=-1).astype(mx.uint32)
+            chain = mx.argmax(self._scores(logits), axis=-1).astype(mx.uint32)
             root_arr = mx.array([int(root)], mx.uint32)
             return Draft(mx.concatenate([root_arr, chain]), Layout.fixed(chain_parents(depth + 1)),
                          budget=depth, depth=depth, forwards=self.forwards)
@@ -433,14 +445,14 @@ class DFlashDrafter:
         """A chain drafted from device values alone, so the host never waits (`_ahead_logits`'s
         arguments). Returns the chain, mx uint32 [depth]."""
         logits = self._ahead_logits(root, rows, count)
-        return mx.argmax(logits[1 : self.depth + 1], axis=-1).astype(mx.uint32)
+        return mx.argmax(self._scores(logits[1 : self.depth + 1]), axis=-1).astype(mx.uint32)
 
     def tree_ahead(self, root, rows, count, path=None):
         """DDTree's tree drafted from device values alone (`device_tree.best_first`;
         `_ahead_logits`'s arguments; the path's tokens are not needed: its rows are the context).
         Returns a Draft whose layout lives on the device."""
         logits = self._ahead_logits(root, rows, count)[1 : self.depth + 1]
-        lp = logits.astype(mx.float32)
+        lp = self._scores(logits).astype(mx.float32)
         tokens, parents, depths, anc = best_first(root.reshape(1).astype(mx.uint32),
                                                   lp - mx.logsumexp(lp, axis=-1, keepdims=True), self.budget,
                                                   self.topk)
@@ -474,7 +486,7 @@ class DFlashDrafter:
         """One block forward; each of the first `depth` positions' best candidates on the host:
         (token ids, log-probabilities), both [depth, k], best first (the round's extra sync)."""
         logits = self._block_logits(root)[1 : depth + 1]  # position k predicts k after the root
-        logprobs = logits.astype(mx.float32)
+        logprobs = self._scores(logits).astype(mx.float32)
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
         k = min(self.topk, self.budget, logprobs.shape[-1])
         ids, top = top_k(logprobs, k, ordered=True)  # (`as_draft`'s columns are ranks)
