@@ -184,11 +184,11 @@ class DrawSpy(DFlashDrafter):
 
 @pytest.mark.parametrize("queued", [False, True])
 def test_sampled_dflash_drafts_guess_the_draw(targets, folders, monkeypatch, queued):
-    # at temp > 0 a DFlash chain, and DDTree's ranks at each position, are the target's draw's:
-    # block position k ranked by the sampler's scores at the position where the target draws
-    # the token k places after the root (the root's position + k - 1), through the round loop
-    # and in rounds queued ahead (the GPU path, here on CPU); greedy, by the logits. Tokens are
-    # plain (sampled) decoding's either way
+    # at temp > 0 a DFlash chain is the target's draws' guess: block position k picked by the
+    # sampler's scores at the position where the target draws the token k places after the root
+    # (the root's position + k - 1), through the round loop and in rounds queued ahead (the GPU
+    # path, here on CPU); greedy, by the logits. DDTree ranks by the block's marginals either
+    # way. Tokens are plain (sampled) decoding's
     from mlx_treespec.sampling import make_node_sampler
     import mlx_treespec.verify as verify
 
@@ -209,11 +209,12 @@ def test_sampled_dflash_drafts_guess_the_draw(targets, folders, monkeypatch, que
         for position, logits, drafted in d.rounds:
             block = logits[1 : 1 + d.depth].astype(mx.float32)
             if sampling:
-                want = choose.scores(block, position + mx.arange(d.depth, dtype=mx.int32), choose.seed)
-                differ += int((mx.argmax(want, -1) != mx.argmax(block, -1)).any().item())
+                drawn = choose.scores(block, position + mx.arange(d.depth, dtype=mx.int32), choose.seed)
+                differ += int((mx.argmax(drawn, -1) != mx.argmax(block, -1)).any().item())
             else:
                 assert position is None
-                want = block
+                drawn = block
+            want = drawn if d.topk == 1 else block
             if d.topk == 1:
                 chain = np.array(drafted if isinstance(drafted, mx.array) else drafted.tokens[1:]).tolist()
                 assert chain == np.array(mx.argmax(want, -1)).tolist()[: len(chain)]  # (near the end: fewer)

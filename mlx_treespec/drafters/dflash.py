@@ -13,10 +13,11 @@ The round's tree:
   (builders.best_first_tree over each position's top `topk`; one host sync for the top-k). In
   rounds queued ahead (queued.py) the same tree is built on the device (`device_tree.best_first`):
   no host sync between rounds.
-At temp > 0 both rank a position's tokens by the target's draw there (sampling.Draw: the same
-filters, temperature and noise over the block's logits, position k drawn where the target draws
-the token k places after the root), so the chain and each position's best candidate are guesses
-of the draw, not argmaxes, as a draft model's and a head's are.
+At temp > 0 a chain is the block's guess of the target's draws (sampling.Draw: the same filters,
+temperature and noise over the block's logits, position k drawn where the target draws the token
+k places after the root), as a draft model's and a head's are. DDTree's trees keep the block's
+marginals: best-first over the draw's scores emitted no more on the demo pairs (bench/RESULTS.md,
+"DFlash guesses the draw"), their softmax being no probability of the target's token.
 
 Either way the drafter costs one forward per round whatever the tree's size. The draft cache
 holds the context's keys and values only; commit appends the accepted path's hidden states (the
@@ -270,8 +271,8 @@ class DFlashDrafter:
         self._entry = 0  # the context rows when the rounds under way began to queue
 
     def _scores(self, logits):
-        """What a block's positions 1..n (`logits` [n, V]) rank their tokens by: the logits, or at
-        temp > 0 the draw's scores of them (position k is drawn at depth k - 1 from the root)."""
+        """What a chain picks each of a block's positions 1..n (`logits` [n, V]) by: the logits, or
+        at temp > 0 the draw's scores of them (position k is drawn at depth k - 1 from the root)."""
         if self.draw is None:
             return logits
         return self.draw.at(logits, mx.arange(logits.shape[0], dtype=mx.int32))
@@ -452,7 +453,7 @@ class DFlashDrafter:
         `_ahead_logits`'s arguments; the path's tokens are not needed: its rows are the context).
         Returns a Draft whose layout lives on the device."""
         logits = self._ahead_logits(root, rows, count)[1 : self.depth + 1]
-        lp = self._scores(logits).astype(mx.float32)
+        lp = logits.astype(mx.float32)
         tokens, parents, depths, anc = best_first(root.reshape(1).astype(mx.uint32),
                                                   lp - mx.logsumexp(lp, axis=-1, keepdims=True), self.budget,
                                                   self.topk)
@@ -486,7 +487,7 @@ class DFlashDrafter:
         """One block forward; each of the first `depth` positions' best candidates on the host:
         (token ids, log-probabilities), both [depth, k], best first (the round's extra sync)."""
         logits = self._block_logits(root)[1 : depth + 1]  # position k predicts k after the root
-        logprobs = self._scores(logits).astype(mx.float32)
+        logprobs = logits.astype(mx.float32)
         logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
         k = min(self.topk, self.budget, logprobs.shape[-1])
         ids, top = top_k(logprobs, k, ordered=True)  # (`as_draft`'s columns are ranks)
