@@ -13,6 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 mx = pytest.importorskip("mlx.core")
 
+# (under pytest-xdist these run on one worker: two mlx.launch rings at once take the same ports)
+pytestmark = pytest.mark.xdist_group("mlx_launch")
+
 from mlx_treespec.demo import demo_path  # noqa: E402
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
