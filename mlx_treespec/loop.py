@@ -342,7 +342,7 @@ def tree_generate_step(
         yield from _plain_decode(model, caches, prompt[-1], max_tokens, choose, quantize, stop_tokens,
                                  stats, settle=prompt_cache is not None)
         return
-    if hasattr(drafter, "draw"):  # (a model or head drafter: it guesses draws at temp > 0)
+    if hasattr(drafter, "draw"):  # (a model, head or DFlash drafter: it guesses draws at temp > 0)
         drafter.draw = None if choose.greedy else Draw(choose)
     queue = can_queue(drafter, caches, kv_bits)  # rounds with no host sync between them
     if hasattr(drafter, "queueable"):  # (an adaptive drafter: its model arm is queued rounds)

@@ -205,6 +205,12 @@ def test_sampled_dflash_drafts_guess_the_draw(targets, folders, monkeypatch, que
         out, stats = speculative(target, d, prompt, **sampling)
         assert out == [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **sampling)]
         assert d.rounds and (set(stats.drafter) == {"queued"}) == queued, stats.drafter
+        if sampling:  # each round's root: the prompt's last token, then every token emitted since
+            # (a queued run drafts one round past the last verified; a last round of no depth
+            # forwards no block)
+            positions = [p for p, _, _ in d.rounds][: stats.rounds]
+            roots = len(prompt) - 1 + np.cumsum([0] + list(stats.emitted[:-1]))
+            assert len(positions) >= stats.rounds - 1 and positions == roots[: len(positions)].tolist()
         differ = 0
         for position, logits, drafted in d.rounds:
             block = logits[1 : 1 + d.depth].astype(mx.float32)
