@@ -6,6 +6,8 @@
 - `dflash.DFlashDrafter`: a DFlash block drafter over the target's hidden states, its chain and
   DDTree's best-first tree.
 """
+import functools
+
 import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,6 +28,14 @@ class GatedMLP(nn.Module):
 
     def __call__(self, x):
         return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@functools.lru_cache(maxsize=64)
+def aranges(*sizes):
+    """0..n-1 (int32) for each size, made once per size: a drafter's queued draft reads them
+    every round (a head's columns, slots, steps, top-k; a DFlash chain's draw depths), and one
+    made each round is a kernel launch of its own in a host-bound loop."""
+    return tuple(mx.array(np.arange(n, dtype=np.int32)) for n in sizes)
 
 
 def check_budget_depth(budget, max_depth):

@@ -43,7 +43,7 @@ from ..draft import Draft, Layout
 from ..join import join, running
 from ..tree import MAX_NODES, chain_parents, preorder, relabel
 from ..verify import check_capture, grown
-from . import GatedMLP, dequantize_linears, target_io
+from . import GatedMLP, aranges, dequantize_linears, target_io
 from ..device_tree import best_first, top_k
 
 __all__ = ["DFlashModel", "DFlashDrafter", "load_dflash", "bind_dflash", "probe_parents", "default_layer_ids"]
@@ -275,7 +275,7 @@ class DFlashDrafter:
         at temp > 0 the draw's scores of them (position k is drawn at depth k - 1 from the root)."""
         if self.draw is None:
             return logits
-        return self.draw.at(logits, mx.arange(logits.shape[0], dtype=mx.int32))
+        return self.draw.at(logits, aranges(logits.shape[0])[0])
 
     def _room(self, rows):
         """Grow every layer's buffers (`verify.grown`: a multiple of `width_step()`, each width

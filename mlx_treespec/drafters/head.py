@@ -31,6 +31,7 @@ from ..draft import Draft, Layout
 from ..spec import DEFAULT_DEPTH
 from ..verify import grown, install, whole_buffer_forward
 from ..device_tree import top_k
+from . import aranges
 from .model import (ModelDrafter, _logprobs, keep_best, keeps_every_candidate, kept_nodes,
                     lane_candidates, lane_tree, lanes_layout, root_children)
 
@@ -46,14 +47,6 @@ def _causal(columns, positions, dtype):
     """The additive mask of rows at `positions` written at their own columns: each sees the
     columns up to its own."""
     return _additive(columns[None] <= positions[:, None], dtype)
-
-
-@functools.lru_cache(maxsize=64)
-def _ranges(*sizes):
-    """0..n-1 (int32) for each size: the aranges a queued head draft reads (its columns, slots,
-    steps, top-k), made once per shape, where one made inside a compiled draft is a kernel
-    every round."""
-    return tuple(mx.array(np.arange(n, dtype=np.int32)) for n in sizes)
 
 
 def _picker(draw):
@@ -265,12 +258,12 @@ class HeadDrafter(ModelDrafter):
         else:  # slot j: the token after row j of the path (the last accepted one's: the root)
             prev = q["prev"] if path is None else path
             P = prev.shape[0]
-            tokens = mx.where(_ranges(P)[0] == count - 1, root.astype(mx.uint32),
+            tokens = mx.where(aranges(P)[0] == count - 1, root.astype(mx.uint32),
                               mx.concatenate([prev[1:], prev[:1]]))
             slot_rows = self._target_rows(rows[:P])
         P = tokens.shape[0]
         keys, values = self._buffers(q["bound"] + P + self.depth * lanes)
-        ranges = _ranges(keys.shape[2], P, max(self.depth - 1, 1), self.topk)
+        ranges = aranges(keys.shape[2], P, max(self.depth - 1, 1), self.topk)
         at = _NO_DRAW if self.draw is None else (self.draw.position, self.draw.seed)  # (the queue's)
         out = self._ahead_fn(kind)(tokens, slot_rows, count, q["L0"], keys, values, ranges, at)
         c.keys, c.values = out[-2:]
