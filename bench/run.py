@@ -23,16 +23,14 @@ suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselin
 drafts with the I-th folder its drafter's option names (--draft-model, --dflash, --mtp and --eagle3
 take comma lists: two heads in one interleaved run), ARM/auto adaptive drafting over ARM's
 shape (a draft model's or head's chain or tree: an earlier default's arm), /sync without queued rounds, auto:dflash/chains
-queueing the primary's chains instead of its trees, auto:KIND/roundwait queued rounds sitting out
-16 choices after a hand-back (a plain stretch one; doubling to 64), where the library's sit out
-tokens (adaptive.WAIT; the A/B arm), HEAD-chain:K/astree a head's chains queued as
+queueing the primary's chains instead of its trees, HEAD-chain:K/astree a head's chains queued as
 trees of no leaves, TREE/replay a spine-first tree's accepted paths re-run by the next round
 as any tree's are, where the library commits them in place, ARM/separate every linear layer run
 on its own, where the library joins those that read one input (mlx_treespec/join.py),
 TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the first lane
 step only, ARM/uncoupled (with --temp) a draft model's, head's or DFlash drafter's steps taking their logits'
 argmax, where the library's guess the target's draw (sampling.Draw) (suffixes in that order:
-ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains][/roundwait], ARM[/astree], ARM[/replay], ARM[/ranked],
+ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains], ARM[/astree], ARM[/replay], ARM[/ranked],
 ARM[/separate]). Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt (with --temp every
 arm samples: mlx-plain by mlx-lm's sampler, the others' tokens checked against this library's
@@ -162,7 +160,6 @@ class Arms:
         arm, ranked = (arm[: -len("/ranked")], True) if arm.endswith("/ranked") else (arm, False)
         arm, replay = (arm[: -len("/replay")], True) if arm.endswith("/replay") else (arm, False)
         arm, as_tree = (arm[: -len("/astree")], True) if arm.endswith("/astree") else (arm, False)
-        arm, roundwait = (arm[: -len("/roundwait")], True) if arm.endswith("/roundwait") else (arm, False)
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
         arm, uncoupled = (arm[: -len("/uncoupled")], True) if arm.endswith("/uncoupled") else (arm, False)
@@ -197,8 +194,6 @@ class Arms:
             return lambda: Replayed(make())
         if chains:  # "auto:KIND/chains": the adaptive drafter queueing its primary's chains
             make = lambda inner=make: ChainsQueued.of(inner())  # noqa: E731
-        if roundwait:  # "auto:KIND/roundwait": the wait after a hand-back counted in choices
-            make = lambda inner=make: RoundWait.of(inner())  # noqa: E731
         return make
 
 
@@ -350,25 +345,6 @@ class ChainsQueued:
                              "auto:eagle3 or auto:mtp, which queue their trees at --temp above 0 only)")
         drafter.__class__ = type("ChainsQueued" + type(drafter).__name__, (type(drafter),), {"queues_trees": False})
         return own_record(drafter, "chains")
-
-
-class RoundWait:
-    """An adaptive drafter whose queued rounds, after a hand-back, sit out 16 choices of the
-    adaptive rounds (a plain stretch of 16 tokens or more one), twice that after a try that
-    handed back at its first decision, at most 64, with stretches not cut (the rule before
-    adaptive.WAIT): the A/B arm. (`wait` doubles from adaptive.WAIT tokens: half of it is the
-    old wait in choices.)"""
-
-    @staticmethod
-    def of(drafter):
-        if not hasattr(drafter, "queue_more"):
-            raise ValueError("ARM/roundwait takes an adaptive arm (auto:mtp, auto:eagle3, auto:dflash, auto)")
-
-        def wait_left(self):
-            return float("inf") if self.idle["primary"] < min(self.wait // 2, 64) else 0
-
-        drafter.__class__ = type("RoundWait" + type(drafter).__name__, (type(drafter),), {"wait_left": wait_left})
-        return own_record(drafter, "roundwait")
 
 
 def own_record(drafter, tag):

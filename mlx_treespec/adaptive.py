@@ -33,10 +33,7 @@ __all__ = ["AdaptiveDrafter", "PlainStretch", "QueueAhead", "Calibration", "Rate
 ALPHA = 0.3  # weight of the newest use in an arm's averages
 STRETCH, MAX_STRETCH = 16, 256  # tokens of a plain stretch: first, and after repeated losses
 REPROBE = 16  # available rounds after which an arm not taken is tried once
-# where rounds queue: the tokens the primary's arm sits out after a hand-back, first and at most
-# (`handed_back`). Tokens, not rounds: a plain stretch is one round of 16 tokens or more, so a
-# wait of 16 rounds outlasted a sampled generation's hard start by some 200 tokens
-WAIT, MAX_WAIT = 32, 256
+MAX_WAIT = 64  # where rounds queue: the most rounds the primary's arm sits out (`handed_back`)
 CARRIED_USES = 1  # weight of the tokens per use carried from earlier generations, in uses
 REPRICE = 1024  # context rows between two asks of `context_costs`
 MATCHES = 4  # host match lengths told apart (longer ones count as this)
@@ -261,9 +258,8 @@ class AdaptiveDrafter:
         self.emitted = 0
         self.scores = None  # draft probability of each node of the last DFlash draft (draft order)
         self.requeued = False  # the queued rounds under way are not the generation's first
-        # where rounds queue, tokens the primary's arm sits out after a hand-back (`handed_back`),
-        # counted from the context at the hand-back
-        self.wait, self.handed_at = WAIT, 0
+        # where rounds queue, rounds the primary's arm sits out after a hand-back (`handed_back`)
+        self.wait = REPROBE
         self._queue_from(None)
         self.reach = self._reach_base()  # how deep the next host round drafts (`_reach_after`)
 
@@ -302,7 +298,6 @@ class AdaptiveDrafter:
         self._restart()
         self._queue_from(prompt[-1])
         self.context, self.priced = self.prefix + len(prompt), None
-        self.handed_at = self.context
         self._reprice()
         if self.primary is not None:
             self.primary.prefill(prompt, *self._rows(hidden))
@@ -338,10 +333,7 @@ class AdaptiveDrafter:
         if arm == "plain":
             self.last = ("plain", now, 1)
             self.fed = 0
-            tokens = self.stretch
-            if self.queueable and self.primary is not None:  # the stretch ends where the wait does
-                tokens = min(tokens, max(self.wait_left(), 1))
-            return PlainStretch(tokens, self.watch if self.host is not None else None)
+            return PlainStretch(self.stretch, self.watch if self.host is not None else None)
         if arm == "primary" and self.queueable:  # its rounds are booked in `queue_more`
             return QueueAhead()
         if arm == "host":
@@ -503,19 +495,19 @@ class AdaptiveDrafter:
     def handed_back(self, start, tokens):
         """Queued rounds ended at `start` context rows, having emitted `tokens` (the last is
         the next root): the drafters catch up, and the adaptive rounds go on. The primary's
-        arm (queued rounds, on this path) sits out `wait` tokens, then is tried again."""
+        arm (queued rounds, on this path) sits out `wait` rounds, then is tried again."""
         self.primary.handed_back(start, tokens)
-        self.context = self.handed_at = start + 1
+        self.context = start + 1
         if self.host is not None:  # what its shadow rounds did not see
             self.host.commit(Draft.root_only(tokens[-1]), np.zeros(1, np.int64), tokens[max(self.shadowed - 1, 0):])
         # a try that handed back at its first decision: twice as long before the next (a text
-        # where queued rounds lose would otherwise pay a window's warm-up every WAIT tokens);
+        # where queued rounds lose would otherwise pay a window's warm-up every REPROBE rounds);
         # one that outlasted it won for a while, as speculation winning resets a stretch
         n = len(self.queued)
         if self.requeued and n <= QUEUED_MIN:
             self.wait = min(2 * self.wait, MAX_WAIT)
         else:
-            self.wait = WAIT
+            self.wait = REPROBE
             if n > QUEUED_MIN:
                 self.stretch = STRETCH
 
@@ -579,14 +571,9 @@ class AdaptiveDrafter:
             return (tokens / uses if uses else rate.tokens) / max(rate.ms, 1e-6)
         return (CARRIED_USES * prior + tokens) / (CARRIED_USES + uses) / max(rate.ms, 1e-6)
 
-    def wait_left(self):
-        """Where rounds queue: the tokens the primary's arm still sits out (`wait` from the last
-        hand-back, or the prefill)."""
-        return self.wait - (self.context - self.handed_at)
-
     def _choose(self, available):
         if self.queueable and "primary" in available:  # queued rounds: tried again after `wait`
-            if self.wait_left() <= 0:
+            if self.idle["primary"] >= self.wait:
                 self.after_stretch = False  # (queue_more judges the try)
                 return "primary"
             available = [a for a in available if a != "primary"]

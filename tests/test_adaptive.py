@@ -681,16 +681,13 @@ def test_a_prompt_cache_holds_every_token_through_a_requeue(requeuing, end):
 
 def test_after_a_hand_back_queued_rounds_sit_out_a_wait_then_are_tried_again():
     # where rounds queue, the primary's arm is queued rounds: after a hand-back it sits out
-    # `wait` tokens (plain stretches here: no host; the last one cut where the wait ends, so a
-    # stretch of 16 tokens or more does not outlast it), then the round loop is handed a
-    # QueueAhead, and the queued rounds that follow decide after one unbooked and QUEUED_MIN
-    # booked rounds. A try that hands back at its first decision doubles the wait (up to
-    # MAX_WAIT); one that outlasts it resets the wait and the stretch. Plain stretches never
-    # double on the way
+    # REPROBE rounds (plain here: no host), then the round loop is handed a QueueAhead, and the
+    # queued rounds that follow decide after one unbooked and QUEUED_MIN booked rounds. A try
+    # that hands back at its first decision doubles the wait (up to MAX_WAIT); one that outlasts
+    # it resets the wait and the stretch. Plain stretches never double on the way
     calls = []
     stub = types.SimpleNamespace(handed_back=lambda start, tokens: None, requeue=lambda: calls.append("requeue"),
-                                 reset=lambda: None, prefill=lambda prompt: None, chain_ahead=None,
-                                 commit=lambda draft, path, tokens: None)
+                                 reset=lambda: None, prefill=lambda prompt: None, chain_ahead=None)
     d = AdaptiveDrafter(primary=stub, costs=(1.0, flat(1.0)))
     d.queueable = True
     d.prefill([7, 8, 9])
@@ -699,36 +696,25 @@ def test_after_a_hand_back_queued_rounds_sit_out_a_wait_then_are_tried_again():
         rounds += 1
     assert rounds == adaptive.QUEUED_WARM + adaptive.QUEUED_MIN - 1
     d.handed_back(100, [1] * (rounds + 1))
-    assert d.wait == adaptive.WAIT
-    d.stretch = stretch = 3 * adaptive.STRETCH  # (longer than the first wait: it is cut)
-
-    def sit_out():  # the plain stretches until the primary's arm comes back: their lengths
-        lengths = []
-        while isinstance(s := d.draft(1, 8), adaptive.PlainStretch):
-            lengths.append(s.tokens)
-            d.catch_up(1, [1] * s.tokens)
-        assert isinstance(s, adaptive.QueueAhead)
-        return lengths
-
-    waits = [adaptive.WAIT * 2 ** k for k in range(5)]
+    waits = [adaptive.REPROBE * 2 ** k for k in range(4)]
     assert waits[-1] > adaptive.MAX_WAIT
     for wait in waits:
         wait = min(wait, adaptive.MAX_WAIT)
         assert d.wait == wait
-        assert sit_out() == [stretch] * (wait // stretch) + ([wait % stretch] if wait % stretch else [])
+        assert [d.choose(["primary"]) for _ in range(wait)] == ["plain"] * wait
+        assert isinstance(d.draft(1, 8), adaptive.QueueAhead)
         d.requeue(1)
         assert calls[-1] == "requeue" and d.queued_tokens == [1] and not d.queued
         answers = [d.queue_more([1], 10.0) for _ in range(1 + adaptive.QUEUED_MIN)]
         assert answers == [True] * adaptive.QUEUED_MIN + [False]
         d.handed_back(100, [1] * len(answers))
-        assert d.stretch == stretch and not d.probing
-    d.requeue(1)  # a try that outlasts its first decision: back to WAIT and STRETCH
+        assert d.stretch == adaptive.STRETCH and not d.probing
+    d.stretch = 4 * adaptive.STRETCH
+    d.requeue(1)  # a try that outlasts its first decision: back to REPROBE and STRETCH
     d.queued.extend([(9, 1.0)] * (adaptive.QUEUED_MIN + 1))
     d.handed_back(100, [1])
-    assert d.wait == adaptive.WAIT and d.stretch == adaptive.STRETCH
-    d.after_stretch = True  # right after a stretch, the wait over:
-    d.context = d.handed_at + d.wait
-    assert d.wait_left() == 0
+    assert d.wait == adaptive.REPROBE and d.stretch == adaptive.STRETCH
+    d.after_stretch, d.idle["primary"] = True, d.wait  # right after a stretch, the wait over:
     assert d.choose(["primary", "host"]) == "primary"  # tried, and not as the stretch's probe
     assert not d.probing and not d.after_stretch
 

@@ -497,14 +497,4 @@ def test_sampled_loop_checks_tokens_against_plain_sampled_decoding(tmp_path, cap
     argmaxes, chains = arms.maker("auto:eagle3/uncoupled")(), arms.maker("auto:eagle3/chains")()
     both.draw = "a draw"
     assert both.draw is None and not both.queues_trees and isinstance(both.primary, type(auto.primary))
-    rounds = arms.maker("auto:eagle3/chains/roundwait")()  # the wait in choices (16, then 32, 64, 64)
-    assert not rounds.queues_trees
-    assert len({id(d.learned) for d in (auto, both, argmaxes, chains, rounds)}) == 5
-    for wait, choices in zip((32, 64, 128, 256), (16, 32, 64, 64)):
-        rounds.wait = wait
-        rounds.idle["primary"] = choices - 1
-        assert rounds.wait_left() == float("inf")
-        rounds.idle["primary"] = choices
-        assert rounds.wait_left() == 0
-    with pytest.raises(ValueError, match="ARM/roundwait takes"):
-        arms.maker("eagle3-chain:2/roundwait")()
+    assert len({id(d.learned) for d in (auto, both, argmaxes, chains)}) == 4
