@@ -23,14 +23,15 @@ suffix:B:D, dflash:K, ddtree:B, +lookupN[@T]) plus mlx-lm's own loops as baselin
 drafts with the I-th folder its drafter's option names (--draft-model, --dflash, --mtp and --eagle3
 take comma lists: two heads in one interleaved run), ARM/auto adaptive drafting over ARM's
 shape (a draft model's or head's chain or tree: an earlier default's arm), /sync without queued rounds, auto:dflash/chains
-queueing the primary's chains instead of its trees, HEAD-chain:K/astree a head's chains queued as
+queueing the primary's chains instead of its trees, auto:HEAD/handback (with --temp) handing
+its queued rounds back where they lose, as greedy (the A/B arm of adaptive's holds_queue), HEAD-chain:K/astree a head's chains queued as
 trees of no leaves, TREE/replay a spine-first tree's accepted paths re-run by the next round
 as any tree's are, where the library commits them in place, ARM/separate every linear layer run
 on its own, where the library joins those that read one input (mlx_treespec/join.py),
 TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the first lane
 step only, ARM/uncoupled (with --temp) a draft model's, head's or DFlash drafter's steps taking their logits'
 argmax, where the library's guess the target's draw (sampling.Draw) (suffixes in that order:
-ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains], ARM[/astree], ARM[/replay], ARM[/ranked],
+ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains][/handback], ARM[/astree], ARM[/replay], ARM[/ranked],
 ARM[/separate]). Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt (with --temp every
 arm samples: mlx-plain by mlx-lm's sampler, the others' tokens checked against this library's
@@ -160,6 +161,7 @@ class Arms:
         arm, ranked = (arm[: -len("/ranked")], True) if arm.endswith("/ranked") else (arm, False)
         arm, replay = (arm[: -len("/replay")], True) if arm.endswith("/replay") else (arm, False)
         arm, as_tree = (arm[: -len("/astree")], True) if arm.endswith("/astree") else (arm, False)
+        arm, handback = (arm[: -len("/handback")], True) if arm.endswith("/handback") else (arm, False)
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
         arm, uncoupled = (arm[: -len("/uncoupled")], True) if arm.endswith("/uncoupled") else (arm, False)
@@ -194,6 +196,8 @@ class Arms:
             return lambda: Replayed(make())
         if chains:  # "auto:KIND/chains": the adaptive drafter queueing its primary's chains
             make = lambda inner=make: ChainsQueued.of(inner())  # noqa: E731
+        if handback:  # "auto:HEAD/handback": sampled queued rounds handed back where they lose
+            make = lambda inner=make: HandBack.of(inner())  # noqa: E731
         return make
 
 
@@ -345,6 +349,19 @@ class ChainsQueued:
                              "auto:eagle3 or auto:mtp, which queue their trees at --temp above 0 only)")
         drafter.__class__ = type("ChainsQueued" + type(drafter).__name__, (type(drafter),), {"queues_trees": False})
         return own_record(drafter, "chains")
+
+
+class HandBack:
+    """An adaptive drafter whose sampled queued rounds are handed back where they lose, as
+    greedy ones are (the rule before adaptive's `holds_queue`): the A/B arm."""
+
+    @staticmethod
+    def of(drafter):
+        if not hasattr(drafter, "holds_queue"):
+            raise ValueError("ARM/handback takes an adaptive arm over a head (auto:mtp, auto:eagle3)")
+        drafter.__class__ = type("HandBack" + type(drafter).__name__, (type(drafter),),
+                                 {"holds_queue": property(lambda self: False)})
+        return own_record(drafter, "handback")
 
 
 def own_record(drafter, tag):

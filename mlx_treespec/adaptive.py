@@ -54,6 +54,11 @@ SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # arm queues again when chosen (`QueueAhead`), so the decision comes early (bench/RESULTS.md,
 # "The default comes back to queued rounds" and "The default, three runs of each prompt")
 QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 4, 32, 0.8
+# Sampled, a head's queued rounds are never handed back (`holds_queue`): a round's emitted
+# count swings with the draws (a text's first rounds 1-2 tokens, later ones 9), no window the
+# rule could wait for told a losing text from a hard start, and every GPU run had the fixed tree
+# at or above the default, on its losing prompts too (bench/RESULTS.md, "Sampled, the default
+# keeps its queued tree")
 
 
 @dataclass(frozen=True)
@@ -412,6 +417,13 @@ class AdaptiveDrafter:
         return bool(getattr(self.primary, "queues_trees", False)) and (
             not isinstance(self.primary, HeadDrafter) or self.draw is not None)
 
+    @property
+    def holds_queue(self):
+        """Queued rounds go on whatever they emit: a head's, sampled (QUEUED_LOSS's note)."""
+        from .drafters.head import HeadDrafter
+
+        return self.draw is not None and isinstance(self.primary, HeadDrafter)
+
     def queued_read(self, emitted):
         """(queued.py: the host read queued rounds that emitted `emitted` tokens since queueing
         began; the primary's context bound follows.)"""
@@ -424,7 +436,9 @@ class AdaptiveDrafter:
         wall time): whether queueing goes on. Its rate over the last QUEUED_WINDOW booked rounds
         (warm-up rounds and spikes unbooked, as `_close` leaves them) must stay at least
         QUEUED_LOSS x the better of plain decoding's rate and the host drafter's over the same
-        text (`_shadow`)."""
+        text (`_shadow`); sampled, a head's go on to the generation's end (`holds_queue`)."""
+        if self.holds_queue:
+            return True
         self.queued_tokens += [int(t) for t in tokens]
         self._shadow()
         self.queued_seen += 1

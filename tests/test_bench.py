@@ -497,4 +497,9 @@ def test_sampled_loop_checks_tokens_against_plain_sampled_decoding(tmp_path, cap
     argmaxes, chains = arms.maker("auto:eagle3/uncoupled")(), arms.maker("auto:eagle3/chains")()
     both.draw = "a draw"
     assert both.draw is None and not both.queues_trees and isinstance(both.primary, type(auto.primary))
-    assert len({id(d.learned) for d in (auto, both, argmaxes, chains)}) == 4
+    held, handing = arms.maker("auto:eagle3")(), arms.maker("auto:eagle3/chains/handback")()
+    held.draw = handing.draw = "a draw"
+    assert held.holds_queue and not handing.holds_queue and not handing.queues_trees
+    assert len({id(d.learned) for d in (auto, both, argmaxes, chains, handing)}) == 5
+    with pytest.raises(ValueError, match="ARM/handback takes"):
+        arms.maker("eagle3-chain:2/handback")()

@@ -111,6 +111,34 @@ def test_the_adaptive_head_queues_its_tree_when_sampling(tmp_path, monkeypatch):
         assert d.queues_trees == bool(sampling) and (d.draw is None) != bool(sampling)
 
 
+def test_sampled_the_adaptive_head_never_hands_its_queued_rounds_back(tmp_path, monkeypatch):
+    # queued rounds that lose to plain decoding (its start-up cost set near zero here) hand
+    # back at their first decision when greedy; sampled, a head's go on to the generation's end
+    # (AdaptiveDrafter.holds_queue: a sampled round's count swings with the draws). Tokens are
+    # plain (sampled) decoding's either way
+    import mlx_treespec.adaptive as adaptive
+    import mlx_treespec.verify as verify
+    from mlx_treespec.costmodel import CostFit
+
+    head, target = make_mtp(tmp_path, "qwen3_5_tied")[:2]
+    folder = str(tmp_path / "qwen3_5_tied")
+    prompt = np.random.default_rng(4).integers(0, tiny.VOCAB, 12).tolist()
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    fit = CostFit(points={1: 1.0, 64: 1.0}, t1=1.0, a=1.0, b=0.0, kind="linear", linear_max_rel_err=0.0,
+                  max_rel_err=0.0)
+    first_decision = adaptive.QUEUED_WARM + adaptive.QUEUED_MIN
+    for sampling in (dict(), dict(temp=0.7, seed=1)):
+        ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **sampling)]
+        d, stats = make_drafter(folder, drafter="mtp", target=target), RoundStats()
+        d.costs = (1e-6, fit)  # plain decoding a million tokens a ms: every queued round loses
+        assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N, stats=stats, **sampling)] == ref
+        queued = stats.drafter.count("queued")
+        if sampling:
+            assert d.holds_queue and queued == len(stats.drafter) > first_decision, stats.drafter
+        else:
+            assert not d.holds_queue and queued == first_decision < len(stats.drafter), stats.drafter
+
+
 def test_one_token_prompt(tmp_path):
     # nothing to continue from in the first round: root only, then the head drafts
     head, target = make_mtp(tmp_path, "qwen3_5_tied")[:2]
