@@ -55,10 +55,11 @@ SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # "The default comes back to queued rounds" and "The default, three runs of each prompt")
 QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 4, 32, 0.8
 # Sampled, a head's queued rounds are never handed back (`holds_queue`): a round's emitted
-# count swings with the draws (a text's first rounds 1-2 tokens, later ones 9), no window the
-# rule could wait for told a losing text from a hard start, and every GPU run had the fixed tree
-# at or above the default, on its losing prompts too (bench/RESULTS.md, "Sampled, the default
-# keeps its queued tree")
+# count swings with the draws (a text's first rounds 1-2 tokens, later ones 9), four booked
+# rounds read a hard start as a losing arm, and the rounds that followed were mostly plain
+# stretches, on the prompts where the fixed tree lost to plain decoding too. Holding ran
+# 1.08-1.15x the old rule at temp 0.7; at 0.3 the old rule won on repetitive text, handing back
+# to prompt lookup (bench/RESULTS.md, "Sampled, the default keeps its queued tree")
 
 
 @dataclass(frozen=True)
