@@ -58,8 +58,8 @@ QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 4, 32, 0.8
 # count swings with the draws (a text's first rounds 1-2 tokens, later ones 9), four booked
 # rounds read a hard start as a losing arm, and the rounds that followed were mostly plain
 # stretches, on the prompts where the fixed tree lost to plain decoding too. Holding ran
-# 1.08-1.15x the old rule at temp 0.7; at 0.3 the old rule won on repetitive text, handing back
-# to prompt lookup (bench/RESULTS.md, "Sampled, the default keeps its queued tree")
+# 1.15x the old rule on the hybrid at temp 0.7; at 0.3 the old rule won on repetitive text,
+# handing back to prompt lookup (bench/RESULTS.md, "Sampled, the default keeps its queued tree")
 
 
 @dataclass(frozen=True)
