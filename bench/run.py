@@ -24,8 +24,8 @@ drafts with the I-th folder its drafter's option names (--draft-model, --dflash,
 take comma lists: two heads in one interleaved run), ARM/auto adaptive drafting over ARM's
 shape (a draft model's or head's chain or tree: an earlier default's arm), /sync without queued rounds, auto:dflash/chains
 queueing the primary's chains instead of its trees, auto:HEAD/handback (with --temp) handing
-its queued rounds back where they lose, as greedy (the A/B arm of adaptive's holds_queue), HEAD-chain:K/astree a head's chains queued as
-trees of no leaves, TREE/replay a spine-first tree's accepted paths re-run by the next round
+its queued rounds back where they lose, as greedy (the A/B arm of adaptive's holds_queue),
+HEAD-chain:K/astree a head's chains queued as trees of no leaves, TREE/replay a spine-first tree's accepted paths re-run by the next round
 as any tree's are, where the library commits them in place, ARM/separate every linear layer run
 on its own, where the library joins those that read one input (mlx_treespec/join.py),
 TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the first lane
@@ -186,6 +186,8 @@ class Arms:
             return lambda: Separate(inner(), self.target)
         if ranked:  # "TREE/ranked": EAGLE-2's lanes re-ranked at every step (ranked_lane_steps' A/B arm)
             return lambda: every_step_ranked(make())
+        if handback and (unqueued or replay or ranked):
+            raise ValueError("ARM/handback judges queued rounds: it takes no /sync, /replay or /ranked")
         if as_tree and (unqueued or chains):
             raise ValueError("ARM/astree queues a head's chains as trees: it takes no /sync or /chains")
         if unqueued:  # "ARM/sync": the same drafter through the round loop (one host sync a round)
@@ -204,8 +206,8 @@ class Arms:
 def argmax_drafting(drafter):
     """A model, head or DFlash drafter (or an adaptive one over it) that drafts its logits' argmax at
     temp > 0 too, where the library's guesses the target's draw (sampling.Draw): the A/B arm
-    ARM/uncoupled. (An adaptive one over a head then also queues the head's chain, as it does
-    greedy: compare it with ARM/chains.)"""
+    ARM/uncoupled. (An adaptive one over a head then also queues the head's chain and hands
+    its queued rounds back, as it does greedy: compare it with ARM/chains/handback.)"""
     if not hasattr(drafter, "draw"):
         raise ValueError("ARM/uncoupled takes a draft model's, head's or DFlash arm (a drafter that guesses draws)")
     drafter.__class__ = type("Uncoupled" + type(drafter).__name__, (type(drafter),),
@@ -357,7 +359,9 @@ class HandBack:
 
     @staticmethod
     def of(drafter):
-        if not hasattr(drafter, "holds_queue"):
+        from mlx_treespec.drafters.head import HeadDrafter
+
+        if not isinstance(getattr(drafter, "primary", None), HeadDrafter) or not hasattr(drafter, "holds_queue"):
             raise ValueError("ARM/handback takes an adaptive arm over a head (auto:mtp, auto:eagle3)")
         drafter.__class__ = type("HandBack" + type(drafter).__name__, (type(drafter),),
                                  {"holds_queue": property(lambda self: False)})

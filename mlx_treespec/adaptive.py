@@ -420,7 +420,8 @@ class AdaptiveDrafter:
 
     @property
     def holds_queue(self):
-        """Queued rounds go on whatever they emit: a head's, sampled (QUEUED_LOSS's note)."""
+        """Queued rounds (a tree or a chain) go on whatever they emit: a head's, sampled (the
+        note under the QUEUED_* constants)."""
         from .drafters.head import HeadDrafter
 
         return self.draw is not None and isinstance(self.primary, HeadDrafter)

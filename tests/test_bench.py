@@ -501,5 +501,8 @@ def test_sampled_loop_checks_tokens_against_plain_sampled_decoding(tmp_path, cap
     held.draw = handing.draw = "a draw"
     assert held.holds_queue and not handing.holds_queue and not handing.queues_trees
     assert len({id(d.learned) for d in (auto, both, argmaxes, chains, handing)}) == 5
-    with pytest.raises(ValueError, match="ARM/handback takes"):
-        arms.maker("eagle3-chain:2/handback")()
+    for arm in ("eagle3-chain:2/handback", "auto:lookup/handback"):
+        with pytest.raises(ValueError, match="ARM/handback takes"):
+            arms.maker(arm)()
+    with pytest.raises(ValueError, match="ARM/handback judges queued rounds"):
+        arms.maker("auto:eagle3/sync/handback")

@@ -124,6 +124,7 @@ def test_sampled_the_adaptive_head_never_hands_its_queued_rounds_back(tmp_path, 
     folder = str(tmp_path / "qwen3_5_tied")
     prompt = np.random.default_rng(4).integers(0, tiny.VOCAB, 12).tolist()
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    monkeypatch.setattr(adaptive, "SPIKE", float("inf"))  # (a slow CPU round booked: the decision on time)
     fit = CostFit(points={1: 1.0, 64: 1.0}, t1=1.0, a=1.0, b=0.0, kind="linear", linear_max_rel_err=0.0,
                   max_rel_err=0.0)
     first_decision = adaptive.QUEUED_WARM + adaptive.QUEUED_MIN
