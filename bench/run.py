@@ -359,9 +359,7 @@ class HandBack:
 
     @staticmethod
     def of(drafter):
-        from mlx_treespec.drafters.head import HeadDrafter
-
-        if not isinstance(getattr(drafter, "primary", None), HeadDrafter) or not hasattr(drafter, "holds_queue"):
+        if not getattr(drafter, "over_head", False):
             raise ValueError("ARM/handback takes an adaptive arm over a head (auto:mtp, auto:eagle3)")
         drafter.__class__ = type("HandBack" + type(drafter).__name__, (type(drafter),),
                                  {"holds_queue": property(lambda self: False)})

@@ -413,18 +413,20 @@ class AdaptiveDrafter:
         # lost to the head's chain (bench/RESULTS.md at a9f0a7f, "Head trees queued ahead"): a head queues
         # its chain here, greedy. Sampled, its draws miss more often and a step's runners-up
         # catch a fifth more tokens a verify (bench/RESULTS.md, "Sampled rounds"): its tree
-        from .drafters.head import HeadDrafter
-
-        return bool(getattr(self.primary, "queues_trees", False)) and (
-            not isinstance(self.primary, HeadDrafter) or self.draw is not None)
+        return bool(getattr(self.primary, "queues_trees", False)) and (not self.over_head or self.draw is not None)
 
     @property
     def holds_queue(self):
         """Queued rounds (a tree or a chain) go on whatever they emit: a head's, sampled (the
         note under the QUEUED_* constants)."""
+        return self.draw is not None and self.over_head
+
+    @property
+    def over_head(self):
+        """The primary is a head (drafters.head): its queued draft and rule differ when sampling."""
         from .drafters.head import HeadDrafter
 
-        return self.draw is not None and isinstance(self.primary, HeadDrafter)
+        return isinstance(self.primary, HeadDrafter)
 
     def queued_read(self, emitted):
         """(queued.py: the host read queued rounds that emitted `emitted` tokens since queueing

@@ -118,20 +118,18 @@ def test_sampled_the_adaptive_head_never_hands_its_queued_rounds_back(tmp_path, 
     # plain (sampled) decoding's either way
     import mlx_treespec.adaptive as adaptive
     import mlx_treespec.verify as verify
-    from mlx_treespec.costmodel import CostFit
+    from test_adaptive import flat
 
     head, target = make_mtp(tmp_path, "qwen3_5_tied")[:2]
     folder = str(tmp_path / "qwen3_5_tied")
     prompt = np.random.default_rng(4).integers(0, tiny.VOCAB, 12).tolist()
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
     monkeypatch.setattr(adaptive, "SPIKE", float("inf"))  # (a slow CPU round booked: the decision on time)
-    fit = CostFit(points={1: 1.0, 64: 1.0}, t1=1.0, a=1.0, b=0.0, kind="linear", linear_max_rel_err=0.0,
-                  max_rel_err=0.0)
     first_decision = adaptive.QUEUED_WARM + adaptive.QUEUED_MIN
     for sampling in (dict(), dict(temp=0.7, seed=1)):
         ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **sampling)]
         d, stats = make_drafter(folder, drafter="mtp", target=target), RoundStats()
-        d.costs = (1e-6, fit)  # plain decoding a million tokens a ms: every queued round loses
+        d.costs = (1e-6, flat(1.0))  # plain decoding a million tokens a ms: every queued round loses
         assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N, stats=stats, **sampling)] == ref
         queued = stats.drafter.count("queued")
         if sampling:
