@@ -23,8 +23,8 @@ import numpy as np
 
 from .builders import best_first_tree
 from .draft import Draft
+from .spec import SAMPLED_TREE_TEMP
 from .tree import MAX_NODES, DraftTree, depths_of, preorder
-from .sampling import draw_of
 from .verify import pad_keys_default, row_bucket
 from .walk import greedy_walk
 
@@ -54,12 +54,15 @@ SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # arm queues again when chosen (`QueueAhead`), so the decision comes early (bench/RESULTS.md,
 # "The default comes back to queued rounds" and "The default, three runs of each prompt")
 QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 4, 32, 0.8
-# Sampled, a head's queued rounds are never handed back (`holds_queue`): a round's emitted
-# count swings with the draws (a text's first rounds 1-2 tokens, later ones 9), four booked
-# rounds read a hard start as a losing arm, and the rounds that followed were mostly plain
-# stretches, on the prompts where the fixed tree lost to plain decoding too. Holding ran
-# 1.15x the old rule on the hybrid at temp 0.7; at 0.3 the old rule won on repetitive text,
-# handing back to prompt lookup (bench/RESULTS.md, "Sampled, the default keeps its queued tree")
+# Sampled, a head's queued rounds are judged against the host's shadow rounds alone, and only
+# where the host's accepted drafts are at least half the window's text (`holds_queue`): a
+# round's emitted count swings with the draws (a text's first rounds 1-2 tokens, later ones 9),
+# and four booked rounds read a hard start as a losing arm against plain decoding: the rounds
+# that followed were mostly plain stretches. Never handing back ran 1.15x the old rule on the
+# hybrid at temp 0.7, but at 0.3 the old rule won on repetitive text by handing back to prompt
+# lookup, which the host's bar keeps (bench/RESULTS.md, "Sampled, the default keeps its queued
+# tree"). (The shadow prices a token the host did not draft at plain's cost: the count of its
+# drafted tokens keeps plain decoding's rate out of the host's bar.)
 
 
 @dataclass(frozen=True)
@@ -182,7 +185,7 @@ class AdaptiveDrafter:
     each prefill and every `REPRICE` rows. `reset` starts a fresh record (under the same key)."""
 
     def __init__(self, primary=None, host=None, costs=None, verify_rows=None, memory=None,
-                 context_costs=None):
+                 context_costs=None, sampled_shape=None):
         if primary is None and host is None:
             raise ValueError("an adaptive drafter needs a drafter to choose: pass primary= or host=")
         if getattr(host, "capture", ()):
@@ -202,6 +205,10 @@ class AdaptiveDrafter:
         self.names = {"primary": _kind(primary) if primary is not None else "",
                       "host": _kind(host) if host is not None else "", "plain": "plain"}
         self.memory = memory
+        # the primary's (topk, lanes, depth, budget) greedy or sampled below SAMPLED_TREE_TEMP,
+        # and sampled from it up (`sampled_shape`: spec.DraftSpec.sampled_shape; None: one shape)
+        self.shapes = None if sampled_shape is None else (
+            (primary.topk, primary.lanes, primary.depth, primary.budget), tuple(sampled_shape))
         self.queueable = False  # set by the loop per generation: rounds can be queued ahead (queued.py)
         if memory is not None and memory in LEARNED:
             self.learned = LEARNED[memory]
@@ -232,7 +239,18 @@ class AdaptiveDrafter:
     def depth(self):
         return getattr(self.primary if self.primary is not None else self.host, "depth", 0)
 
-    draw = draw_of("primary")
+    @property
+    def draw(self):
+        """The sampling.Draw the primary guesses (set by the loop per generation, at temp > 0)."""
+        return getattr(self.primary, "draw", None)
+
+    @draw.setter
+    def draw(self, draw):
+        # a head's default drafts its sampled shape at SAMPLED_TREE_TEMP or hotter (spec.py)
+        if hasattr(self.primary, "draw"):
+            self.primary.draw = draw
+        if self.shapes is not None:
+            self.primary.reshape(*self.shapes[draw is not None and draw.temp >= SAMPLED_TREE_TEMP])
 
     # ------------------------------------------------------------------ the drafter calls
 
@@ -276,7 +294,7 @@ class AdaptiveDrafter:
         # root and the tokens emitted queued since, and how many of them the host drafter has seen
         self.shadow = deque()
         self.queued_tokens, self.shadowed = ([], 0) if root is None else ([int(root)], 1)
-        self.shadow_total = [0, 0.0]  # the shadow rounds' tokens and ms, summed
+        self.shadow_total = [0, 0.0, 0]  # the shadow rounds' tokens, ms and accepted drafts, summed
 
     def _reach_base(self):
         """A host round's depth at first: half what the host may draft (the rest is for texts
@@ -417,8 +435,9 @@ class AdaptiveDrafter:
 
     @property
     def holds_queue(self):
-        """Queued rounds (a tree or a chain) go on whatever they emit: a head's, sampled (the
-        note under the QUEUED_* constants)."""
+        """Queued rounds (a tree or a chain) are judged against the host's shadow rounds alone,
+        and only where the host's accepted drafts are at least half the window's text: a
+        head's, sampled (the note under the QUEUED_* constants)."""
         return self.draw is not None and self.over_head
 
     @property
@@ -440,9 +459,8 @@ class AdaptiveDrafter:
         wall time): whether queueing goes on. Its rate over the last QUEUED_WINDOW booked rounds
         (warm-up rounds and spikes unbooked, as `_close` leaves them) must stay at least
         QUEUED_LOSS x the better of plain decoding's rate and the host drafter's over the same
-        text (`_shadow`); sampled, a head's go on to the generation's end (`holds_queue`)."""
-        if self.holds_queue:
-            return True
+        text (`_shadow`); sampled, a head's the host's alone, where its accepted drafts are at
+        least half that text (`holds_queue`)."""
         self.queued_tokens += [int(t) for t in tokens]
         self._shadow()
         self.queued_seen += 1
@@ -462,8 +480,12 @@ class AdaptiveDrafter:
         window = sum(t for t, _ in booked)
         shadow, total = self.shadow, self.shadow_total
         while len(shadow) > 1 and total[0] - shadow[0][0] >= window:  # about the window's tokens
-            t, m = shadow.popleft()
-            total[0], total[1] = total[0] - t, total[1] - m
+            t, m, d = shadow.popleft()
+            total[0], total[1], total[2] = total[0] - t, total[1] - m, total[2] - d
+        if self.holds_queue:  # no plain bar; the shadow's, where the host's drafts are half the text
+            plain = None
+            if 2 * total[2] < window:
+                return True
         if total[0] and 2 * total[0] >= window:
             host = total[0] / max(total[1], 1e-6)
             plain = host if plain is None else max(plain, host)
@@ -506,9 +528,11 @@ class AdaptiveDrafter:
             emitted = known[: accepted + 1]
             self.host.commit(None, None, emitted)
             self.shadowed += len(emitted)
-            self.shadow.append((len(emitted), ms))
+            drafted = accepted  # (tokens the host's draft supplied)
+            self.shadow.append((len(emitted), ms, drafted))
             self.shadow_total[0] += len(emitted)
             self.shadow_total[1] += ms
+            self.shadow_total[2] += drafted
 
     def handed_back(self, start, tokens):
         """Queued rounds ended at `start` context rows, having emitted `tokens` (the last is

@@ -64,7 +64,7 @@ def make_node_sampler(temp=0.0, top_p=0.0, min_p=0.0, top_k=0, min_tokens_to_kee
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
             return mx.argmax(logprobs, axis=-1).astype(mx.uint32)
 
-        choose.greedy, choose.scores, choose.seed = True, None, None  # (positions are not read: may be None)
+        choose.greedy, choose.scores, choose.seed, choose.temp = True, None, None, 0.0  # (positions: may be None)
         return choose
     scores, draw = _draws(float(temp), float(top_p), float(min_p), int(top_k), int(min_tokens_to_keep),
                           float(xtc_probability), float(xtc_threshold), tuple(xtc_special_tokens))
@@ -73,7 +73,7 @@ def make_node_sampler(temp=0.0, top_p=0.0, min_p=0.0, top_k=0, min_tokens_to_kee
     def choose(logits, positions):
         return draw(logits, positions, key)
 
-    choose.greedy, choose.scores, choose.seed = False, scores, key
+    choose.greedy, choose.scores, choose.seed, choose.temp = False, scores, key, float(temp)
     return choose
 
 
@@ -115,16 +115,17 @@ def _draws(temp, top_p, min_p, top_k, min_tokens_to_keep, xtc_probability, xtc_t
 class Draw:
     """What a drafter needs to guess sampled tokens (temp > 0): the sampler's `scores` (compiled,
     one function per sampler setting: a compiled draft keys its traces by it), its `seed` (mx
-    uint32) and the position of the round's root (set by the loop before each draft; a device
-    int32 scalar in rounds queued ahead). The target draws the token after a node at the node's
+    uint32), its `temp` (the default's shape reads it: spec.SAMPLED_TREE) and the position of
+    the round's root (set by the loop before each draft; a device int32 scalar in rounds queued
+    ahead). The target draws the token after a node at the node's
     position, so a drafter picks the token after a node at depth d (root 0) by argmax (its
     runners-up: the next best) of `at(logits, d)`. Exactness does not rest on it: any draft is
     exact."""
 
-    __slots__ = ("scores", "seed", "position")
+    __slots__ = ("scores", "seed", "position", "temp")
 
     def __init__(self, choose):
-        self.scores, self.seed, self.position = choose.scores, choose.seed, None
+        self.scores, self.seed, self.position, self.temp = choose.scores, choose.seed, None, choose.temp
 
     def at(self, logits, depth, root=None):
         """The draw's scores of `logits` [n, V], every row at `depth` from the root (an int, or

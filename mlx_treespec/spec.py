@@ -27,12 +27,19 @@ from dataclasses import dataclass, replace
 
 from .tree import MAX_NODES, chain_parents, check_int, eagle2_candidates
 
-__all__ = ["DraftSpec", "check_int", "DEFAULT_TREE", "DRAFTERS"]
+__all__ = ["DraftSpec", "check_int", "DEFAULT_TREE", "SAMPLED_TREE", "DRAFTERS"]
 
 # The draft model's shape when no shape option is given: a spine of 8 with each step's two
 # runners-up as leaves (K=3, one lane, S=8): the fastest tree of the draft model alone on the
 # H200 with the demo pair (bench/RESULTS.md).
 DEFAULT_TREE = dict(topk=3, lanes=1, depth=8)
+# Sampled at SAMPLED_TREE_TEMP or hotter, the default over a head (adaptive: `adaptive_over`)
+# drafts this tree instead: at temp 0.7 the target's draw is missed about every third token, so
+# a spine's steps past the fifth seldom pay for their head step, and a fourth candidate a step
+# catches more of the misses (bench/RESULTS.md, "Sampled tree shapes": K4 S5 ran 1.08-1.11x K3 S8
+# in both demo pairs); at temp 0.3 draws are missed less and the deeper trees won (K4 S8 over K3
+# S8, section "Sampled rounds"). The threshold lies between those two measurements.
+SAMPLED_TREE, SAMPLED_TREE_TEMP = dict(topk=4, lanes=1, depth=5), 0.5
 # The depth of any tree or chain whose depth is not given, and the budget of a model-free
 # drafter's tree whose budget is not given.
 DEFAULT_DEPTH = 8
@@ -331,7 +338,7 @@ class DraftSpec:
                 return AdaptiveDrafter(host=host, costs=costs, memory=memory, context_costs=at)
             return AdaptiveDrafter(primary=replace(self, adaptive=False).build(draft_model),
                                    host=LookupDrafter(DEFAULT_FREE_BUDGET, 2 * DEFAULT_DEPTH),
-                                   costs=costs, memory=memory, context_costs=at)
+                                   costs=costs, memory=memory, context_costs=at, sampled_shape=self.sampled_shape)
         if self.drafter == "lookup":
             from .drafters.lookup import LookupDrafter
 
@@ -361,6 +368,19 @@ class DraftSpec:
 
         return MergedDrafter(base, LookupDrafter(budget=self.lookup, max_depth=self.lookup, branches=1),
                              trust=self.trust)
+
+    @property
+    def sampled_shape(self):
+        """The shape (topk, lanes, depth, budget) a head's default drafts when sampling at
+        SAMPLED_TREE_TEMP or hotter (None: this spec's own at every temperature: not adaptive,
+        not a head, or a shape other than the default's)."""
+        default = self.adaptive and self.drafter in HEADS and (self.topk, self.lanes, self.depth) == tuple(
+            DEFAULT_TREE[k] for k in ("topk", "lanes", "depth"))
+        if not default:
+            return None
+        hot = DraftSpec.from_options(self.drafter, tree_topk=SAMPLED_TREE["topk"],
+                                     tree_lanes=SAMPLED_TREE["lanes"], tree_depth=SAMPLED_TREE["depth"])
+        return hot.topk, hot.lanes, hot.depth, hot.budget
 
     def probe_parents(self):
         """The largest layout a round of this spec sends (what the GPU exactness probe verifies),

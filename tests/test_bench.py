@@ -472,6 +472,8 @@ def test_sampled_loop_checks_tokens_against_plain_sampled_decoding(tmp_path, cap
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from run import Arms, load_target, main
 
+    from mlx_treespec.sampling import Draw, make_node_sampler
+
     main(["loop", "--target", "demo", "--temp", "0.7", "--seed", "3", "--arms",
           "eagle3-chain:2,eagle3-tree:2:2:4:1/uncoupled", "--prompts", "unseen", "--n", "1", "--max-tokens", "6",
           "--out", str(tmp_path / "loop")])
@@ -487,19 +489,23 @@ def test_sampled_loop_checks_tokens_against_plain_sampled_decoding(tmp_path, cap
     target, _ = load_target("demo")
     arms = Arms(target, "demo", [])
     coupled, uncoupled = arms.maker("eagle3-chain:2")(), arms.maker("eagle3-chain:2/uncoupled")()
-    coupled.draw = uncoupled.draw = "a draw"
-    assert coupled.draw == "a draw" and uncoupled.draw is None
+    draw = Draw(make_node_sampler(0.7))
+    coupled.draw = uncoupled.draw = draw
+    assert coupled.draw is draw and uncoupled.draw is None
     with pytest.raises(ValueError, match="ARM/uncoupled takes"):
         arms.maker("lookup:8:4/uncoupled")()
     # wrapper suffixes combine (each binds the maker it wraps), and an adaptive A/B arm learns
     # apart from the arm it varies
     auto, both = arms.maker("auto:eagle3")(), arms.maker("auto:eagle3/uncoupled/chains")()
     argmaxes, chains = arms.maker("auto:eagle3/uncoupled")(), arms.maker("auto:eagle3/chains")()
-    both.draw = "a draw"
+    both.draw = draw
     assert both.draw is None and not both.queues_trees and isinstance(both.primary, type(auto.primary))
     held, handing = arms.maker("auto:eagle3")(), arms.maker("auto:eagle3/chains/handback")()
-    held.draw = handing.draw = "a draw"
+    held.draw = handing.draw = draw
     assert held.holds_queue and not handing.holds_queue and not handing.queues_trees
+    kept = arms.maker("auto:eagle3/keep")()
+    kept.draw = draw
+    assert kept.holds_queue and kept._shadow() is None and kept.memory != held.memory
     assert len({id(d.learned) for d in (auto, both, argmaxes, chains, handing)}) == 5
     for arm in ("eagle3-chain:2/handback", "auto:lookup/handback"):
         with pytest.raises(ValueError, match="ARM/handback takes"):

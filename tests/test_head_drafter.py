@@ -138,6 +138,36 @@ def test_sampled_the_adaptive_head_never_hands_its_queued_rounds_back(tmp_path, 
             assert not d.holds_queue and queued == first_decision < len(stats.drafter), stats.drafter
 
 
+def test_sampled_hot_the_default_head_drafts_the_sampled_tree(tmp_path, monkeypatch):
+    # the default over a head (no shape given) queues spec.SAMPLED_TREE (K4 S5: 21 nodes) when
+    # sampling at SAMPLED_TREE_TEMP or hotter, its own tree (K3 S8: 25) below it and its chain (9)
+    # greedy, generation by generation in one drafter; tokens plain (sampled) decoding's. A shape
+    # given is kept at every temperature
+    import mlx_treespec.verify as verify
+    from test_adaptive import flat
+
+    from mlx_treespec.spec import SAMPLED_TREE_TEMP, DraftSpec
+
+    head, target = make_mtp(tmp_path, "qwen3_5_tied")[:2]
+    folder = str(tmp_path / "qwen3_5_tied")
+    prompt = np.random.default_rng(4).integers(0, tiny.VOCAB, 12).tolist()
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    assert 0.3 < SAMPLED_TREE_TEMP <= 0.7
+    d = make_drafter(folder, drafter="mtp", target=target)
+    d.costs = (1e6, flat(1.0))  # plain decoding slow: queued rounds go on
+    for sampling, nodes in ((dict(temp=0.7, seed=1), 21), (dict(temp=0.3, seed=1), 25), (dict(), 9),
+                            (dict(temp=0.9, seed=2), 21), (dict(temp=0.3, seed=2), 25)):
+        ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **sampling)]
+        stats = RoundStats()
+        assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N, stats=stats, **sampling)] == ref
+        queued = [n for n, k in zip(stats.nodes, stats.drafter) if k == "queued"]
+        assert queued and set(queued) == {nodes}, (sampling, stats.nodes, stats.drafter)
+    assert DraftSpec.from_options("mtp").sampled_shape == (4, 1, 5, 20)
+    for shape in (dict(tree_topk=3, tree_depth=6), dict(draft_block_size=4)):
+        assert DraftSpec.from_options("mtp", **shape).sampled_shape is None
+    assert DraftSpec.from_options("dflash").sampled_shape is None
+
+
 def test_one_token_prompt(tmp_path):
     # nothing to continue from in the first round: root only, then the head drafts
     head, target = make_mtp(tmp_path, "qwen3_5_tied")[:2]

@@ -297,7 +297,9 @@ class HeadDrafter(ModelDrafter):
         and V. A chain or fixed lane tree is one compiled function (traced per slot count and
         buffer width, and per sampler setting: constants of the trace, the seed an input); an EAGLE-2
         tree calls `_lanes_fns`' compiled functions, one a step."""
-        key = ("_compiled_ahead", kind) if self.draw is None else ("_compiled_ahead", kind, self.draw.scores)
+        # (the shape too: an adaptive default's differs by temperature, `reshape`)
+        key = ("_compiled_ahead", kind, self.topk, self.lanes, self.depth) + (
+            () if self.draw is None else (self.draw.scores,))
         fn = self.__dict__.get(key)
         if fn is not None:
             return fn
@@ -396,7 +398,8 @@ class HeadDrafter(ModelDrafter):
         once in `start` or `argmax_inputs`, what does not change between rounds (each step's
         own rows, offsets) once per drafter, and the candidates are joined once in `rank`
         rather than written a step at a time."""
-        key = "_compiled_lanes" if self.draw is None else ("_compiled_lanes", self.draw.scores)
+        key = ("_compiled_lanes", self.topk, self.lanes, self.depth, self.budget) + (
+            () if self.draw is None else (self.draw.scores,))
         fns = self.__dict__.get(key)
         if fns is not None:
             return fns

@@ -239,6 +239,11 @@ class ModelDrafter:
     def reset(self):
         self.cache, self.pending = None, []
 
+    def reshape(self, topk, lanes, depth, budget):
+        """Draft trees of this shape from the next draft on (an adaptive default's sampled shape,
+        set per generation: AdaptiveDrafter.draw)."""
+        self.topk, self.lanes, self.depth, self.budget = topk, lanes, depth, budget
+
     def prefill(self, prompt):
         self.reset()
         self.cache = make_prompt_cache(self.model)
