@@ -25,14 +25,13 @@ take comma lists: two heads in one interleaved run), ARM/auto adaptive drafting 
 shape (a draft model's or head's chain or tree: an earlier default's arm), /sync without queued rounds, auto:dflash/chains
 queueing the primary's chains instead of its trees, auto:HEAD/handback (with --temp) handing
 its queued rounds back where they lose, as greedy (the A/B arm of adaptive's holds_queue),
-auto:HEAD/keep (with --temp) never handing them back (no shadow rounds: a3a4484's rule),
 HEAD-chain:K/astree a head's chains queued as trees of no leaves, TREE/replay a spine-first tree's accepted paths re-run by the next round
 as any tree's are, where the library commits them in place, ARM/separate every linear layer run
 on its own, where the library joins those that read one input (mlx_treespec/join.py),
 TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the first lane
 step only, ARM/uncoupled (with --temp) a draft model's, head's or DFlash drafter's steps taking their logits'
 argmax, where the library's guess the target's draw (sampling.Draw) (suffixes in that order:
-ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains][/handback|/keep], ARM[/astree], ARM[/replay], ARM[/ranked],
+ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains][/handback], ARM[/astree], ARM[/replay], ARM[/ranked],
 ARM[/separate]). Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt (with --temp every
 arm samples: mlx-plain by mlx-lm's sampler, the others' tokens checked against this library's
@@ -162,9 +161,7 @@ class Arms:
         arm, ranked = (arm[: -len("/ranked")], True) if arm.endswith("/ranked") else (arm, False)
         arm, replay = (arm[: -len("/replay")], True) if arm.endswith("/replay") else (arm, False)
         arm, as_tree = (arm[: -len("/astree")], True) if arm.endswith("/astree") else (arm, False)
-        arm, keep = (arm[: -len("/keep")], True) if arm.endswith("/keep") else (arm, False)
         arm, handback = (arm[: -len("/handback")], True) if arm.endswith("/handback") else (arm, False)
-        handback = handback or keep
         arm, chains = (arm[: -len("/chains")], True) if arm.endswith("/chains") else (arm, False)
         arm, unqueued = (arm[: -len("/sync")], True) if arm.endswith("/sync") else (arm, False)
         arm, uncoupled = (arm[: -len("/uncoupled")], True) if arm.endswith("/uncoupled") else (arm, False)
@@ -202,7 +199,7 @@ class Arms:
         if chains:  # "auto:KIND/chains": the adaptive drafter queueing its primary's chains
             make = lambda inner=make: ChainsQueued.of(inner())  # noqa: E731
         if handback:  # "auto:HEAD/handback": sampled queued rounds handed back where they lose
-            make = lambda inner=make, keep=keep: HandBack.of(inner(), keep)  # noqa: E731
+            make = lambda inner=make: HandBack.of(inner())  # noqa: E731
         return make
 
 
@@ -358,16 +355,12 @@ class ChainsQueued:
 
 class HandBack:
     """An adaptive drafter whose sampled queued rounds are handed back where they lose, as
-    greedy ones are (the rule before adaptive's `holds_queue`), or with `keep` never (no
-    shadow rounds: `a3a4484`'s rule): the A/B arms."""
+    greedy ones are (the rule before adaptive's `holds_queue`): the A/B arm."""
 
     @staticmethod
-    def of(drafter, keep=False):
+    def of(drafter):
         if not getattr(drafter, "over_head", False):
             raise ValueError("ARM/handback takes an adaptive arm over a head (auto:mtp, auto:eagle3)")
-        if keep:
-            drafter.__class__ = type("Keep" + type(drafter).__name__, (type(drafter),), {"_shadow": lambda self: None})
-            return own_record(drafter, "keep")
         drafter.__class__ = type("HandBack" + type(drafter).__name__, (type(drafter),),
                                  {"holds_queue": property(lambda self: False)})
         return own_record(drafter, "handback")
@@ -1692,7 +1685,7 @@ def run_draft_time(args):
                      "one-lane arm")
         kind = prefilled(target, drafter, prompt)
         fn, seen = drafter._ahead_fn(kind), []
-        drafter.__dict__[("_compiled_ahead", kind)] = lambda *x: (seen.append(x), fn(*x))[1]
+        drafter.__dict__[drafter._ahead_key(kind)] = lambda *x: (seen.append(x), fn(*x))[1]
         mx.eval(drafter._steps_ahead(mx.array([prompt[-1]], mx.uint32), None, None, None, kind)[0])
         inputs = seen[0]
         synced = []

@@ -54,15 +54,12 @@ SPIKE, SPIKES_IN_A_ROW = 4.0, 2
 # arm queues again when chosen (`QueueAhead`), so the decision comes early (bench/RESULTS.md,
 # "The default comes back to queued rounds" and "The default, three runs of each prompt")
 QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 4, 32, 0.8
-# Sampled, a head's queued rounds are judged against the host's shadow rounds alone, and only
-# where the host's accepted drafts are at least half the window's text (`holds_queue`): a
-# round's emitted count swings with the draws (a text's first rounds 1-2 tokens, later ones 9),
-# and four booked rounds read a hard start as a losing arm against plain decoding: the rounds
-# that followed were mostly plain stretches. Never handing back ran 1.15x the old rule on the
-# hybrid at temp 0.7, but at 0.3 the old rule won on repetitive text by handing back to prompt
-# lookup, which the host's bar keeps (bench/RESULTS.md, "Sampled, the default keeps its queued
-# tree"). (The shadow prices a token the host did not draft at plain's cost: the count of its
-# drafted tokens keeps plain decoding's rate out of the host's bar.)
+# Sampled, a head's queued rounds are never handed back (`holds_queue`): a round's emitted
+# count swings with the draws (a text's first rounds 1-2 tokens, later ones 9), four booked
+# rounds read a hard start as a losing arm, and the rounds that followed were mostly plain
+# stretches, on the prompts where the fixed tree lost to plain decoding too. Holding ran
+# 1.15x the old rule on the hybrid at temp 0.7; at 0.3 the old rule won on repetitive text,
+# handing back to prompt lookup (bench/RESULTS.md, "Sampled, the default keeps its queued tree")
 
 
 @dataclass(frozen=True)
@@ -294,7 +291,7 @@ class AdaptiveDrafter:
         # root and the tokens emitted queued since, and how many of them the host drafter has seen
         self.shadow = deque()
         self.queued_tokens, self.shadowed = ([], 0) if root is None else ([int(root)], 1)
-        self.shadow_total = [0, 0.0, 0]  # the shadow rounds' tokens, ms and accepted drafts, summed
+        self.shadow_total = [0, 0.0]  # the shadow rounds' tokens and ms, summed
 
     def _reach_base(self):
         """A host round's depth at first: half what the host may draft (the rest is for texts
@@ -435,9 +432,8 @@ class AdaptiveDrafter:
 
     @property
     def holds_queue(self):
-        """Queued rounds (a tree or a chain) are judged against the host's shadow rounds alone,
-        and only where the host's accepted drafts are at least half the window's text: a
-        head's, sampled (the note under the QUEUED_* constants)."""
+        """Queued rounds (a tree or a chain) go on whatever they emit: a head's, sampled (the
+        note under the QUEUED_* constants)."""
         return self.draw is not None and self.over_head
 
     @property
@@ -459,8 +455,9 @@ class AdaptiveDrafter:
         wall time): whether queueing goes on. Its rate over the last QUEUED_WINDOW booked rounds
         (warm-up rounds and spikes unbooked, as `_close` leaves them) must stay at least
         QUEUED_LOSS x the better of plain decoding's rate and the host drafter's over the same
-        text (`_shadow`); sampled, a head's the host's alone, where its accepted drafts are at
-        least half that text (`holds_queue`)."""
+        text (`_shadow`); sampled, a head's go on to the generation's end (`holds_queue`)."""
+        if self.holds_queue:
+            return True
         self.queued_tokens += [int(t) for t in tokens]
         self._shadow()
         self.queued_seen += 1
@@ -480,12 +477,8 @@ class AdaptiveDrafter:
         window = sum(t for t, _ in booked)
         shadow, total = self.shadow, self.shadow_total
         while len(shadow) > 1 and total[0] - shadow[0][0] >= window:  # about the window's tokens
-            t, m, d = shadow.popleft()
-            total[0], total[1], total[2] = total[0] - t, total[1] - m, total[2] - d
-        if self.holds_queue:  # no plain bar; the shadow's, where the host's drafts are half the text
-            plain = None
-            if 2 * total[2] < window:
-                return True
+            t, m = shadow.popleft()
+            total[0], total[1] = total[0] - t, total[1] - m
         if total[0] and 2 * total[0] >= window:
             host = total[0] / max(total[1], 1e-6)
             plain = host if plain is None else max(plain, host)
@@ -528,11 +521,9 @@ class AdaptiveDrafter:
             emitted = known[: accepted + 1]
             self.host.commit(None, None, emitted)
             self.shadowed += len(emitted)
-            drafted = accepted  # (tokens the host's draft supplied)
-            self.shadow.append((len(emitted), ms, drafted))
+            self.shadow.append((len(emitted), ms))
             self.shadow_total[0] += len(emitted)
             self.shadow_total[1] += ms
-            self.shadow_total[2] += drafted
 
     def handed_back(self, start, tokens):
         """Queued rounds ended at `start` context rows, having emitted `tokens` (the last is

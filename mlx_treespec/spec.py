@@ -35,11 +35,11 @@ __all__ = ["DraftSpec", "check_int", "DEFAULT_TREE", "SAMPLED_TREE", "DRAFTERS"]
 DEFAULT_TREE = dict(topk=3, lanes=1, depth=8)
 # Sampled at SAMPLED_TREE_TEMP or hotter, the default over a head (adaptive: `adaptive_over`)
 # drafts this tree instead: at temp 0.7 the target's draw is missed about every third token, so
-# a spine's steps past the fifth seldom pay for their head step, and a fourth candidate a step
-# catches more of the misses (bench/RESULTS.md, "Sampled tree shapes": K4 S5 ran 1.08-1.11x K3 S8
-# in both demo pairs); at temp 0.3 draws are missed less and the deeper trees won (K4 S8 over K3
-# S8, section "Sampled rounds"). The threshold lies between those two measurements.
-SAMPLED_TREE, SAMPLED_TREE_TEMP = dict(topk=4, lanes=1, depth=5), 0.5
+# a spine's steps past the fourth seldom pay for their head step, and more candidates a step
+# catch more of the misses (bench/RESULTS.md, "A sampled default shape": K5 S4 beat 3 x 8 at
+# temp 0.7 in both demo pairs); at temp 0.3 draws are missed less and the deeper tree won (3 x 8
+# over K4 S5). The threshold lies between the two temperatures measured.
+SAMPLED_TREE, SAMPLED_TREE_TEMP = dict(topk=5, lanes=1, depth=4), 0.5
 # The depth of any tree or chain whose depth is not given, and the budget of a model-free
 # drafter's tree whose budget is not given.
 DEFAULT_DEPTH = 8

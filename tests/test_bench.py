@@ -503,9 +503,6 @@ def test_sampled_loop_checks_tokens_against_plain_sampled_decoding(tmp_path, cap
     held, handing = arms.maker("auto:eagle3")(), arms.maker("auto:eagle3/chains/handback")()
     held.draw = handing.draw = draw
     assert held.holds_queue and not handing.holds_queue and not handing.queues_trees
-    kept = arms.maker("auto:eagle3/keep")()
-    kept.draw = draw
-    assert kept.holds_queue and kept._shadow() is None and kept.memory != held.memory
     assert len({id(d.learned) for d in (auto, both, argmaxes, chains, handing)}) == 5
     for arm in ("eagle3-chain:2/handback", "auto:lookup/handback"):
         with pytest.raises(ValueError, match="ARM/handback takes"):

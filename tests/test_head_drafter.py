@@ -94,21 +94,34 @@ def test_make_drafter_loads_heads_and_merges_lookup(tmp_path):
 
 def test_the_adaptive_head_queues_its_tree_when_sampling(tmp_path, monkeypatch):
     # where rounds queue (here on CPU), the adaptive default over a head queues its chain when
-    # greedy and its one-lane tree when sampling (its draws miss more often: the runners-up pay);
-    # both are plain (sampled) decoding's tokens
+    # greedy (9 nodes) and its one-lane tree when sampling (its draws miss more often: the
+    # runners-up pay): its own K3 S8 (25) below SAMPLED_TREE_TEMP, spec.SAMPLED_TREE (K5 S4:
+    # 21) from it up, generation by generation in one drafter; every generation plain (sampled)
+    # decoding's tokens. A shape given is kept at every temperature
     import mlx_treespec.verify as verify
+    from test_adaptive import flat
+
+    from mlx_treespec.spec import SAMPLED_TREE_TEMP, DraftSpec
 
     head, target = make_mtp(tmp_path, "qwen3_5_tied")[:2]
     folder = str(tmp_path / "qwen3_5_tied")
     prompt = np.random.default_rng(2).integers(0, tiny.VOCAB, 8).tolist() * 2
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
-    for sampling, nodes in ((dict(), 1 + 8), (dict(temp=0.7, seed=1), 1 + 3 * 8)):
+    assert 0.3 < SAMPLED_TREE_TEMP <= 0.7
+    d = make_drafter(folder, drafter="mtp", target=target)
+    d.costs = (1e6, flat(1.0))  # plain decoding slow: queued rounds go on
+    for sampling, nodes in ((dict(), 1 + 8), (dict(temp=0.7, seed=1), 1 + 5 * 4), (dict(temp=0.3, seed=1), 1 + 3 * 8),
+                            (dict(temp=0.9, seed=2), 1 + 5 * 4), (dict(), 1 + 8)):
         ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **sampling)]
-        d, stats = make_drafter(folder, drafter="mtp", target=target), RoundStats()
+        stats = RoundStats()
         assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N, stats=stats, **sampling)] == ref
         queued = [n for n, k in zip(stats.nodes, stats.drafter) if k == "queued"]
         assert queued and set(queued) == {nodes}, (sampling, stats.nodes, stats.drafter)
         assert d.queues_trees == bool(sampling) and (d.draw is None) != bool(sampling)
+    assert DraftSpec.from_options("mtp").sampled_shape == (5, 1, 4, 20)
+    for shape in (dict(tree_topk=3, tree_depth=6), dict(draft_block_size=4)):
+        assert DraftSpec.from_options("mtp", **shape).sampled_shape is None
+    assert DraftSpec.from_options("dflash").sampled_shape is None
 
 
 def test_sampled_the_adaptive_head_never_hands_its_queued_rounds_back(tmp_path, monkeypatch):
@@ -136,36 +149,6 @@ def test_sampled_the_adaptive_head_never_hands_its_queued_rounds_back(tmp_path, 
             assert d.holds_queue and queued == len(stats.drafter) > first_decision, stats.drafter
         else:
             assert not d.holds_queue and queued == first_decision < len(stats.drafter), stats.drafter
-
-
-def test_sampled_hot_the_default_head_drafts_the_sampled_tree(tmp_path, monkeypatch):
-    # the default over a head (no shape given) queues spec.SAMPLED_TREE (K4 S5: 21 nodes) when
-    # sampling at SAMPLED_TREE_TEMP or hotter, its own tree (K3 S8: 25) below it and its chain (9)
-    # greedy, generation by generation in one drafter; tokens plain (sampled) decoding's. A shape
-    # given is kept at every temperature
-    import mlx_treespec.verify as verify
-    from test_adaptive import flat
-
-    from mlx_treespec.spec import SAMPLED_TREE_TEMP, DraftSpec
-
-    head, target = make_mtp(tmp_path, "qwen3_5_tied")[:2]
-    folder = str(tmp_path / "qwen3_5_tied")
-    prompt = np.random.default_rng(4).integers(0, tiny.VOCAB, 12).tolist()
-    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
-    assert 0.3 < SAMPLED_TREE_TEMP <= 0.7
-    d = make_drafter(folder, drafter="mtp", target=target)
-    d.costs = (1e6, flat(1.0))  # plain decoding slow: queued rounds go on
-    for sampling, nodes in ((dict(temp=0.7, seed=1), 21), (dict(temp=0.3, seed=1), 25), (dict(), 9),
-                            (dict(temp=0.9, seed=2), 21), (dict(temp=0.3, seed=2), 25)):
-        ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **sampling)]
-        stats = RoundStats()
-        assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N, stats=stats, **sampling)] == ref
-        queued = [n for n, k in zip(stats.nodes, stats.drafter) if k == "queued"]
-        assert queued and set(queued) == {nodes}, (sampling, stats.nodes, stats.drafter)
-    assert DraftSpec.from_options("mtp").sampled_shape == (4, 1, 5, 20)
-    for shape in (dict(tree_topk=3, tree_depth=6), dict(draft_block_size=4)):
-        assert DraftSpec.from_options("mtp", **shape).sampled_shape is None
-    assert DraftSpec.from_options("dflash").sampled_shape is None
 
 
 def test_one_token_prompt(tmp_path):

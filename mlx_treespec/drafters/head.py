@@ -297,9 +297,7 @@ class HeadDrafter(ModelDrafter):
         and V. A chain or fixed lane tree is one compiled function (traced per slot count and
         buffer width, and per sampler setting: constants of the trace, the seed an input); an EAGLE-2
         tree calls `_lanes_fns`' compiled functions, one a step."""
-        # (the shape too: an adaptive default's differs by temperature, `reshape`)
-        key = ("_compiled_ahead", kind, self.topk, self.lanes, self.depth) + (
-            () if self.draw is None else (self.draw.scores,))
+        key = self._ahead_key(kind)
         fn = self.__dict__.get(key)
         if fn is not None:
             return fn
@@ -369,6 +367,12 @@ class HeadDrafter(ModelDrafter):
 
         fn = self.__dict__[key] = lanes if kind == "lanes" else mx.compile(chain)
         return fn
+
+    def _ahead_key(self, kind):
+        """Where `_ahead_fn` keeps `kind`'s compiled draft: per shape (an adaptive default's
+        differs by temperature: `reshape`) and sampler setting."""
+        return ("_compiled_ahead", kind, self.topk, self.lanes, self.depth) + (
+            () if self.draw is None else (self.draw.scores,))
 
     def _slots(self, forward, tokens, slot_rows, count, L0, keys, values, ranges):
         """The slots' forward at L0.. (inside a compiled function): the last real slot's logits
