@@ -206,8 +206,9 @@ class Arms:
 def argmax_drafting(drafter):
     """A model, head or DFlash drafter (or an adaptive one over it) that drafts its logits' argmax at
     temp > 0 too, where the library's guesses the target's draw (sampling.Draw): the A/B arm
-    ARM/uncoupled. (An adaptive one over a head then also queues the head's chain and hands
-    its queued rounds back, as it does greedy: compare it with ARM/chains/handback.)"""
+    ARM/uncoupled. (An adaptive one over a head then also queues the head's chain of its greedy
+    shape and hands its queued rounds back, as it does greedy: compare it with
+    ARM/chains/handback.)"""
     if not hasattr(drafter, "draw"):
         raise ValueError("ARM/uncoupled takes a draft model's, head's or DFlash arm (a drafter that guesses draws)")
     drafter.__class__ = type("Uncoupled" + type(drafter).__name__, (type(drafter),),
@@ -342,7 +343,8 @@ class Replayed(Wraps):
 
 class ChainsQueued:
     """An adaptive drafter whose queued rounds are its primary's chains where they could be its
-    trees (the default before `f4d7a27`): the A/B arm of the queued draft's shape."""
+    trees (the default before `f4d7a27`: its chain of 8 at every temperature, no sampled shape):
+    the A/B arm of the queued draft's shape."""
 
     @staticmethod
     def of(drafter):
@@ -350,6 +352,7 @@ class ChainsQueued:
             raise ValueError("ARM/chains takes an adaptive arm over a tree-drafting primary (auto:dflash; "
                              "auto:eagle3 or auto:mtp, which queue their trees at --temp above 0 only)")
         drafter.__class__ = type("ChainsQueued" + type(drafter).__name__, (type(drafter),), {"queues_trees": False})
+        drafter.shapes = None
         return own_record(drafter, "chains")
 
 

@@ -131,7 +131,9 @@ class Learned:
 
     def __init__(self, plain_ms=None):
         # the host's rate by the length of its match (1..MATCHES): a long match drafts far more
-        self.rates = {"primary": Rate(), "plain": Rate(plain_ms), **{("host", m): Rate() for m in range(MATCHES + 1)}}
+        # ("sampled": the primary's rounds in its sampled shape, AdaptiveDrafter.shapes: they cost apart)
+        self.rates = {"primary": Rate(), "sampled": Rate(), "plain": Rate(plain_ms),
+                      **{("host", m): Rate() for m in range(MATCHES + 1)}}
         self.calibration = Calibration()
         self.overhead = None  # EWMA of a DFlash round's ms beyond its verify's
         self.plain_at = plain_ms  # the plain ms per token the plain rate stands at (repricing scales it)
@@ -206,6 +208,7 @@ class AdaptiveDrafter:
         # and sampled from it up (`sampled_shape`: spec.DraftSpec.sampled_shape; None: one shape)
         self.shapes = None if sampled_shape is None else (
             (primary.topk, primary.lanes, primary.depth, primary.budget), tuple(sampled_shape))
+        self.hot = False  # this generation drafts the sampled shape
         self.queueable = False  # set by the loop per generation: rounds can be queued ahead (queued.py)
         if memory is not None and memory in LEARNED:
             self.learned = LEARNED[memory]
@@ -247,7 +250,9 @@ class AdaptiveDrafter:
         if hasattr(self.primary, "draw"):
             self.primary.draw = draw
         if self.shapes is not None:
-            self.primary.reshape(*self.shapes[draw is not None and draw.temp >= SAMPLED_TREE_TEMP])
+            temp = getattr(draw, "temp", None)
+            self.hot = temp is not None and temp >= SAMPLED_TREE_TEMP
+            self.primary.reshape(*self.shapes[self.hot])
 
     # ------------------------------------------------------------------ the drafter calls
 
@@ -589,7 +594,9 @@ class AdaptiveDrafter:
         return self.rates[self._key(arm)]
 
     def _key(self, arm):
-        return ("host", self.match) if arm == "host" else arm
+        if arm == "host":
+            return ("host", self.match)
+        return "sampled" if arm == "primary" and self.hot else arm
 
     def value(self, key):
         """A rate's expected tokens per ms in this generation (`key`: an arm, or ("host", match

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import mlx.core as mx
 
 from .loop import DEFAULT_QUANTIZED_KV_START, RoundStats, vocab_size
@@ -395,7 +396,7 @@ def _probe(args, model, drafter):
     if mx.default_device() == mx.cpu:
         return
     from .probe import check_speculation
-    from .sampling import make_node_sampler
+    from .sampling import Draw, make_node_sampler
     from .tree import chain_parents, depths_of
 
     parents = drafter.probe_parents()
@@ -404,6 +405,11 @@ def _probe(args, model, drafter):
     # under a fixed seed (any seed's draws flip as often; the run's own is drawn later)
     sampler = make_node_sampler(args.temp, args.top_p, args.min_p, args.top_k, args.min_tokens_to_keep, 0,
                                 args.xtc_probability, args.xtc_threshold)
+    if not sampler.greedy and hasattr(drafter, "draw"):  # the layout a sampled generation drafts
+        drafter.draw = Draw(sampler)  # (a head's default: spec.SAMPLED_TREE; the loop sets its own)
+        sampled = drafter.probe_parents()
+        if not np.array_equal(sampled, parents):
+            topologies.append(sampled)
     check_speculation(model, topologies, allow_inexact=args.allow_inexact, sampler=sampler)
 
 

@@ -125,7 +125,8 @@ class Draw:
     __slots__ = ("scores", "seed", "position", "temp")
 
     def __init__(self, choose):
-        self.scores, self.seed, self.position, self.temp = choose.scores, choose.seed, None, choose.temp
+        self.scores, self.seed, self.position = choose.scores, choose.seed, None
+        self.temp = getattr(choose, "temp", None)  # (a sampler of one's own may not say)
 
     def at(self, logits, depth, root=None):
         """The draw's scores of `logits` [n, V], every row at `depth` from the root (an int, or

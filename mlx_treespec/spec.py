@@ -374,9 +374,10 @@ class DraftSpec:
         """The shape (topk, lanes, depth, budget) a head's default drafts when sampling at
         SAMPLED_TREE_TEMP or hotter (None: this spec's own at every temperature: not adaptive,
         not a head, or a shape other than the default's)."""
-        default = self.adaptive and self.drafter in HEADS and (self.topk, self.lanes, self.depth) == tuple(
-            DEFAULT_TREE[k] for k in ("topk", "lanes", "depth"))
-        if not default:
+        if not (self.adaptive and self.drafter in HEADS):
+            return None
+        default = DraftSpec.adaptive_over(self.drafter)
+        if (self.topk, self.lanes, self.depth, self.budget) != (default.topk, default.lanes, default.depth, default.budget):
             return None
         hot = DraftSpec.from_options(self.drafter, tree_topk=SAMPLED_TREE["topk"],
                                      tree_lanes=SAMPLED_TREE["lanes"], tree_depth=SAMPLED_TREE["depth"])

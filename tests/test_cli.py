@@ -371,8 +371,17 @@ def test_the_probe_compares_draws_when_sampling(monkeypatch):
 
     seen = []
     monkeypatch.setattr(cli, "mx", types.SimpleNamespace(default_device=lambda: "a gpu", cpu=mx.cpu))
-    monkeypatch.setattr(probe, "check_speculation", lambda model, topologies, **k: seen.append(k))
+    monkeypatch.setattr(probe, "check_speculation", lambda model, topologies, **k: seen.append((topologies, k)))
     drafter = types.SimpleNamespace(probe_parents=lambda: np.array([-1, 0, 1, 0]))
     for flags in (["--temp", "0.7", "--top-p", "0.9"], []):
         cli._probe(cli.setup_arg_parser().parse_args(["--model", "demo"] + flags), None, drafter)
-    assert not seen[0]["sampler"].greedy and seen[1]["sampler"].greedy
+    assert not seen[0][1]["sampler"].greedy and seen[1][1]["sampler"].greedy
+    # a drafter whose layout follows the draw (a head's default: spec.SAMPLED_TREE) is probed
+    # in the layout a sampled generation drafts too
+    shaped = types.SimpleNamespace(draw=None)
+    shaped.probe_parents = lambda: np.array([-1, 0, 0, 0]) if shaped.draw is not None else np.array([-1, 0, 1, 2])
+    seen.clear()
+    for flags in (["--temp", "0.7"], []):
+        cli._probe(cli.setup_arg_parser().parse_args(["--model", "demo"] + flags), None, shaped)
+        shaped.draw = None
+    assert [len(t) for t, _ in seen] == [3, 2] and seen[0][0][2].tolist() == [-1, 0, 0, 0]

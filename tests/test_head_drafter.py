@@ -109,7 +109,7 @@ def test_the_adaptive_head_queues_its_tree_when_sampling(tmp_path, monkeypatch):
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
     assert 0.3 < SAMPLED_TREE_TEMP <= 0.7
     d = make_drafter(folder, drafter="mtp", target=target)
-    d.costs = (1e6, flat(1.0))  # plain decoding slow: queued rounds go on
+    d.costs, d.context_costs = (1e6, flat(1.0)), None  # plain decoding slow: queued rounds go on
     for sampling, nodes in ((dict(), 1 + 8), (dict(temp=0.7, seed=1), 1 + 5 * 4), (dict(temp=0.3, seed=1), 1 + 3 * 8),
                             (dict(temp=0.9, seed=2), 1 + 5 * 4), (dict(), 1 + 8)):
         ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **sampling)]
@@ -118,6 +118,9 @@ def test_the_adaptive_head_queues_its_tree_when_sampling(tmp_path, monkeypatch):
         queued = [n for n, k in zip(stats.nodes, stats.drafter) if k == "queued"]
         assert queued and set(queued) == {nodes}, (sampling, stats.nodes, stats.drafter)
         assert d.queues_trees == bool(sampling) and (d.draw is None) != bool(sampling)
+        # (the primary's rounds in either shape book to a rate of their own: they cost apart)
+        hot = sampling.get("temp", 0) >= SAMPLED_TREE_TEMP
+        assert d.rate("primary") is d.rates["sampled" if hot else "primary"]
     assert DraftSpec.from_options("mtp").sampled_shape == (5, 1, 4, 20)
     for shape in (dict(tree_topk=3, tree_depth=6), dict(draft_block_size=4)):
         assert DraftSpec.from_options("mtp", **shape).sampled_shape is None
@@ -142,7 +145,7 @@ def test_sampled_the_adaptive_head_never_hands_its_queued_rounds_back(tmp_path, 
     for sampling in (dict(), dict(temp=0.7, seed=1)):
         ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **sampling)]
         d, stats = make_drafter(folder, drafter="mtp", target=target), RoundStats()
-        d.costs = (1e-6, flat(1.0))  # plain decoding a million tokens a ms: every queued round loses
+        d.costs, d.context_costs = (1e-6, flat(1.0)), None  # plain a million tokens a ms: every queued round loses
         assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N, stats=stats, **sampling)] == ref
         queued = stats.drafter.count("queued")
         if sampling:
