@@ -576,18 +576,32 @@ def set_table(pset, prompts, max_tokens, runs, rows, versus=None, temp=0.0):
 
 
 def run_table(args):
-    """A loop's JSON (--from) as its markdown again, with --versus's column where given."""
+    """A loop's or acceptance run's JSON (--from) as its markdown again, with --versus's column
+    where given (a loop's)."""
     if args.source is None:
-        sys.exit("table needs --from FILE: a loop's .json or .json.gz")
+        sys.exit("table needs --from FILE: a loop's or acceptance run's .json or .json.gz")
     report = read_json(args.source)
     md = [f"# {report['meta']['section']} (from {Path(args.source).name})", ""]
     for pset, s in report["sets"].items():
+        if "runs" not in s:  # an acceptance run's set
+            if args.versus is not None:
+                sys.exit(f"--versus: {args.source} is an acceptance run's (emitted per verify): drop --versus")
+            md += acceptance_set_table(pset, s["prompts"], report["meta"]["max_tokens"], s["arms"],
+                                       report["meta"].get("temp", 0.0)) + [""]
+            continue
         names = [r["arm"] for r in s["arms"]]
         if args.versus is not None and args.versus not in names:
             sys.exit(f"--versus {args.versus} is not an arm of {args.source}: pass one of {','.join(names)}")
         md += set_table(pset, s["prompts"], report["meta"]["max_tokens"], s["runs"], s["arms"], args.versus,
                         report["meta"].get("temp", 0.0))
     print("\n".join(md))
+
+
+def acceptance_set_table(pset, prompts, max_tokens, rows, temp=0.0):
+    """An acceptance set's markdown: its heading and table."""
+    return [f"## {pset} prompts ({prompts} x {max_tokens} tokens, temp {temp:g}, pooled)", "",
+            "| arm | emitted/verify | rounds | identical to plain |", "|---|---|---|---|"] + \
+        [f"| {r['arm']} | {r['emitted_per_verify']:.3f} | {r['rounds']} | {r['identical']} |" for r in rows]
 
 
 def run_acceptance(args):
@@ -624,9 +638,7 @@ def run_acceptance(args):
             write(args, report, md + [f"(partial: {pset}, {len(rows)} of {len(names)} arms)"], echo=False)
         chainlike = {r["arm"]: r["emitted_per_verify"] for r in rows}
         report["sets"][pset] = dict(prompts=len(prompts), arms=rows)
-        md += [f"## {pset} prompts ({len(prompts)} x {args.max_tokens} tokens, temp {args.temp:g}, pooled)", "",
-               "| arm | emitted/verify | rounds | identical to plain |", "|---|---|---|---|"]
-        md += [f"| {r['arm']} | {r['emitted_per_verify']:.3f} | {r['rounds']} | {r['identical']} |" for r in rows]
+        md += acceptance_set_table(pset, len(prompts), args.max_tokens, rows, args.temp)
         if args.ratio:
             a, b = args.ratio.split("/")
             md.append(f"\n{a} / {b} = {chainlike[a] / chainlike[b]:.3f}")

@@ -114,6 +114,12 @@ def test_acceptance_section_tiny(tmp_path):
     assert "ddtree:31 / tree:3:8 = " in text
     data = read_json(tmp_path / "acc.json.gz")
     assert all(r["identical"] == "1/1" for r in data["sets"]["unseen"]["arms"])
+    # `table --from` prints an acceptance run's table again (a loop's --versus is refused)
+    again = run(["table", "--from", str(tmp_path / "acc.json.gz")])
+    assert "| arm | emitted/verify | rounds | identical to plain |" in again and "| ddtree:31 | " in again
+    bad = subprocess.run([sys.executable, "bench/run.py", "table", "--from", str(tmp_path / "acc.json.gz"),
+                          "--versus", "plain"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0 and "drop --versus" in bad.stderr
 
 
 def test_an_arm_picks_its_drafters_folder(tmp_path):
