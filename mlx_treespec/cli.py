@@ -13,7 +13,7 @@ import numpy as np
 import mlx.core as mx
 
 from .loop import DEFAULT_QUANTIZED_KV_START, RoundStats, vocab_size
-from .spec import DRAFTERS, DraftSpec
+from .spec import DEFAULT_TREE, DRAFTERS, SAMPLED_TREE, SAMPLED_TREE_TEMP, DraftSpec
 from .support import require_tree_support
 from .tree import MAX_NODES
 
@@ -104,6 +104,10 @@ def _switch(v):
     raise argparse.ArgumentTypeError(f"{v!r} is not T or F")
 
 
+def _shape_flags(shape):
+    return " ".join(f"--tree-{k} {shape[k]}" for k in ("topk", "lanes", "depth"))
+
+
 def setup_arg_parser():
     p = _Parser(
         prog="python -m mlx_treespec.generate",
@@ -163,8 +167,9 @@ def setup_arg_parser():
     p.add_argument("--verbose", nargs="?", const=True, default=None,
                    type=_switch,
                    help="print round statistics too (--verbose F prints only the response)")
-    t = p.add_argument_group("tree", "with a draft model and none of these: --tree-topk 3 "
-                                     "--tree-lanes 1 --tree-depth 8")
+    t = p.add_argument_group("tree", "with a draft model and none of these: {} (adaptive); a head's (mtp, "
+                                     "eagle3), sampled at --temp {:g} or hotter: {}".format(
+                                         _shape_flags(DEFAULT_TREE), SAMPLED_TREE_TEMP, _shape_flags(SAMPLED_TREE)))
     t.add_argument("--draft-block-size", "--num-draft-tokens", dest="draft_block_size", type=int, default=None,
                    help="draft a chain of this many tokens (--num-draft-tokens: mlx-lm's name)")
     t.add_argument("--tree-topk", type=int, default=None,
