@@ -37,7 +37,7 @@ DEFAULT_TREE = dict(topk=3, lanes=1, depth=8)
 # drafts this tree instead: at temp 0.7 the target's draw is missed about every third token, so
 # a spine's steps past the fourth seldom pay for their head step, and more candidates a step
 # catch more of the misses (bench/RESULTS.md, "A sampled default shape": K5 S4 beat 3 x 8 at
-# temp 0.7 in both demo pairs); cooler, draws are missed less and the deeper tree wins. The
+# temp 0.7 on unseen text in both demo pairs, level on held-out text); cooler, draws are missed less and the deeper tree wins. The
 # threshold is where the two crossed in both pairs, between temp 0.5 and 0.6 (that section's
 # exact acceptance priced by the GPU's round costs).
 SAMPLED_TREE, SAMPLED_TREE_TEMP = dict(topk=5, lanes=1, depth=4), 0.55
