@@ -23,7 +23,7 @@ import numpy as np
 
 from .builders import best_first_tree
 from .draft import Draft
-from .spec import SAMPLED_TREE_TEMP
+from .spec import SAMPLED_TREES
 from .tree import MAX_NODES, DraftTree, depths_of, preorder
 from .verify import pad_keys_default, row_bucket
 from .walk import greedy_walk
@@ -131,8 +131,10 @@ class Learned:
 
     def __init__(self, plain_ms=None):
         # the host's rate by the length of its match (1..MATCHES): a long match drafts far more
-        # ("sampled": the primary's rounds in its sampled shape, AdaptiveDrafter.shapes: they cost apart)
-        self.rates = {"primary": Rate(), "sampled": Rate(), "plain": Rate(plain_ms),
+        # (("sampled", i): the primary's rounds in its i-th sampled shape, AdaptiveDrafter.shapes:
+        # they cost apart)
+        self.rates = {"primary": Rate(), "plain": Rate(plain_ms),
+                      **{("sampled", i): Rate() for i in range(1, len(SAMPLED_TREES) + 1)},
                       **{("host", m): Rate() for m in range(MATCHES + 1)}}
         self.calibration = Calibration()
         self.overhead = None  # EWMA of a DFlash round's ms beyond its verify's
@@ -184,7 +186,7 @@ class AdaptiveDrafter:
     each prefill and every `REPRICE` rows. `reset` starts a fresh record (under the same key)."""
 
     def __init__(self, primary=None, host=None, costs=None, verify_rows=None, memory=None,
-                 context_costs=None, sampled_shape=None):
+                 context_costs=None, sampled_shapes=None):
         if primary is None and host is None:
             raise ValueError("an adaptive drafter needs a drafter to choose: pass primary= or host=")
         if getattr(host, "capture", ()):
@@ -204,11 +206,12 @@ class AdaptiveDrafter:
         self.names = {"primary": _kind(primary) if primary is not None else "",
                       "host": _kind(host) if host is not None else "", "plain": "plain"}
         self.memory = memory
-        # the primary's (topk, lanes, depth, budget) greedy or sampled below SAMPLED_TREE_TEMP,
-        # and sampled from it up (`sampled_shape`: spec.DraftSpec.sampled_shape; None: one shape)
-        self.shapes = None if sampled_shape is None else (
-            (primary.topk, primary.lanes, primary.depth, primary.budget), tuple(sampled_shape))
-        self.hot = False  # this generation drafts the sampled shape
+        # ((temp from which, the primary's (topk, lanes, depth, budget)), ...), coolest first:
+        # its own shape greedy and cool, then `sampled_shapes` (spec.DraftSpec.sampled_shapes;
+        # None: one shape)
+        self.shapes = None if sampled_shapes is None else (
+            ((0.0, (primary.topk, primary.lanes, primary.depth, primary.budget)),) + tuple(sampled_shapes))
+        self.tier = 0  # the index in `shapes` of the shape this generation drafts
         self.queueable = False  # set by the loop per generation: rounds can be queued ahead (queued.py)
         if memory is not None and memory in LEARNED:
             self.learned = LEARNED[memory]
@@ -246,13 +249,13 @@ class AdaptiveDrafter:
 
     @draw.setter
     def draw(self, draw):
-        # a head's default drafts its sampled shape at SAMPLED_TREE_TEMP or hotter (spec.py)
+        # a head's default drafts the shape of the hottest threshold its temp reaches (spec.py)
         if hasattr(self.primary, "draw"):
             self.primary.draw = draw
         if self.shapes is not None:
             temp = getattr(draw, "temp", None)
-            self.hot = temp is not None and temp >= SAMPLED_TREE_TEMP
-            self.primary.reshape(*self.shapes[self.hot])
+            self.tier = 0 if temp is None else max(i for i, (t, _) in enumerate(self.shapes) if temp >= t)
+            self.primary.reshape(*self.shapes[self.tier][1])
 
     # ------------------------------------------------------------------ the drafter calls
 
@@ -596,7 +599,7 @@ class AdaptiveDrafter:
     def _key(self, arm):
         if arm == "host":
             return ("host", self.match)
-        return "sampled" if arm == "primary" and self.hot else arm
+        return ("sampled", self.tier) if arm == "primary" and self.tier else arm
 
     def value(self, key):
         """A rate's expected tokens per ms in this generation (`key`: an arm, or ("host", match

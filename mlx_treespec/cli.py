@@ -13,7 +13,7 @@ import numpy as np
 import mlx.core as mx
 
 from .loop import DEFAULT_QUANTIZED_KV_START, RoundStats, vocab_size
-from .spec import DEFAULT_TREE, DRAFTERS, SAMPLED_TREE, SAMPLED_TREE_TEMP, DraftSpec
+from .spec import DEFAULT_TREE, DRAFTERS, SAMPLED_TREES, DraftSpec
 from .support import require_tree_support
 from .tree import MAX_NODES
 
@@ -168,8 +168,9 @@ def setup_arg_parser():
                    type=_switch,
                    help="print round statistics too (--verbose F prints only the response)")
     t = p.add_argument_group("tree", "with a draft model and none of these: {} (adaptive); a head's (mtp, "
-                                     "eagle3), sampled at --temp {:g} or hotter: {}".format(
-                                         _shape_flags(DEFAULT_TREE), SAMPLED_TREE_TEMP, _shape_flags(SAMPLED_TREE)))
+                                     "eagle3), sampled: {}".format(_shape_flags(DEFAULT_TREE), "; ".join(
+                                         "from --temp {:g}, {}".format(temp, _shape_flags(shape))
+                                         for temp, shape in SAMPLED_TREES)))
     t.add_argument("--draft-block-size", "--num-draft-tokens", dest="draft_block_size", type=int, default=None,
                    help="draft a chain of this many tokens (--num-draft-tokens: mlx-lm's name)")
     t.add_argument("--tree-topk", type=int, default=None,
@@ -411,7 +412,7 @@ def _probe(args, model, drafter):
     sampler = make_node_sampler(args.temp, args.top_p, args.min_p, args.top_k, args.min_tokens_to_keep, 0,
                                 args.xtc_probability, args.xtc_threshold)
     if not sampler.greedy and hasattr(drafter, "draw"):  # the layout a sampled generation drafts
-        drafter.draw = Draw(sampler)  # (a head's default: spec.SAMPLED_TREE; the loop sets its own)
+        drafter.draw = Draw(sampler)  # (a head's default: spec.SAMPLED_TREES; the loop sets its own)
         sampled = drafter.probe_parents()
         if not np.array_equal(sampled, parents):
             topologies.append(sampled)

@@ -115,7 +115,7 @@ def _draws(temp, top_p, min_p, top_k, min_tokens_to_keep, xtc_probability, xtc_t
 class Draw:
     """What a drafter needs to guess sampled tokens (temp > 0): the sampler's `scores` (compiled,
     one function per sampler setting: a compiled draft keys its traces by it), its `seed` (mx
-    uint32), its `temp` (the default's shape reads it: spec.SAMPLED_TREE) and the position of
+    uint32), its `temp` (the default's shape reads it: spec.SAMPLED_TREES) and the position of
     the round's root (set by the loop before each draft; a device int32 scalar in rounds queued
     ahead). The target draws the token after a node at the node's
     position, so a drafter picks the token after a node at depth d (root 0) by argmax (its

@@ -27,20 +27,23 @@ from dataclasses import dataclass, replace
 
 from .tree import MAX_NODES, chain_parents, check_int, eagle2_candidates
 
-__all__ = ["DraftSpec", "check_int", "DEFAULT_TREE", "SAMPLED_TREE", "DRAFTERS"]
+__all__ = ["DraftSpec", "check_int", "DEFAULT_TREE", "SAMPLED_TREES", "DRAFTERS"]
 
 # The draft model's shape when no shape option is given: a spine of 8 with each step's two
 # runners-up as leaves (K=3, one lane, S=8): the fastest tree of the draft model alone on the
 # H200 with the demo pair (bench/RESULTS.md).
 DEFAULT_TREE = dict(topk=3, lanes=1, depth=8)
-# Sampled at SAMPLED_TREE_TEMP or hotter, the default over a head (adaptive: `adaptive_over`)
-# drafts this tree instead: at temp 0.7 the target's draw is missed about every third token, so
-# a spine's steps past the fourth seldom pay for their head step, and more candidates a step
-# catch more of the misses (bench/RESULTS.md, "A sampled default shape": K5 S4 beat 3 x 8 at
-# temp 0.7 on unseen text in both demo pairs, level on held-out text); cooler, draws are missed less and the deeper tree wins. The
-# threshold is where the two crossed in both pairs, between temp 0.5 and 0.6 (that section's
-# exact acceptance priced by the GPU's round costs).
-SAMPLED_TREE, SAMPLED_TREE_TEMP = dict(topk=5, lanes=1, depth=4), 0.55
+# Sampled, the default over a head (adaptive: `adaptive_over`) drafts shallower, wider trees
+# the hotter the draw: (temp from which, shape), coolest first. At temp 0.7 the target's draw
+# is missed about every third token, so a spine's steps past the fourth seldom pay for their
+# head step, and more candidates a step catch more of the misses (bench/RESULTS.md, "A sampled
+# default shape": K5 S4 beat 3 x 8 at temp 0.7 on unseen text in both demo pairs, level on
+# held-out text); cooler, draws are missed less and the deeper tree wins. Hotter still, the
+# fourth step seldom pays either (bench/RESULTS.md, "A third sampled shape": K6 S3 beat K5 S4
+# at temp 1.0 in both pairs and both sets). Each threshold is where the hotter shape draws
+# level or ahead in both pairs (exact CPU acceptance by temperature priced by the GPU's round
+# costs).
+SAMPLED_TREES = ((0.55, dict(topk=5, lanes=1, depth=4)), (0.8, dict(topk=6, lanes=1, depth=3)))
 # The depth of any tree or chain whose depth is not given, and the budget of a model-free
 # drafter's tree whose budget is not given.
 DEFAULT_DEPTH = 8
@@ -339,7 +342,7 @@ class DraftSpec:
                 return AdaptiveDrafter(host=host, costs=costs, memory=memory, context_costs=at)
             return AdaptiveDrafter(primary=replace(self, adaptive=False).build(draft_model),
                                    host=LookupDrafter(DEFAULT_FREE_BUDGET, 2 * DEFAULT_DEPTH),
-                                   costs=costs, memory=memory, context_costs=at, sampled_shape=self.sampled_shape)
+                                   costs=costs, memory=memory, context_costs=at, sampled_shapes=self.sampled_shapes)
         if self.drafter == "lookup":
             from .drafters.lookup import LookupDrafter
 
@@ -371,18 +374,21 @@ class DraftSpec:
                              trust=self.trust)
 
     @property
-    def sampled_shape(self):
-        """The shape (topk, lanes, depth, budget) a head's default drafts when sampling at
-        SAMPLED_TREE_TEMP or hotter (None: this spec's own at every temperature: not adaptive,
-        not a head, or a shape other than the default's)."""
+    def sampled_shapes(self):
+        """((temp, (topk, lanes, depth, budget)), ...): the shapes a head's default drafts when
+        sampling at each temp of SAMPLED_TREES or hotter, coolest first (None: this spec's own
+        at every temperature: not adaptive, not a head, or a shape other than the default's)."""
         if not (self.adaptive and self.drafter in HEADS):
             return None
         default = DraftSpec.adaptive_over(self.drafter)
         if (self.topk, self.lanes, self.depth, self.budget) != (default.topk, default.lanes, default.depth, default.budget):
             return None
-        hot = DraftSpec.from_options(self.drafter, tree_topk=SAMPLED_TREE["topk"],
-                                     tree_lanes=SAMPLED_TREE["lanes"], tree_depth=SAMPLED_TREE["depth"])
-        return hot.topk, hot.lanes, hot.depth, hot.budget
+        shapes = []
+        for temp, shape in SAMPLED_TREES:
+            hot = DraftSpec.from_options(self.drafter, tree_topk=shape["topk"], tree_lanes=shape["lanes"],
+                                         tree_depth=shape["depth"])
+            shapes.append((temp, (hot.topk, hot.lanes, hot.depth, hot.budget)))
+        return tuple(shapes)
 
     def probe_parents(self):
         """The largest layout a round of this spec sends (what the GPU exactness probe verifies),

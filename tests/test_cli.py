@@ -376,7 +376,7 @@ def test_the_probe_compares_draws_when_sampling(monkeypatch):
     for flags in (["--temp", "0.7", "--top-p", "0.9"], []):
         cli._probe(cli.setup_arg_parser().parse_args(["--model", "demo"] + flags), None, drafter)
     assert not seen[0][1]["sampler"].greedy and seen[1][1]["sampler"].greedy
-    # a drafter whose layout follows the draw (a head's default: spec.SAMPLED_TREE) is probed
+    # a drafter whose layout follows the draw (a head's default: spec.SAMPLED_TREES) is probed
     # in the layout a sampled generation drafts too
     shaped = types.SimpleNamespace(draw=None)
     shaped.probe_parents = lambda: np.array([-1, 0, 0, 0]) if shaped.draw is not None else np.array([-1, 0, 1, 2])

@@ -95,36 +95,38 @@ def test_make_drafter_loads_heads_and_merges_lookup(tmp_path):
 def test_the_adaptive_head_queues_its_tree_when_sampling(tmp_path, monkeypatch):
     # where rounds queue (here on CPU), the adaptive default over a head queues its chain when
     # greedy (9 nodes) and its one-lane tree when sampling (its draws miss more often: the
-    # runners-up pay): its own K3 S8 (25) below SAMPLED_TREE_TEMP, spec.SAMPLED_TREE (K5 S4:
-    # 21) from it up, generation by generation in one drafter; every generation plain (sampled)
-    # decoding's tokens. A shape given is kept at every temperature
+    # runners-up pay): its own K3 S8 (25) below the first of spec.SAMPLED_TREES, then each
+    # shape from its temp up (K5 S4: 21, K6 S3: 19), generation by generation in one drafter;
+    # every generation plain (sampled) decoding's tokens. A shape given is kept at every
+    # temperature
     import mlx_treespec.verify as verify
     from test_adaptive import flat
 
-    from mlx_treespec.spec import SAMPLED_TREE_TEMP, DraftSpec
+    from mlx_treespec.spec import SAMPLED_TREES, DraftSpec
 
     head, target = make_mtp(tmp_path, "qwen3_5_tied")[:2]
     folder = str(tmp_path / "qwen3_5_tied")
     prompt = np.random.default_rng(2).integers(0, tiny.VOCAB, 8).tolist() * 2
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
-    assert 0.3 < SAMPLED_TREE_TEMP <= 0.7
+    (warm, _), (hot, _) = SAMPLED_TREES
+    assert 0.3 < warm <= 0.7 < hot <= 1.0
     d = make_drafter(folder, drafter="mtp", target=target)
     d.costs, d.context_costs = (1e6, flat(1.0)), None  # plain decoding slow: queued rounds go on
-    for sampling, nodes in ((dict(), 1 + 8), (dict(temp=0.7, seed=1), 1 + 5 * 4), (dict(temp=0.3, seed=1), 1 + 3 * 8),
-                            (dict(temp=0.9, seed=2), 1 + 5 * 4), (dict(), 1 + 8)):
+    for sampling, nodes, tier in ((dict(), 1 + 8, 0), (dict(temp=0.7, seed=1), 1 + 5 * 4, 1),
+                                  (dict(temp=0.3, seed=1), 1 + 3 * 8, 0), (dict(temp=1.0, seed=2), 1 + 6 * 3, 2),
+                                  (dict(temp=warm, seed=2), 1 + 5 * 4, 1), (dict(), 1 + 8, 0)):
         ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **sampling)]
         stats = RoundStats()
         assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N, stats=stats, **sampling)] == ref
         queued = [n for n, k in zip(stats.nodes, stats.drafter) if k == "queued"]
         assert queued and set(queued) == {nodes}, (sampling, stats.nodes, stats.drafter)
         assert d.queues_trees == bool(sampling) and (d.draw is None) != bool(sampling)
-        # (the primary's rounds in either shape book to a rate of their own: they cost apart)
-        hot = sampling.get("temp", 0) >= SAMPLED_TREE_TEMP
-        assert d.rate("primary") is d.rates["sampled" if hot else "primary"]
-    assert DraftSpec.from_options("mtp").sampled_shape == (5, 1, 4, 20)
+        # (the primary's rounds in each shape book to a rate of their own: they cost apart)
+        assert d.rate("primary") is d.rates[("sampled", tier) if tier else "primary"]
+    assert DraftSpec.from_options("mtp").sampled_shapes == ((warm, (5, 1, 4, 20)), (hot, (6, 1, 3, 18)))
     for shape in (dict(tree_topk=3, tree_depth=6), dict(draft_block_size=4)):
-        assert DraftSpec.from_options("mtp", **shape).sampled_shape is None
-    assert DraftSpec.from_options("dflash").sampled_shape is None
+        assert DraftSpec.from_options("mtp", **shape).sampled_shapes is None
+    assert DraftSpec.from_options("dflash").sampled_shapes is None
 
 
 def test_sampled_the_adaptive_head_never_hands_its_queued_rounds_back(tmp_path, monkeypatch):
