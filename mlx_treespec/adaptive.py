@@ -23,7 +23,6 @@ import numpy as np
 
 from .builders import best_first_tree
 from .draft import Draft
-from .spec import SAMPLED_TREES
 from .tree import MAX_NODES, DraftTree, depths_of, preorder
 from .verify import pad_keys_default, row_bucket
 from .walk import greedy_walk
@@ -131,10 +130,9 @@ class Learned:
 
     def __init__(self, plain_ms=None):
         # the host's rate by the length of its match (1..MATCHES): a long match drafts far more
-        # (("sampled", i): the primary's rounds in its i-th sampled shape, AdaptiveDrafter.shapes:
-        # they cost apart)
+        # (and ("sampled", i): the primary's rounds in shape i of AdaptiveDrafter.shapes, made
+        # at their first use by `_key`: the shapes cost apart)
         self.rates = {"primary": Rate(), "plain": Rate(plain_ms),
-                      **{("sampled", i): Rate() for i in range(1, len(SAMPLED_TREES) + 1)},
                       **{("host", m): Rate() for m in range(MATCHES + 1)}}
         self.calibration = Calibration()
         self.overhead = None  # EWMA of a DFlash round's ms beyond its verify's
@@ -183,7 +181,9 @@ class AdaptiveDrafter:
     nodes (default: the device's, `row_bucket` on GPUs); `memory`: a key under which what it
     learns is shared with later drafters of the same key (`Learned`); `context_costs`: a
     function of the context's rows returning `costs` there (`costmodel.costs_at`), asked at
-    each prefill and every `REPRICE` rows. `reset` starts a fresh record (under the same key)."""
+    each prefill and every `REPRICE` rows; `sampled_shapes`: ((temp, (topk, lanes, depth,
+    budget)), ...) by ascending temp, the primary's shape when sampling at each temp or hotter
+    (`spec.DraftSpec.sampled_shapes`). `reset` starts a fresh record (under the same key)."""
 
     def __init__(self, primary=None, host=None, costs=None, verify_rows=None, memory=None,
                  context_costs=None, sampled_shapes=None):
@@ -211,6 +211,8 @@ class AdaptiveDrafter:
         # None: one shape)
         self.shapes = None if sampled_shapes is None else (
             ((0.0, (primary.topk, primary.lanes, primary.depth, primary.budget)),) + tuple(sampled_shapes))
+        if self.shapes is not None and [t for t, _ in self.shapes] != sorted({t for t, _ in self.shapes}):
+            raise ValueError("sampled_shapes= takes (temp, shape) pairs by ascending temp, each above 0")
         self.tier = 0  # the index in `shapes` of the shape this generation drafts
         self.queueable = False  # set by the loop per generation: rounds can be queued ahead (queued.py)
         if memory is not None and memory in LEARNED:
@@ -254,7 +256,7 @@ class AdaptiveDrafter:
             self.primary.draw = draw
         if self.shapes is not None:
             temp = getattr(draw, "temp", None)
-            self.tier = 0 if temp is None else max(i for i, (t, _) in enumerate(self.shapes) if temp >= t)
+            self.tier = 0 if temp is None else max((i for i, (t, _) in enumerate(self.shapes) if temp >= t), default=0)
             self.primary.reshape(*self.shapes[self.tier][1])
 
     # ------------------------------------------------------------------ the drafter calls
@@ -599,7 +601,11 @@ class AdaptiveDrafter:
     def _key(self, arm):
         if arm == "host":
             return ("host", self.match)
-        return ("sampled", self.tier) if arm == "primary" and self.tier else arm
+        if arm != "primary" or not self.tier:
+            return arm
+        key = ("sampled", self.tier)
+        self.rates.setdefault(key, Rate())
+        return key
 
     def value(self, key):
         """A rate's expected tokens per ms in this generation (`key`: an arm, or ("host", match
@@ -624,7 +630,7 @@ class AdaptiveDrafter:
         for a in available:  # never used: try it
             if rates[a] is None:
                 return a
-        if "primary" in available and "primary" not in self.seen:  # once per text
+        if "primary" in available and self._key("primary") not in self.seen:  # once per text
             return "primary"
         if not available or rates["plain"] is None:
             return "plain"

@@ -2,6 +2,7 @@
 heads' published layouts, hybrid targets included (CPU, tiny random heads)."""
 import os
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -102,6 +103,7 @@ def test_the_adaptive_head_queues_its_tree_when_sampling(tmp_path, monkeypatch):
     import mlx_treespec.verify as verify
     from test_adaptive import flat
 
+    from mlx_treespec.adaptive import AdaptiveDrafter
     from mlx_treespec.spec import SAMPLED_TREES, DraftSpec
 
     head, target = make_mtp(tmp_path, "qwen3_5_tied")[:2]
@@ -114,7 +116,8 @@ def test_the_adaptive_head_queues_its_tree_when_sampling(tmp_path, monkeypatch):
     d.costs, d.context_costs = (1e6, flat(1.0)), None  # plain decoding slow: queued rounds go on
     for sampling, nodes, tier in ((dict(), 1 + 8, 0), (dict(temp=0.7, seed=1), 1 + 5 * 4, 1),
                                   (dict(temp=0.3, seed=1), 1 + 3 * 8, 0), (dict(temp=1.0, seed=2), 1 + 6 * 3, 2),
-                                  (dict(temp=warm, seed=2), 1 + 5 * 4, 1), (dict(), 1 + 8, 0)):
+                                  (dict(temp=warm, seed=2), 1 + 5 * 4, 1), (dict(temp=hot, seed=3), 1 + 6 * 3, 2),
+                                  (dict(), 1 + 8, 0)):
         ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **sampling)]
         stats = RoundStats()
         assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N, stats=stats, **sampling)] == ref
@@ -127,6 +130,11 @@ def test_the_adaptive_head_queues_its_tree_when_sampling(tmp_path, monkeypatch):
     for shape in (dict(tree_topk=3, tree_depth=6), dict(draft_block_size=4)):
         assert DraftSpec.from_options("mtp", **shape).sampled_shapes is None
     assert DraftSpec.from_options("dflash").sampled_shapes is None
+    d.draw = types.SimpleNamespace(temp=-0.5)  # below every threshold: the greedy shape
+    assert d.tier == 0 and d.primary.depth == 8
+    d.draw = None
+    with pytest.raises(ValueError, match="ascending temp"):
+        AdaptiveDrafter(primary=d.primary, sampled_shapes=((0.8, (6, 1, 3, 18)), (0.55, (5, 1, 4, 20))))
 
 
 def test_sampled_the_adaptive_head_never_hands_its_queued_rounds_back(tmp_path, monkeypatch):
