@@ -209,10 +209,15 @@ class AdaptiveDrafter:
         # ((temp from which, the primary's (topk, lanes, depth, budget)), ...), coolest first:
         # its own shape greedy and cool, then `sampled_shapes` (spec.DraftSpec.sampled_shapes;
         # None: one shape)
+        if sampled_shapes is not None:
+            temps = [t for t, _ in sampled_shapes]
+            if primary is None:
+                raise ValueError("sampled_shapes= shapes the primary drafter: pass primary=")
+            if not all(a < b for a, b in zip([0.0] + temps, temps)):  # (NaN fails every comparison)
+                raise ValueError("sampled_shapes= takes (temp, shape) pairs by strictly ascending temp, each "
+                                 f"above 0: got temps {temps}")
         self.shapes = None if sampled_shapes is None else (
             ((0.0, (primary.topk, primary.lanes, primary.depth, primary.budget)),) + tuple(sampled_shapes))
-        if self.shapes is not None and [t for t, _ in self.shapes] != sorted({t for t, _ in self.shapes}):
-            raise ValueError("sampled_shapes= takes (temp, shape) pairs by ascending temp, each above 0")
         self.tier = 0  # the index in `shapes` of the shape this generation drafts
         self.queueable = False  # set by the loop per generation: rounds can be queued ahead (queued.py)
         if memory is not None and memory in LEARNED:

@@ -274,14 +274,15 @@ def test_controller_prefers_the_faster_arm_and_reprobes_the_other():
 
 
 def test_a_sampled_shapes_rounds_are_tried_once_per_text_under_its_own_rate():
-    # the primary in a sampled shape (AdaptiveDrafter.shapes, tier 1) books to ("sampled", 1):
-    # a new text tries it once, and then its rate decides (not an endless first try)
+    # the primary in a sampled shape (AdaptiveDrafter.shapes, tier i) books to ("sampled", i),
+    # made at its first use (any number of tiers): a new text tries it once, and then its rate
+    # decides (not an endless first try)
     d = AdaptiveDrafter(primary=LookupDrafter(), costs=(1.0, flat(1.0)))
-    d.tier = 1
+    d.tier = 3
     d.prefill([1, 2, 3])
     for _ in range(3):
         book(d, "primary", 2, 4.0)  # 0.5 tokens/ms against plain's 1.0
-    assert d.rates["primary"].value is None and d.rates[("sampled", 1)].value is not None
+    assert d.rates["primary"].value is None and d.rates[("sampled", 3)].value is not None
     assert d.choose(["primary"]) == "plain"
     d.prefill([4, 5, 6])  # the next text
     assert d.choose(["primary"]) == "primary"  # once per text

@@ -125,16 +125,22 @@ def test_the_adaptive_head_queues_its_tree_when_sampling(tmp_path, monkeypatch):
         assert queued and set(queued) == {nodes}, (sampling, stats.nodes, stats.drafter)
         assert d.queues_trees == bool(sampling) and (d.draw is None) != bool(sampling)
         # (the primary's rounds in each shape book to a rate of their own: they cost apart)
-        assert d.rate("primary") is d.rates[("sampled", tier) if tier else "primary"]
+        assert d.tier == tier and d.rate("primary") is d.rates[("sampled", tier) if tier else "primary"]
     assert DraftSpec.from_options("mtp").sampled_shapes == ((warm, (5, 1, 4, 20)), (hot, (6, 1, 3, 18)))
     for shape in (dict(tree_topk=3, tree_depth=6), dict(draft_block_size=4)):
         assert DraftSpec.from_options("mtp", **shape).sampled_shapes is None
     assert DraftSpec.from_options("dflash").sampled_shapes is None
+    d.draw = types.SimpleNamespace(temp=1.0)
+    assert d.tier == 2 and d.primary.depth == 3
     d.draw = types.SimpleNamespace(temp=-0.5)  # below every threshold: the greedy shape
     assert d.tier == 0 and d.primary.depth == 8
     d.draw = None
-    with pytest.raises(ValueError, match="ascending temp"):
-        AdaptiveDrafter(primary=d.primary, sampled_shapes=((0.8, (6, 1, 3, 18)), (0.55, (5, 1, 4, 20))))
+    for bad in (((0.8, (6, 1, 3, 18)), (0.55, (5, 1, 4, 20))), ((0.0, (5, 1, 4, 20)),),
+                ((0.55, (5, 1, 4, 20)), (0.55, (6, 1, 3, 18))), ((float("nan"), (5, 1, 4, 20)),)):
+        with pytest.raises(ValueError, match="strictly ascending temp, each above 0: got temps"):
+            AdaptiveDrafter(primary=d.primary, sampled_shapes=bad)
+    with pytest.raises(ValueError, match="pass primary="):
+        AdaptiveDrafter(host=d.host, sampled_shapes=((0.55, (5, 1, 4, 20)),))
 
 
 def test_sampled_the_adaptive_head_never_hands_its_queued_rounds_back(tmp_path, monkeypatch):
