@@ -38,12 +38,12 @@ DEFAULT_TREE = dict(topk=3, lanes=1, depth=8)
 # is missed about every third token, so a spine's steps past the fourth seldom pay for their
 # head step, and more candidates a step catch more of the misses (bench/RESULTS.md, "A sampled
 # default shape": K5 S4 beat 3 x 8 at temp 0.7 on unseen text in both demo pairs; on held-out
-# text level in one call, ahead in the next); cooler, draws are missed less and the deeper tree wins. Hotter still, the
-# fourth step seldom pays either (bench/RESULTS.md, "A third sampled shape": K6 S3 beat K5 S4
-# at temp 1.0 in both pairs and both sets). Each threshold is where the hotter shape comes
-# level in both pairs: 0.55 between 0.5 (behind) and 0.6 (ahead), 0.8 the coolest temperature
-# measured where both are level or ahead (exact CPU acceptance by temperature priced by the
-# GPU's round costs).
+# text level in one call, ahead in the next); cooler, draws are missed less and the deeper
+# tree wins. Hotter still, the fourth step seldom pays either (bench/RESULTS.md, "A third
+# sampled shape": K6 S3 beat K5 S4 at temp 1.0 in both pairs and both sets). Each threshold is
+# where the hotter shape comes level in both pairs: 0.55 between 0.5 (behind) and 0.6 (ahead),
+# 0.8 the coolest temperature measured where both are level or ahead (exact CPU acceptance by
+# temperature priced by the GPU's round costs).
 SAMPLED_TREES = ((0.55, dict(topk=5, lanes=1, depth=4)), (0.8, dict(topk=6, lanes=1, depth=3)))
 # The depth of any tree or chain whose depth is not given, and the budget of a model-free
 # drafter's tree whose budget is not given.
