@@ -1699,9 +1699,10 @@ def run_draft_time(args):
             sys.exit(f"draft-time: arm {a} drafts an EAGLE-2 tree (a function a step): time a chain or "
                      "one-lane arm")
         kind = prefilled(target, drafter, prompt)
-        fn, seen = drafter._ahead_fn(kind), []
-        drafter.__dict__[drafter._ahead_key(kind)] = lambda *x: (seen.append(x), fn(*x))[1]
+        fn, seen, key = drafter._ahead_fn(kind), [], drafter._ahead_key(kind)
+        drafter._drafts[key] = lambda *x: (seen.append(x), fn(*x))[1]  # (the head's store: put back below)
         mx.eval(drafter._steps_ahead(mx.array([prompt[-1]], mx.uint32), None, None, None, kind)[0])
+        drafter._drafts[key] = fn
         inputs = seen[0]
         synced = []
         for _ in range(args.repeats + 3):

@@ -15,6 +15,7 @@ Each column is the same dot product as the layer's own: on CPU bit for bit (pinn
 which the exactness probe measures as it does a verify's row count.
 """
 import contextlib
+import weakref
 
 import numpy as np
 import mlx.core as mx
@@ -34,28 +35,41 @@ _memo = None  # {id(group): (input, joined output)} while a library forward runs
 
 class _Group:
     """One group's joined arrays (`joint`) and where each layer's columns start (`cuts`).
-    `stale`: a layer's arrays were set since (its `__setitem__`), so the joint may differ."""
+    `stale`: a layer's arrays were set since (its `__setitem__`), so the joint may differ.
+    Its layers hold it; it holds them weakly, so a model it joined is freed when dropped, not
+    when the garbage collector next runs (a head or DFlash drafter loaded per call)."""
 
     def __init__(self, owner, names):
-        self.owner, self.names, self.stale = owner, names, False
-        self.parts = [owner[n] for n in names]
-        first = self.parts[0]
+        self.names, self.stale = names, False
+        parts = [owner[n] for n in names]
+        self._owner, self._parts = weakref.ref(owner), [weakref.ref(p) for p in parts]
+        first = parts[0]
         self.leaves = [k for k in _LEAVES if k in first]
         self.quant = None if _base(first) is nn.Linear else \
             dict(group_size=first.group_size, bits=first.bits, mode=first.mode)
-        self.joint = {k: mx.concatenate([p[k] for p in self.parts]) for k in self.leaves}
+        self.joint = {k: mx.concatenate([p[k] for p in parts]) for k in self.leaves}
         mx.eval(self.joint)
-        self.cuts = np.cumsum([0] + [p.weight.shape[0] for p in self.parts]).tolist()
-        for i, (p, a, b) in enumerate(zip(self.parts, self.cuts[:-1], self.cuts[1:])):
+        self.cuts = np.cumsum([0] + [p.weight.shape[0] for p in parts]).tolist()
+        for i, (p, a, b) in enumerate(zip(parts, self.cuts[:-1], self.cuts[1:])):
             for k in self.leaves:
                 dict.__setitem__(p, k, self.joint[k][a:b])  # a view: the layer's memory is the joint's
             _reclass(p, self, i)
-        mx.eval([p.parameters() for p in self.parts])
+        mx.eval([p.parameters() for p in parts])
+
+    @property
+    def owner(self):
+        return self._owner()
+
+    @property
+    def parts(self):
+        return [p() for p in self._parts]
 
     def intact(self):
         """Whether every layer is still in its place with the arrays it was joined with. (Not
         by array identity: a compiled call puts its implicit inputs back as new array objects.)"""
-        return not self.stale and all(self.owner.get(n) is p for n, p in zip(self.names, self.parts))
+        owner = self.owner
+        return not self.stale and owner is not None and all(
+            p is not None and owner.get(n) is p for n, p in zip(self.names, self.parts))
 
     def matmul(self, x):
         """The group's output for rows x: each layer's output side by side (its own arithmetic:

@@ -611,22 +611,25 @@ def _bitwise_equal(got, want):
     """Two forwards' outputs (arrays, lists, tuples, dicts; host entries by value) bit for bit:
     the same structure, dtypes and shapes, and equal values (one sync)."""
     flags = []
+    return _same(got, want, flags) and (not flags or mx.all(mx.stack(flags)).item())
 
-    def same(a, b):
-        if isinstance(b, mx.array):
-            if not isinstance(a, mx.array) or a.dtype != b.dtype or a.shape != b.shape:
-                return False
-            flags.append(mx.array_equal(a, b))
-            return True
-        if isinstance(b, dict):
-            return isinstance(a, dict) and a.keys() == b.keys() and all([same(a[k], b[k]) for k in b])
-        if isinstance(b, (list, tuple)):
-            return isinstance(a, (list, tuple)) and len(a) == len(b) and all([same(x, y) for x, y in zip(a, b)])
-        if isinstance(b, np.ndarray):
-            return isinstance(a, np.ndarray) and np.array_equal(a, b)
-        return a is b or a == b
 
-    return same(got, want) and (not flags or mx.all(mx.stack(flags)).item())
+def _same(a, b, flags):
+    """`_bitwise_equal`'s walk: the structures match; each pair of arrays' equality goes to
+    `flags`. (A function of the module: a recursive closure is a reference cycle, its arrays
+    held until the garbage collector runs.)"""
+    if isinstance(b, mx.array):
+        if not isinstance(a, mx.array) or a.dtype != b.dtype or a.shape != b.shape:
+            return False
+        flags.append(mx.array_equal(a, b))
+        return True
+    if isinstance(b, dict):
+        return isinstance(a, dict) and a.keys() == b.keys() and all([_same(a[k], b[k], flags) for k in b])
+    if isinstance(b, (list, tuple)):
+        return isinstance(a, (list, tuple)) and len(a) == len(b) and all([_same(x, y, flags) for x, y in zip(a, b)])
+    if isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and np.array_equal(a, b)
+    return a is b or a == b
 
 
 def _layers(model):

@@ -323,11 +323,11 @@ def test_sampled_queued_head_rounds_draw_what_the_round_loop_draws(tmp_path, mon
             assert raw[: len(by_position[pos])] == by_position[pos], pos
         # a sampler setting's compiled draft serves every generation whatever its seed (a trace
         # per generation cost queued rounds their first rounds)
-        drafts = {k: f for k, f in queued.__dict__.items() if isinstance(k, tuple)}
+        drafts = dict(queued._drafts)
         other = dict(sampling, seed=6)
         ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=N, **other)]
         assert [t for t, _, _ in tree_generate_step(prompt, target, queued, max_tokens=N, **other)] == ref
-        assert {k: f for k, f in queued.__dict__.items() if isinstance(k, tuple)} == drafts
+        assert dict(queued._drafts) == drafts
     else:
         host, queued, stats = _round_loop_then_queued(LaneOracle, head, target, prompt, opts, hand_back,
                                                       monkeypatch, **sampling)
@@ -672,3 +672,45 @@ def test_a_counted_ranking_is_written_read_and_checked(tmp_path, capsys):
     assert "has no tokenizer: pass the target's folder" in capsys.readouterr().err
     with pytest.raises(ValueError, match="does not rank each of the target's 96 token ids once"):
         read_ranks(out, 96)
+
+
+@pytest.mark.parametrize("queued_rounds", [False, True])
+def test_a_head_drafter_and_its_head_are_freed_when_the_generation_ends(tmp_path, monkeypatch, queued_rounds):
+    # a library call makes a drafter per generation, and loads the head where it is given a
+    # folder: no reference cycle holds either (their K/V buffers and weights go when the call
+    # returns, not when the garbage collector next runs), greedy and sampled, for the default,
+    # a one-lane tree and EAGLE-2 lanes; drafters over one head share its compiled queued
+    # drafts (a trace per generation cost every call its first rounds)
+    import gc
+    import weakref
+
+    import mlx_treespec.verify as verify
+
+    if queued_rounds:
+        monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    head, target = make_eagle3(tmp_path, "safeailab")[:2]
+    folder = str(tmp_path / "safeailab")
+    prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
+    shapes = (dict(), dict(tree_topk=3, tree_depth=4, tree_lanes=1), dict(tree_topk=3, tree_depth=4, tree_lanes=2,
+                                                                         tree_budget=8))
+    gc.collect()
+    gc.disable()
+    try:
+        for opts in shapes:
+            for temp in (0.0, 0.7):
+                drafter = make_drafter(folder, drafter="eagle3", target=target, **opts)
+                list(tree_generate_step(prompt, target, drafter, max_tokens=12, temp=temp, seed=1))
+                held = getattr(drafter, "primary", drafter)
+                # (the head's layers too: join.py's groups of q/k/v and gate/up hold theirs weakly)
+                refs = [weakref.ref(drafter), weakref.ref(held)] + [weakref.ref(m) for _, m in held.model.named_modules()]
+                assert any("Joined" in type(r()).__name__ for r in refs)
+                del drafter, held
+                assert [type(r()).__name__ for r in refs if r() is not None] == [], (opts, temp)
+        drafts = []
+        for _ in range(2):
+            drafter = HeadDrafter(head, topk=3, lanes=1, depth=4)
+            list(tree_generate_step(prompt, target, drafter, max_tokens=12, temp=0.7, seed=1))
+            drafts.append(dict(drafter._drafts))
+        assert drafts[0] == drafts[1] and bool(drafts[0]) == queued_rounds
+    finally:
+        gc.enable()

@@ -30,6 +30,7 @@ hides the unused rows; the block's own K/V are written after the padded context 
 overwritten next round.
 """
 import json
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -364,7 +365,9 @@ class DFlashDrafter:
     def _compile(self):
         """The block forward as one compiled function: the graph is traced once per buffer
         width, so a round spends no Python per op and the device runs fused kernels."""
-        m, embed, lm_head, B = self.bound.model, self.bound.embed, self.bound.lm_head, self.block
+        # (kept on the drafter model: a weak reference to it leaves that model no cycle, so one
+        # loaded per call is freed when the call returns)
+        m, embed, lm_head, B = weakref.proxy(self.bound.model), self.bound.embed, self.bound.lm_head, self.block
         mask_tokens = mx.full((B - 1,), int(m.mask_token_id), mx.uint32)
 
         def forward(feats, root, L0, n, keys, values):

@@ -20,9 +20,13 @@ the same steps over each lane's row with their runners-up as leaves; `lanes_ahea
 (EAGLE-2 lanes, ranked once, then each lane its own argmax) as the round loop's `_tree` does, a
 compiled call a step. Step rows land after
 the real slots and are overwritten by the next round's, as the round loop's head cache keeps
-only first-pass slots.
+only first-pass slots. The compiled drafts are kept on the head (`_drafts`), shared by every
+drafter over it, and hold no drafter: a library call makes a drafter per generation, and one
+that the head's store referenced (a closure over it) was a reference cycle, its KV buffers
+held until the garbage collector ran, and every generation traced its drafts again.
 """
 import functools
+import weakref
 
 import numpy as np
 import mlx.core as mx
@@ -80,6 +84,26 @@ def _forget_samplers(store, key):
         del store[k]
 
 
+def _set_hidden(head, rows, first):
+    """The head's next forward reads `rows` as its hidden-state input (`first`: target rows,
+    through the head's first pass; else its own output hidden states)."""
+    head.pending_hidden = rows
+    if hasattr(head, "pending_first"):
+        head.pending_first = first
+
+
+def _slots(head, forward, tokens, slot_rows, count, L0, keys, values, ranges):
+    """The slots' forward at L0.. (inside a compiled function): the last real slot's logits
+    [1, V] and output hidden [1, H], then the K and V buffers (lists of one)."""
+    P = tokens.shape[0]
+    positions = L0 + ranges[1]
+    _set_hidden(head, slot_rows, first=True)
+    logits, _, ks, vs = forward(tokens, positions, _causal(ranges[0], positions, keys.dtype),
+                                L0 + mx.array([0, 0, P], mx.int32), [keys], [values])
+    last = (count - 1).reshape(1)
+    return mx.take(logits, last, axis=0), mx.take(head.out_hidden[0], last, axis=0), ks, vs
+
+
 class HeadDrafter(ModelDrafter):
     """`head`: an MTPHead or Eagle3Head bound to its target (drafters/mtp.py, drafters/eagle3.py);
     the shape options are a draft model's (`topk`, `lanes`, `depth`, `budget`); `vocab`: draft
@@ -133,9 +157,7 @@ class HeadDrafter(ModelDrafter):
             mx.eval([c.state for c in self.cache])
 
     def _set_hidden(self, rows, first):
-        self.model.pending_hidden = rows
-        if hasattr(self.model, "pending_first"):
-            self.model.pending_first = first
+        _set_hidden(self.model, rows, first)
 
     def draft(self, root, max_depth):
         if self.pending_hidden is None:  # nothing to continue from (a one-token prompt)
@@ -297,20 +319,21 @@ class HeadDrafter(ModelDrafter):
         and V. A chain or fixed lane tree is one compiled function (traced per slot count and
         buffer width, and per sampler setting: constants of the trace, the seed an input); an EAGLE-2
         tree calls `_lanes_fns`' compiled functions, one a step."""
-        key = self._ahead_key(kind)
-        fn = self.__dict__.get(key)
+        key, store = self._ahead_key(kind), self._drafts
+        fn = store.get(key)
         if fn is not None:
             return fn
-        _forget_samplers(self.__dict__, key)
-        head, depth, K, L = self.model, self.depth, self.topk, (1 if kind == "chain" else self.lanes)
-        install(head)
+        _forget_samplers(store, key)
+        install(self.model)
+        # (the head's store holds the draft: a weak reference in it leaves the head no cycle)
+        head, depth, K, L = weakref.proxy(self.model), self.depth, self.topk, (1 if kind == "chain" else self.lanes)
         forward = whole_buffer_forward(head, ())
         pick = _picker(self.draw)
 
         def chain(tokens, slot_rows, count, L0, keys, values, ranges, at):
             # (a fixed lane tree's L lanes too: every step forwards each lane's last node, a chain
             # step's kernels over L rows; lane j's step s row is column base + s L + j)
-            root_logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values, ranges)
+            root_logits, hidden, ks, vs = _slots(head, forward, tokens, slot_rows, count, L0, keys, values, ranges)
             root_logits = pick(root_logits, at, 0)
             if L == 1:
                 tok, others = mx.argmax(root_logits, axis=-1).astype(mx.uint32), None
@@ -329,7 +352,7 @@ class HeadDrafter(ModelDrafter):
             masks = _additive((rel < 0) | ((rel <= last) & (rel % L == lane)), keys.dtype)
             spans = base + _lane_spans(max(depth - 1, 1), L)
             for s in range(depth - 1):  # each step over its parents' output hidden, after the real slots
-                self._set_hidden(hidden, first=False)
+                _set_hidden(head, hidden, first=False)
                 step_at = pos[s : s + 1] if L == 1 else mx.broadcast_to(pos[s : s + 1], (L,))
                 logits, _, ks, vs = forward(tok, step_at, masks[s], spans[s], ks, vs)
                 hidden = head.out_hidden[0]
@@ -348,7 +371,7 @@ class HeadDrafter(ModelDrafter):
             # ancestors and itself. Each step is one call of one compiled function whose arrays
             # keep their shapes from step to step (the step is an input): unrolled, every step's
             # shapes differed and each was a kernel compile of its own on a fresh GPU (minutes)
-            start, step, argmax_inputs, argmax_step, rank, steps = self._lanes_fns(forward)
+            start, step, argmax_inputs, argmax_step, rank, steps = lanes_fns
             state, first, ks, vs = start(tokens, slot_rows, count, L0, keys, values, ranges, at)
             later, own = [], ()
             for own_rows, offsets in steps:
@@ -365,25 +388,27 @@ class HeadDrafter(ModelDrafter):
                 own = (state[5], state[6], logits, argmaxes)
             return (*rank(first, later, own), ks[0], vs[0])
 
-        fn = self.__dict__[key] = lanes if kind == "lanes" else mx.compile(chain)
+        if kind == "lanes":
+            lanes_fns = self._lanes_fns(forward)
+        fn = store[key] = lanes if kind == "lanes" else mx.compile(chain)
         return fn
 
     def _ahead_key(self, kind):
-        """Where `_ahead_fn` keeps `kind`'s compiled draft: per shape (an adaptive default's
-        differs by temperature: `reshape`) and sampler setting."""
-        return ("_compiled_ahead", kind, self.topk, self.lanes, self.depth) + (
+        """Where `_ahead_fn` keeps `kind`'s compiled draft in `_drafts`: per shape (an adaptive
+        default's differs by temperature: `reshape`; an EAGLE-2 tree's by its budget and ranked
+        steps too) and sampler setting."""
+        lanes = (self.budget, self.ranked_lane_steps) if kind == "lanes" else ()
+        return ("_compiled_ahead", kind, self.topk, self.lanes, self.depth) + lanes + (
             () if self.draw is None else (self.draw.scores,))
 
-    def _slots(self, forward, tokens, slot_rows, count, L0, keys, values, ranges):
-        """The slots' forward at L0.. (inside a compiled function): the last real slot's logits
-        [1, V] and output hidden [1, H], then the K and V buffers (lists of one)."""
-        P = tokens.shape[0]
-        positions = L0 + ranges[1]
-        self._set_hidden(slot_rows, first=True)
-        logits, _, ks, vs = forward(tokens, positions, _causal(ranges[0], positions, keys.dtype),
-                                    L0 + mx.array([0, 0, P], mx.int32), [keys], [values])
-        last = (count - 1).reshape(1)
-        return mx.take(logits, last, axis=0), mx.take(self.model.out_hidden[0], last, axis=0), ks, vs
+    @property
+    def _drafts(self):
+        """The compiled queued drafts of this head, by `_ahead_key` (and `_lanes_fns`' key): kept
+        on the head and shared by every drafter over it (module docstring). A draft vocabulary's
+        head (`narrowed`: a copy whose dict holds the same store) keys its own."""
+        narrow = getattr(self.model, "_vocab", None)
+        store = self.model.__dict__.setdefault("_treespec_drafts", {})
+        return store.setdefault(None if narrow is None else id(narrow), {})
 
     def _lanes_fns(self, forward):
         """`_ahead_fn`'s EAGLE-2 tree as compiled functions and each step's constants: `start`
@@ -402,19 +427,19 @@ class HeadDrafter(ModelDrafter):
         once in `start` or `argmax_inputs`, what does not change between rounds (each step's
         own rows, offsets) once per drafter, and the candidates are joined once in `rank`
         rather than written a step at a time."""
-        key = ("_compiled_lanes", self.topk, self.lanes, self.depth, self.budget) + (
-            () if self.draw is None else (self.draw.scores,))
-        fns = self.__dict__.get(key)
+        key, store = ("_compiled_lanes",) + self._ahead_key("lanes")[2:], self._drafts
+        fns = store.get(key)
         if fns is not None:
             return fns
-        _forget_samplers(self.__dict__, key)
-        head, S, K, L = self.model, self.depth, self.topk, self.lanes
+        _forget_samplers(store, key)
+        head, S, K, L = weakref.proxy(self.model), self.depth, self.topk, self.lanes  # (as `_ahead_fn`'s)
+        budget = self._lanes_budget()
         pick = _picker(self.draw)
         R = (S - 1) * L  # step rows
         ranked = min(self.ranked_lane_steps, S - 1)
 
         def start(tokens, slot_rows, count, L0, keys, values, ranges, at):
-            logits, hidden, ks, vs = self._slots(forward, tokens, slot_rows, count, L0, keys, values, ranges)
+            logits, hidden, ks, vs = _slots(head, forward, tokens, slot_rows, count, L0, keys, values, ranges)
             idx, lp = top_k(_logprobs(pick(logits, at, 0)), K)  # the root's children
             scores = mx.minimum(lp[0], 0)
             choice = ranges[3] if L == K else mx.argsort(-scores)[:L]
@@ -431,7 +456,7 @@ class HeadDrafter(ModelDrafter):
             base, history, window, column, lane_tokens, lane_scores, lane_cands, lane_hidden, lane_seen, at = state
             rows = lane_seen | own  # [L, R]
             mask = _additive(history[None] | (window[None] & mx.take(rows, column, axis=1)), ks[0].dtype)
-            self._set_hidden(lane_hidden, first=False)
+            _set_hidden(head, lane_hidden, first=False)
             logits, _, ks, vs = forward(lane_tokens, mx.broadcast_to(base + offsets[3], (L,)), mask,
                                         base + offsets[:3], ks, vs)
             idx, lp = top_k(_logprobs(pick(logits, at, offsets[3] + 1)), K)  # (the lanes' depth: step s)
@@ -463,7 +488,7 @@ class HeadDrafter(ModelDrafter):
                 at[0] + argmax_positions + 1
 
         def argmax_step(mask, positions, bounds, lane_tokens, lane_hidden, ks, vs, drawn_at):
-            self._set_hidden(lane_hidden, first=False)
+            _set_hidden(head, lane_hidden, first=False)
             logits, _, ks, vs = forward(lane_tokens, positions, mask, bounds, ks, vs)
             logits = pick(logits, drawn_at, 0)
             return mx.argmax(logits, axis=-1).astype(mx.uint32), head.out_hidden[0], logits, ks, vs
@@ -487,7 +512,7 @@ class HeadDrafter(ModelDrafter):
                 c_parent.append(parent)
             _, parents, tree_depths, tokens, anc = keep_best(
                 mx.zeros((1,), mx.uint32), mx.concatenate(c_tok), mx.concatenate(c_score),
-                mx.concatenate(c_parent), depths, self._lanes_budget())
+                mx.concatenate(c_parent), depths, budget)
             return tokens, parents, tree_depths, anc
 
         # each ranked step's constants, made once (a host array each round waits on the queue to
@@ -498,8 +523,8 @@ class HeadDrafter(ModelDrafter):
             own[np.arange(L), (s - 1) * L + np.arange(L)] = True
             first = (s - 1) * L
             steps.append((mx.array(own), mx.array([first, 0, R, s - 1, K + first * K], mx.int32)))
-        fns = self.__dict__[key] = (mx.compile(start), mx.compile(step), mx.compile(argmax_inputs),
-                                                  mx.compile(argmax_step), mx.compile(rank), steps)
+        fns = store[key] = (mx.compile(start), mx.compile(step), mx.compile(argmax_inputs),
+                            mx.compile(argmax_step), mx.compile(rank), steps)
         return fns
 
     def queued_read(self, emitted):

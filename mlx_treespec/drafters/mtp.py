@@ -217,6 +217,7 @@ class HeadModule(nn.Module):
         if key not in made:  # a prefix: its rows are slices, its logits padded with -inf after them
             made[key] = (vocab_rows(project, n), None, vocab) if ids is None else \
                 (vocab_rows(project, ids), vocab_columns(ids, vocab), vocab)
+        self.__dict__.setdefault("_treespec_drafts", {})  # (the copies share the compiled drafts: head.py)
         view = copy.copy(self)
         view._vocab = made[key]
         return view
