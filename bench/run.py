@@ -253,10 +253,14 @@ class Separate(Wraps):
         models = [self.target, getattr(self.drafter, "model", None), getattr(bound, "model", None)]
         models = [m for m in models if m is not None]
         parts = [(p, type(p)) for m in models for g in join(m) for p in g.parts]
-        key = "_treespec_compiled_verify"
-        joined = self.target.__dict__.pop(key, None)
-        if ("separate", key) in self.target.__dict__:
-            self.target.__dict__[key] = self.target.__dict__[("separate", key)]
+        # the compiled verify, and a head's compiled drafts (kept on the head, shared by its
+        # drafters), traced apart: the joined arm's would run the joined matmuls
+        stores = [(m, k) for m, k in ((self.target, "_treespec_compiled_verify"),
+                                      (getattr(self.drafter, "model", None), "_treespec_drafts")) if m is not None]
+        joined = [m.__dict__.pop(k, None) for m, k in stores]
+        for m, k in stores:
+            if ("separate", k) in m.__dict__:
+                m.__dict__[k] = m.__dict__[("separate", k)]
         if bound is not None:  # (its block forward, traced at its first call: in here)
             forward = self.drafter._forward
             self.drafter._forward = bound.model.__dict__.get("_separate_forward") or self.drafter._compile()
@@ -267,9 +271,10 @@ class Separate(Wraps):
         finally:
             for p, cls in parts:
                 p.__class__ = cls
-            self.target.__dict__[("separate", key)] = self.target.__dict__.pop(key, None)
-            if joined is not None:
-                self.target.__dict__[key] = joined
+            for (m, k), store in zip(stores, joined):
+                m.__dict__[("separate", k)] = m.__dict__.pop(k, None)
+                if store is not None:
+                    m.__dict__[k] = store
             if bound is not None:
                 bound.model.__dict__["_separate_forward"] = self.drafter._forward
                 self.drafter._forward = forward

@@ -56,6 +56,20 @@ class _Group:
             _reclass(p, self, i)
         mx.eval([p.parameters() for p in parts])
 
+    def __deepcopy__(self, memo):
+        # (a copied model's layers get a group over the copies: a weak reference is copied as
+        # itself, and would still name the original's)
+        import copy
+
+        new = memo[id(self)] = object.__new__(_Group)
+        for k, v in self.__dict__.items():
+            if k not in ("_owner", "_parts"):
+                new.__dict__[k] = copy.deepcopy(v, memo)
+        owner, parts = self.owner, self.parts
+        new._owner = weakref.ref(copy.deepcopy(owner, memo)) if owner is not None else self._owner
+        new._parts = [weakref.ref(copy.deepcopy(p, memo)) if p is not None else r for p, r in zip(parts, self._parts)]
+        return new
+
     @property
     def owner(self):
         return self._owner()

@@ -676,15 +676,17 @@ def test_a_counted_ranking_is_written_read_and_checked(tmp_path, capsys):
 
 @pytest.mark.parametrize("queued_rounds", [False, True])
 def test_a_head_drafter_and_its_head_are_freed_when_the_generation_ends(tmp_path, monkeypatch, queued_rounds):
-    # a library call makes a drafter per generation, and loads the head where it is given a
-    # folder: no reference cycle holds either (their K/V buffers and weights go when the call
-    # returns, not when the garbage collector next runs), greedy and sampled, for the default,
-    # a one-lane tree and EAGLE-2 lanes; drafters over one head share its compiled queued
-    # drafts (a trace per generation cost every call its first rounds)
+    # a library call makes a drafter per generation: no reference cycle holds it or a head
+    # loaded for it (their K/V buffers and weights go when the last reference does, not when
+    # the garbage collector next runs), greedy and sampled, for the default, a one-lane tree
+    # and EAGLE-2 lanes; a head read from a folder per call is kept on the target and goes
+    # with it; drafters over one head share its compiled queued drafts (a trace per
+    # generation cost every call its first rounds)
     import gc
     import weakref
 
     import mlx_treespec.verify as verify
+    from mlx_treespec.drafters.eagle3 import load_eagle3
 
     if queued_rounds:
         monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
@@ -698,7 +700,7 @@ def test_a_head_drafter_and_its_head_are_freed_when_the_generation_ends(tmp_path
     try:
         for opts in shapes:
             for temp in (0.0, 0.7):
-                drafter = make_drafter(folder, drafter="eagle3", target=target, **opts)
+                drafter = make_drafter(load_eagle3(folder, target), drafter="eagle3", target=target, **opts)
                 list(tree_generate_step(prompt, target, drafter, max_tokens=12, temp=temp, seed=1))
                 held = getattr(drafter, "primary", drafter)
                 # (the head's layers too: join.py's groups of q/k/v and gate/up hold theirs weakly)
@@ -712,5 +714,41 @@ def test_a_head_drafter_and_its_head_are_freed_when_the_generation_ends(tmp_path
             list(tree_generate_step(prompt, target, drafter, max_tokens=12, temp=0.7, seed=1))
             drafts.append(dict(drafter._drafts))
         assert drafts[0] == drafts[1] and bool(drafts[0]) == queued_rounds
+        # a draft vocabulary's copy of the head is the head's (the compiled drafts see it
+        # weakly): a later drafter's longer text, a new buffer width, traces them again with it
+        mtp, hybrid = make_mtp(tmp_path, "qwen3_5_tied")[:2]
+        long = np.random.default_rng(1).integers(0, tiny.VOCAB, 300).tolist()
+        for text in (prompt, long):
+            drafter = HeadDrafter(mtp, topk=3, lanes=1, depth=4, vocab=40)
+            assert list(tree_generate_step(text, hybrid, drafter, max_tokens=12)) and drafter.model is mtp.narrowed(40)
+            del drafter
+        # a head read from a folder is kept on the target: the two go together (the target's
+        # compiled verify holds the target, a cycle of its own: freed by the collector)
+        drafter = make_drafter(folder, drafter="eagle3", target=target)
+        list(tree_generate_step(prompt, target, drafter, max_tokens=12, temp=0.7, seed=1))
+        refs = [weakref.ref(m) for _, m in drafter.primary.model.named_modules()] + [weakref.ref(target)]
+        del drafter, drafts, head, target
+        gc.collect()
+        assert [type(r()).__name__ for r in refs if r() is not None] == []
     finally:
         gc.enable()
+
+
+def test_a_head_folder_given_per_call_is_read_once_a_target(tmp_path):
+    # a library call makes a drafter per generation; given a head's folder, the folder is read
+    # once per target (kept on it): the head, its compiled drafts and the adaptive drafter's
+    # record (its memory key names the head) carry over to the next call. A folder whose files
+    # changed is read again; another target reads its own
+    from test_heads import EAGLE_TARGET
+
+    head, target = make_eagle3(tmp_path, "safeailab")[:2]
+    folder = str(tmp_path / "safeailab")
+    first, again = (make_drafter(folder, drafter="eagle3", target=target) for _ in range(2))
+    assert again.primary.model is first.primary.model and again.learned is first.learned
+    assert make_drafter(folder, drafter="eagle3", target=target, tree_topk=3, tree_depth=4).model is first.primary.model
+    weights = os.path.join(folder, next(f for f in os.listdir(folder) if f.endswith(".safetensors")))
+    st = os.stat(weights)
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    reread = make_drafter(folder, drafter="eagle3", target=target)
+    assert reread.primary.model is not first.primary.model and reread.learned is not first.learned
+    assert make_drafter(folder, drafter="eagle3", target=tiny.build(EAGLE_TARGET)).primary.model is not reread.primary.model

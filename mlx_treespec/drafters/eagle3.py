@@ -171,6 +171,7 @@ class Eagle3Head(HeadModule):
         """Use `target`'s embedding (or `embed`, an embedding module the checkpoint ships)."""
         _, target_embed, self._target_head = target_io(target)
         self._embed = target_embed if embed is None else embed
+        self.rebound()
         return self
 
     def to_target_vocab(self, logits):

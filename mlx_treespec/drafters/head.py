@@ -21,9 +21,9 @@ the same steps over each lane's row with their runners-up as leaves; `lanes_ahea
 compiled call a step. Step rows land after
 the real slots and are overwritten by the next round's, as the round loop's head cache keeps
 only first-pass slots. The compiled drafts are kept on the head (`_drafts`), shared by every
-drafter over it, and hold no drafter: a library call makes a drafter per generation, and one
-that the head's store referenced (a closure over it) was a reference cycle, its KV buffers
-held until the garbage collector ran, and every generation traced its drafts again.
+drafter over it, and see the head through a weak proxy: a library call makes a drafter per
+generation, and each used to keep its drafts in itself, closures over it (a reference cycle:
+its KV buffers waited for the garbage collector) traced again every generation.
 """
 import functools
 import weakref

@@ -200,12 +200,19 @@ class HeadModule(nn.Module):
     def make_cache(self):
         return [KVCache()]
 
+    def rebound(self):
+        """A new binding (`bind`): what was made over the last one goes, traced or copied
+        with its arrays (the compiled drafts, the narrowed copies and their rows)."""
+        for made in ("_treespec_drafts", "_narrowed_views", "_narrowed_rows"):
+            self.__dict__.pop(made, None)
+
     def narrowed(self, n):
         """This head drafting over n token ids (None or 0: itself): the first n of its folder's
         token ranking (`token_ranks`, mlx_treespec/vocab.py), or ids 0..n-1 where it has none.
         A shallow copy sharing its weights, so the heads of several drafters over one folder
         narrow apart; the rows of one draft vocabulary are made once a head (ranked ids copy
-        theirs, n x H; a prefix slices them)."""
+        theirs, n x H; a prefix slices them), and so is its copy (held by this head: the
+        compiled drafts every drafter over it shares see it through a weak proxy, head.py)."""
         if not n:
             return self
         project, vocab = self._full_vocab_head()
@@ -218,9 +225,13 @@ class HeadModule(nn.Module):
             made[key] = (vocab_rows(project, n), None, vocab) if ids is None else \
                 (vocab_rows(project, ids), vocab_columns(ids, vocab), vocab)
         self.__dict__.setdefault("_treespec_drafts", {})  # (the copies share the compiled drafts: head.py)
-        view = copy.copy(self)
-        view._vocab = made[key]
-        return view
+        views = self.__dict__.setdefault("_narrowed_views", {})
+        if key not in views:
+            view = copy.copy(self)
+            view.__dict__.pop("_narrowed_views")  # (a copy holding its own dict would be a cycle)
+            view._vocab = made[key]
+            views[key] = view
+        return views[key]
 
     def _logits(self, project, x):
         """`project(x)` (logits over the target vocab), or over the draft vocabulary, -inf elsewhere."""
@@ -299,6 +310,7 @@ class MTPHead(HeadModule):
         """Use `target`'s embedding and lm_head (tied: the embedding as a linear map)."""
         _, embed, head = target_io(target)
         self._embed, self._lm_head = embed, head
+        self.rebound()
         lm = getattr(target, "language_model", None)
         lm = lm if isinstance(lm, nn.Module) else target
         self._final_norm = lm.model.norm

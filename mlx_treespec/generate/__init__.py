@@ -27,6 +27,24 @@ def check_vocab(model, draft_model):
         )
 
 
+def loaded(folder, target, kind, load):
+    """`load(folder, target)` (a head or a bound DFlash drafter), kept on `target` per folder
+    and its files' sizes and modification times: a library call makes a drafter per
+    generation, and one given a folder read its weights and traced its compiled drafts again
+    each call. It goes with the target (nothing else holds it), and a folder rewritten since is
+    read again."""
+    path = os.path.realpath(str(folder))
+    try:
+        stamp = tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path) if e.is_file()))
+    except OSError:  # (not a folder: the loader names the fix)
+        return load(str(folder), target)
+    store = target.__dict__.setdefault("_treespec_loaded", {})
+    hit = store.get((kind, path))
+    if hit is None or hit[0] != stamp:
+        hit = store[(kind, path)] = (stamp, load(str(folder), target))
+    return hit[1]
+
+
 def make_drafter(draft_model=None, *, drafter=None, target=None, **options):
     """The drafter for mlx-lm-style options (`draft_block_size`, `tree_topk`, `tree_depth`,
     `tree_budget`, `tree_lanes`, `draft_lookup`, `draft_lookup_trust`, `draft_vocab`; see
@@ -55,14 +73,15 @@ def make_drafter(draft_model=None, *, drafter=None, target=None, **options):
     if spec.drafter == "dflash":
         from ..drafters.dflash import bind_dflash
 
-        draft_model = bind_dflash(draft_model, target)
+        draft_model = loaded(draft_model, target, "dflash", bind_dflash) \
+            if isinstance(draft_model, (str, os.PathLike)) and target is not None else bind_dflash(draft_model, target)
     elif spec.drafter in ("mtp", "eagle3") and isinstance(draft_model, (str, os.PathLike)):
         if target is None:
             raise ValueError(f"a {spec.drafter} head reads the target's hidden states: pass target=")
         from ..drafters.eagle3 import load_eagle3
         from ..drafters.mtp import load_mtp
 
-        draft_model = (load_mtp if spec.drafter == "mtp" else load_eagle3)(str(draft_model), target)
+        draft_model = loaded(draft_model, target, spec.drafter, load_mtp if spec.drafter == "mtp" else load_eagle3)
     elif spec.drafter == "model" and target is not None and draft_model is not None:
         check_vocab(target, draft_model)
     return spec.build(draft_model, target=target)
