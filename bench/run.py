@@ -249,21 +249,23 @@ class Separate(Wraps):
     def separate(self):
         from mlx_treespec.join import join
 
-        bound = getattr(self.drafter, "bound", None)  # (a DFlash drafter)
-        models = [self.target, getattr(self.drafter, "model", None), getattr(bound, "model", None)]
+        # (an adaptive or merged drafter's model drafter: its primary or base)
+        inner = getattr(self.drafter, "primary", None) or getattr(self.drafter, "base", None) or self.drafter
+        bound = getattr(inner, "bound", None)  # (a DFlash drafter)
+        models = [self.target, getattr(inner, "model", None), getattr(bound, "model", None)]
         models = [m for m in models if m is not None]
         parts = [(p, type(p)) for m in models for g in join(m) for p in g.parts]
         # the compiled verify, and a head's compiled drafts (kept on the head, shared by its
         # drafters), traced apart: the joined arm's would run the joined matmuls
         stores = [(m, k) for m, k in ((self.target, "_treespec_compiled_verify"),
-                                      (getattr(self.drafter, "model", None), "_treespec_drafts")) if m is not None]
+                                      (getattr(inner, "model", None), "_treespec_drafts")) if m is not None]
         joined = [m.__dict__.pop(k, None) for m, k in stores]
         for m, k in stores:
             if ("separate", k) in m.__dict__:
                 m.__dict__[k] = m.__dict__[("separate", k)]
         if bound is not None:  # (its block forward, traced at its first call: in here)
-            forward = self.drafter._forward
-            self.drafter._forward = bound.model.__dict__.get("_separate_forward") or self.drafter._compile()
+            forward = inner._forward
+            inner._forward = bound.model.__dict__.get("_separate_forward") or inner._compile()
         for p, cls in parts:
             p.__class__ = cls.__mro__[1]
         try:
@@ -276,8 +278,8 @@ class Separate(Wraps):
                 if store is not None:
                     m.__dict__[k] = store
             if bound is not None:
-                bound.model.__dict__["_separate_forward"] = self.drafter._forward
-                self.drafter._forward = forward
+                bound.model.__dict__["_separate_forward"] = inner._forward
+                inner._forward = forward
 
 
 def run_once(target, drafter, prompt, max_tokens, **sampling):

@@ -722,6 +722,8 @@ def test_a_head_drafter_and_its_head_are_freed_when_the_generation_ends(tmp_path
             drafter = HeadDrafter(mtp, topk=3, lanes=1, depth=4, vocab=40)
             assert list(tree_generate_step(text, hybrid, drafter, max_tokens=12)) and drafter.model is mtp.narrowed(40)
             del drafter
+        # (one vocabulary's copy and rows are kept: a sweep over sizes would keep an n x H copy each)
+        assert mtp.narrowed(50) is not mtp.narrowed(40) and len(mtp.__dict__["_narrowed_views"]) == 1
         # a head read from a folder is kept on the target: the two go together (the target's
         # compiled verify holds the target, a cycle of its own: freed by the collector)
         drafter = make_drafter(folder, drafter="eagle3", target=target)
@@ -752,3 +754,7 @@ def test_a_head_folder_given_per_call_is_read_once_a_target(tmp_path):
     reread = make_drafter(folder, drafter="eagle3", target=target)
     assert reread.primary.model is not first.primary.model and reread.learned is not first.learned
     assert make_drafter(folder, drafter="eagle3", target=tiny.build(EAGLE_TARGET)).primary.model is not reread.primary.model
+    # a target whose embedding changed (quantized, adapted) binds the head again
+    target.model.embed_tokens = type(target.model.embed_tokens)(*target.model.embed_tokens.weight.shape)
+    rebound = make_drafter(folder, drafter="eagle3", target=target).primary.model
+    assert rebound is not reread.primary.model and rebound._embed is target.model.embed_tokens

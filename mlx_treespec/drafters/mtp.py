@@ -203,7 +203,7 @@ class HeadModule(nn.Module):
     def rebound(self):
         """A new binding (`bind`): what was made over the last one goes, traced or copied
         with its arrays (the compiled drafts, the narrowed copies and their rows)."""
-        for made in ("_treespec_drafts", "_narrowed_views", "_narrowed_rows"):
+        for made in ("_treespec_drafts", "_narrowed_views", "_narrowed_rows", ("separate", "_treespec_drafts")):
             self.__dict__.pop(made, None)
 
     def narrowed(self, n):
@@ -221,11 +221,14 @@ class HeadModule(nn.Module):
         ids = None if ranks is None else np.sort(np.asarray(ranks[:n]))
         made = self.__dict__.setdefault("_narrowed_rows", {})  # (shared by the copies too)
         key = (id(getattr(project, "__self__", project)), n, None if ids is None else ids.tobytes())
+        drafts = self.__dict__.setdefault("_treespec_drafts", {})  # (the copies share the compiled drafts: head.py)
+        views = self.__dict__.setdefault("_narrowed_views", {})
         if key not in made:  # a prefix: its rows are slices, its logits padded with -inf after them
+            for old in list(made):  # (one vocabulary kept: a sweep over sizes would keep every n x H copy)
+                drafts.pop(id(made.pop(old)), None)
+                views.pop(old, None)
             made[key] = (vocab_rows(project, n), None, vocab) if ids is None else \
                 (vocab_rows(project, ids), vocab_columns(ids, vocab), vocab)
-        self.__dict__.setdefault("_treespec_drafts", {})  # (the copies share the compiled drafts: head.py)
-        views = self.__dict__.setdefault("_narrowed_views", {})
         if key not in views:
             view = copy.copy(self)
             view.__dict__.pop("_narrowed_views")  # (a copy holding its own dict would be a cycle)

@@ -28,20 +28,30 @@ def check_vocab(model, draft_model):
 
 
 def loaded(folder, target, kind, load):
-    """`load(folder, target)` (a head or a bound DFlash drafter), kept on `target` per folder
-    and its files' sizes and modification times: a library call makes a drafter per
-    generation, and one given a folder read its weights and traced its compiled drafts again
-    each call. It goes with the target (nothing else holds it), and a folder rewritten since is
-    read again."""
+    """`load(folder, target)` (a head or a bound DFlash drafter), kept on `target`, one folder
+    per kind: a library call makes a drafter per generation, and one given a folder read its
+    weights and traced its compiled drafts again each call. Read again where the folder's
+    weight, config and ranking files changed (name, size, inode, times) or the target's
+    embedding, lm_head or layer count did (a quantized or adapted target: the head binds
+    them); another folder of the kind replaces it. It lives as long as the target."""
     path = os.path.realpath(str(folder))
     try:
-        stamp = tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path) if e.is_file()))
+        stamp = tuple(sorted((e.name, e.stat().st_size, e.stat().st_ino, e.stat().st_mtime_ns, e.stat().st_ctime_ns)
+                             for e in os.scandir(path) if e.is_file() and e.name.endswith((".safetensors", ".json"))))
     except OSError:  # (not a folder: the loader names the fix)
         return load(str(folder), target)
-    store = target.__dict__.setdefault("_treespec_loaded", {})
-    hit = store.get((kind, path))
+    store = getattr(target, "__dict__", None)
+    if store is None:
+        return load(str(folder), target)
+    from ..drafters import target_io
+
+    _, embed, lm_head = target_io(target)
+    stamp = (path, stamp, id(embed), id(lm_head), len(getattr(target, "layers", ())))
+    store = store.setdefault("_treespec_loaded", {})
+    hit = store.get(kind)
     if hit is None or hit[0] != stamp:
-        hit = store[(kind, path)] = (stamp, load(str(folder), target))
+        store.pop(kind, None)  # (the old one goes before the new one is read)
+        hit = store[kind] = (stamp, load(str(folder), target))
     return hit[1]
 
 
