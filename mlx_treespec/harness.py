@@ -111,11 +111,25 @@ def record(prompt_index, order, prompt, out, stats, decode_s):
     return rec
 
 
+def arm_orders(n):
+    """The arms' order on each prompt, cycling: a Williams design, where over one cycle every
+    arm runs in every position equally often and follows every other arm equally often (a
+    plain rotation has each arm always follow the same one, so whatever an arm leaves behind,
+    its garbage, its memory, a warm cache, weighs on one arm alone). n rows for an even n,
+    2n for an odd one (the rows and their mirrors)."""
+    first = [0]
+    for k in range(1, n):
+        first.append((k + 1) // 2 if k % 2 else n - k // 2)
+    rows = [[(a + r) % n for a in first] for r in range(n)]
+    return rows + ([row[::-1] for row in rows] if n % 2 else [])
+
+
 def interleave(names: Sequence[str], prompts: Sequence, run: Callable, *, warmup: Optional[Callable] = None,
                max_seconds=None, log=None, progress=None) -> Dict[str, List]:
-    """`run(name, prompt_index, order)` for every arm name on every prompt, in an order rotated
-    by the prompt index, after `warmup(name)` for every arm. With `max_seconds`, no prompt starts
-    after that many seconds (every arm keeps the same prompts). Returns {name: [results]}."""
+    """`run(name, prompt_index, order)` for every arm name on every prompt, in the order of
+    `arm_orders` for that prompt, after `warmup(name)` for every arm. With `max_seconds`, no
+    prompt starts after that many seconds (every arm keeps the same prompts). Returns {name:
+    [results]}."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     names = list(names)
     if warmup is not None:
@@ -124,14 +138,14 @@ def interleave(names: Sequence[str], prompts: Sequence, run: Callable, *, warmup
             if progress:
                 progress(f"warm-up {name}")
     results = {n: [] for n in names}
+    orders = arm_orders(len(names))
     start = time.perf_counter()
     for i in range(len(prompts)):
         if max_seconds is not None and i > 0 and time.perf_counter() - start > max_seconds:
             log(f"time budget of {max_seconds:g} s spent: {i} of {len(prompts)} prompts ran")
             break
-        r = i % len(names)
-        for pos, name in enumerate(names[r:] + names[:r]):
-            results[name].append(run(name, i, pos))
+        for pos, a in enumerate(orders[i % len(orders)]):
+            results[names[a]].append(run(names[a], i, pos))
             if progress:
                 progress(f"prompt {i + 1}/{len(prompts)} {name}")
     return results

@@ -79,6 +79,29 @@ def test_loop_section_tiny(tmp_path):
         main(["loop", "--arms", "plain,dflash:7", "--versus", "chain:9"])
 
 
+def test_interleaved_arms_follow_every_other_arm_equally_often():
+    # a plain rotation had each arm always run right after the same one (whatever an arm
+    # leaves behind, its garbage or a warm cache, weighed on one arm): over a cycle of
+    # prompts every arm runs in every position and after every other arm equally often
+    from collections import Counter
+
+    from mlx_treespec.harness import interleave
+
+    for n in range(1, 7):
+        names = [f"arm{a}" for a in range(n)]
+        seen = []
+        cycle = 2 * n if n % 2 else n
+        got = interleave(names, list(range(cycle)), lambda name, i, pos: seen.append((i, pos, name)) or (i, pos),
+                         log=lambda m: None)
+        assert all([i for i, _ in got[a]] == list(range(cycle)) for a in names)  # every arm, every prompt
+        runs = [[name for j, _, name in seen if j == i] for i in range(cycle)]
+        assert all(sorted(r) == names for r in runs)
+        positions = Counter((name, pos) for _, pos, name in seen)
+        follows = Counter((r[k], r[k + 1]) for r in runs for k in range(n - 1))
+        assert len(set(positions.values())) == 1 and len(positions) == n * n
+        assert len(set(follows.values())) <= 1 and len(follows) == n * (n - 1)
+
+
 def test_ratio_interval_brackets_the_geometric_mean():
     from mlx_treespec.harness import ratio_interval
 
