@@ -147,7 +147,7 @@ def interleave(names: Sequence[str], prompts: Sequence, run: Callable, *, warmup
         for pos, a in enumerate(orders[i % len(orders)]):
             results[names[a]].append(run(names[a], i, pos))
             if progress:
-                progress(f"prompt {i + 1}/{len(prompts)} {name}")
+                progress(f"prompt {i + 1}/{len(prompts)} {names[a]}")
     return results
 
 

@@ -91,8 +91,10 @@ def test_interleaved_arms_follow_every_other_arm_equally_often():
         names = [f"arm{a}" for a in range(n)]
         seen = []
         cycle = 2 * n if n % 2 else n
+        said = []
         got = interleave(names, list(range(cycle)), lambda name, i, pos: seen.append((i, pos, name)) or (i, pos),
-                         log=lambda m: None)
+                         log=lambda m: None, progress=said.append)
+        assert said == [f"prompt {i + 1}/{cycle} {name}" for i, _, name in seen]
         assert all([i for i, _ in got[a]] == list(range(cycle)) for a in names)  # every arm, every prompt
         runs = [[name for j, _, name in seen if j == i] for i in range(cycle)]
         assert all(sorted(r) == names for r in runs)

@@ -754,6 +754,9 @@ def test_a_head_folder_given_per_call_is_read_once_a_target(tmp_path):
     reread = make_drafter(folder, drafter="eagle3", target=target)
     assert reread.primary.model is not first.primary.model and reread.learned is not first.learned
     assert make_drafter(folder, drafter="eagle3", target=tiny.build(EAGLE_TARGET)).primary.model is not reread.primary.model
+    tied = tiny.build(dict(EAGLE_TARGET, tie_word_embeddings=True))  # (its lm_head: the embedding's, a new method each call)
+    assert make_drafter(folder, drafter="eagle3", target=tied).primary.model is \
+        make_drafter(folder, drafter="eagle3", target=tied).primary.model
     # a target whose embedding changed (quantized, adapted) binds the head again
     target.model.embed_tokens = type(target.model.embed_tokens)(*target.model.embed_tokens.weight.shape)
     rebound = make_drafter(folder, drafter="eagle3", target=target).primary.model

@@ -404,11 +404,9 @@ class HeadDrafter(ModelDrafter):
     @property
     def _drafts(self):
         """The compiled queued drafts of this head, by `_ahead_key` (and `_lanes_fns`' key): kept
-        on the head and shared by every drafter over it (module docstring). A draft vocabulary's
-        head (`narrowed`: a copy whose dict holds the same store) keys its own."""
-        narrow = getattr(self.model, "_vocab", None)
-        store = self.model.__dict__.setdefault("_treespec_drafts", {})
-        return store.setdefault(None if narrow is None else id(narrow), {})
+        on the head and shared by every drafter over it (module docstring); a draft
+        vocabulary's copy of it (`narrowed`) has its own, gone with it."""
+        return self.model.__dict__.setdefault("_treespec_drafts", {})
 
     def _lanes_fns(self, forward):
         """`_ahead_fn`'s EAGLE-2 tree as compiled functions and each step's constants: `start`

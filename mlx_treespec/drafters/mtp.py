@@ -211,8 +211,8 @@ class HeadModule(nn.Module):
         token ranking (`token_ranks`, mlx_treespec/vocab.py), or ids 0..n-1 where it has none.
         A shallow copy sharing its weights, so the heads of several drafters over one folder
         narrow apart; the rows of one draft vocabulary are made once a head (ranked ids copy
-        theirs, n x H; a prefix slices them), and so is its copy (held by this head: the
-        compiled drafts every drafter over it shares see it through a weak proxy, head.py)."""
+        theirs, n x H; a prefix slices them), and so is its copy (held by this head, with the
+        compiled drafts every drafter over it shares: head.py). One vocabulary is kept."""
         if not n:
             return self
         project, vocab = self._full_vocab_head()
@@ -221,17 +221,17 @@ class HeadModule(nn.Module):
         ids = None if ranks is None else np.sort(np.asarray(ranks[:n]))
         made = self.__dict__.setdefault("_narrowed_rows", {})  # (shared by the copies too)
         key = (id(getattr(project, "__self__", project)), n, None if ids is None else ids.tobytes())
-        drafts = self.__dict__.setdefault("_treespec_drafts", {})  # (the copies share the compiled drafts: head.py)
         views = self.__dict__.setdefault("_narrowed_views", {})
         if key not in made:  # a prefix: its rows are slices, its logits padded with -inf after them
             for old in list(made):  # (one vocabulary kept: a sweep over sizes would keep every n x H copy)
-                drafts.pop(id(made.pop(old)), None)
+                del made[old]
                 views.pop(old, None)
             made[key] = (vocab_rows(project, n), None, vocab) if ids is None else \
                 (vocab_rows(project, ids), vocab_columns(ids, vocab), vocab)
         if key not in views:
             view = copy.copy(self)
             view.__dict__.pop("_narrowed_views")  # (a copy holding its own dict would be a cycle)
+            view.__dict__["_treespec_drafts"] = {}  # (its compiled drafts: its own, gone with it)
             view._vocab = made[key]
             views[key] = view
         return views[key]

@@ -9,6 +9,7 @@ import time
 from contextlib import closing
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..draft import check_drafter
 from ..loop import RoundStats, check_prompt, check_stop_tokens, tree_generate_step, vocab_size
@@ -45,14 +46,18 @@ def loaded(folder, target, kind, load):
         return load(str(folder), target)
     from ..drafters import target_io
 
-    _, embed, lm_head = target_io(target)
-    stamp = (path, stamp, id(embed), id(lm_head), len(getattr(target, "layers", ())))
+    # what the loaded model binds, by identity (target_io's lm_head of a tied target is a new
+    # bound method each call: its module is the embedding's)
+    lm = getattr(target, "language_model", None)
+    lm = lm if isinstance(lm, nn.Module) else target
+    binds = (target_io(target)[1], getattr(lm, "lm_head", None))
+    stamp = (path, stamp, len(getattr(target, "layers", ())))
     store = store.setdefault("_treespec_loaded", {})
     hit = store.get(kind)
-    if hit is None or hit[0] != stamp:
+    if hit is None or hit[0] != stamp or any(a is not b for a, b in zip(hit[1], binds)):
         store.pop(kind, None)  # (the old one goes before the new one is read)
-        hit = store[kind] = (stamp, load(str(folder), target))
-    return hit[1]
+        hit = store[kind] = (stamp, binds, load(str(folder), target))
+    return hit[2]
 
 
 def make_drafter(draft_model=None, *, drafter=None, target=None, **options):
