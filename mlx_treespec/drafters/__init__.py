@@ -117,12 +117,17 @@ def dequantize_linears(module):
     return module
 
 
-def target_io(target):
-    """(text model args, embedding module, lm_head callable) of an mlx-lm model: the text
-    model is `target.language_model` where there is one (qwen3_5, VLM wrappers), else the
-    model itself; lm_head is its `lm_head`, or the embedding as a linear map when tied."""
+def text_model(target):
+    """An mlx-lm model's text model: `target.language_model` where there is one (qwen3_5, VLM
+    wrappers), else the model itself."""
     lm = getattr(target, "language_model", None)
-    lm = lm if isinstance(lm, nn.Module) else target
+    return lm if isinstance(lm, nn.Module) else target
+
+
+def target_io(target):
+    """(text model args, embedding module, lm_head callable) of an mlx-lm model (of its
+    `text_model`); lm_head is its `lm_head`, or the embedding as a linear map when tied."""
+    lm = text_model(target)
     inner = getattr(lm, "model", None)
     embed = getattr(inner, "embed_tokens", None) if inner is not None else None
     if embed is None:

@@ -41,7 +41,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
-from . import dequantize_linears, target_io, vocab_rows
+from . import dequantize_linears, target_io, text_model, vocab_rows
 from ..spec import MIN_DRAFT_VOCAB, check_int
 from ..vocab import read_ranks
 from ..verify import layer_span
@@ -202,37 +202,34 @@ class HeadModule(nn.Module):
 
     def rebound(self):
         """A new binding (`bind`): what was made over the last one goes, traced or copied
-        with its arrays (the compiled drafts, the narrowed copies and their rows)."""
-        for made in ("_treespec_drafts", "_narrowed_views", "_narrowed_rows", ("separate", "_treespec_drafts")):
+        with its arrays (the compiled drafts, the narrowed copy and its rows)."""
+        for made in ("_treespec_drafts", "_narrowed_views", ("separate", "_treespec_drafts")):
             self.__dict__.pop(made, None)
 
     def narrowed(self, n):
         """This head drafting over n token ids (None or 0: itself): the first n of its folder's
         token ranking (`token_ranks`, mlx_treespec/vocab.py), or ids 0..n-1 where it has none.
         A shallow copy sharing its weights, so the heads of several drafters over one folder
-        narrow apart; the rows of one draft vocabulary are made once a head (ranked ids copy
-        theirs, n x H; a prefix slices them), and so is its copy (held by this head, with the
-        compiled drafts every drafter over it shares: head.py). One vocabulary is kept."""
+        narrow apart. The copy and its rows (ranked ids copy theirs, n x H; a prefix slices
+        them) are made once and held by this head, with the compiled drafts every drafter over
+        the copy shares (head.py); one vocabulary is kept (a sweep over sizes would keep an
+        n x H copy each)."""
         if not n:
             return self
         project, vocab = self._full_vocab_head()
         check_int(n, "--draft-vocab (token ids a head drafts)", MIN_DRAFT_VOCAB, vocab - 1)
         ranks = getattr(self, "token_ranks", None)
         ids = None if ranks is None else np.sort(np.asarray(ranks[:n]))
-        made = self.__dict__.setdefault("_narrowed_rows", {})  # (shared by the copies too)
         key = (id(getattr(project, "__self__", project)), n, None if ids is None else ids.tobytes())
         views = self.__dict__.setdefault("_narrowed_views", {})
-        if key not in made:  # a prefix: its rows are slices, its logits padded with -inf after them
-            for old in list(made):  # (one vocabulary kept: a sweep over sizes would keep every n x H copy)
-                del made[old]
-                views.pop(old, None)
-            made[key] = (vocab_rows(project, n), None, vocab) if ids is None else \
-                (vocab_rows(project, ids), vocab_columns(ids, vocab), vocab)
         if key not in views:
+            views.clear()
             view = copy.copy(self)
             view.__dict__.pop("_narrowed_views")  # (a copy holding its own dict would be a cycle)
             view.__dict__["_treespec_drafts"] = {}  # (its compiled drafts: its own, gone with it)
-            view._vocab = made[key]
+            # a prefix: its rows are slices, its logits padded with -inf after them
+            view._vocab = (vocab_rows(project, n), None, vocab) if ids is None else \
+                (vocab_rows(project, ids), vocab_columns(ids, vocab), vocab)
             views[key] = view
         return views[key]
 
@@ -256,9 +253,7 @@ _FAMILIES = {  # mlx-lm module of the text model -> its decoder layer class
 
 def _family(target):
     args, embed, head = target_io(target)
-    lm = getattr(target, "language_model", None)
-    lm = lm if isinstance(lm, nn.Module) else target
-    module = type(lm).__module__
+    module = type(text_model(target)).__module__
     if module not in _FAMILIES or args is None:
         raise ValueError(f"MTP heads are for qwen3_5 / qwen3_5_moe / qwen3_next targets, got "
                          f"{getattr(args, 'model_type', type(target).__name__)}: use --drafter model")
@@ -314,9 +309,7 @@ class MTPHead(HeadModule):
         _, embed, head = target_io(target)
         self._embed, self._lm_head = embed, head
         self.rebound()
-        lm = getattr(target, "language_model", None)
-        lm = lm if isinstance(lm, nn.Module) else target
-        self._final_norm = lm.model.norm
+        self._final_norm = text_model(target).model.norm
         self.capture = (layer_span(target)[2] - 1,)  # the last layer's output (pre-norm)
         return self
 

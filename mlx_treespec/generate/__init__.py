@@ -9,7 +9,6 @@ import time
 from contextlib import closing
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from ..draft import check_drafter
 from ..loop import RoundStats, check_prompt, check_stop_tokens, tree_generate_step, vocab_size
@@ -37,22 +36,21 @@ def loaded(folder, target, kind, load):
     them); another folder of the kind replaces it. It lives as long as the target."""
     path = os.path.realpath(str(folder))
     try:
-        stamp = tuple(sorted((e.name, e.stat().st_size, e.stat().st_ino, e.stat().st_mtime_ns, e.stat().st_ctime_ns)
-                             for e in os.scandir(path) if e.is_file() and e.name.endswith((".safetensors", ".json"))))
+        files = [(e.name, e.stat()) for e in os.scandir(path)
+                 if e.is_file() and e.name.endswith((".safetensors", ".json"))]
     except OSError:  # (not a folder: the loader names the fix)
         return load(str(folder), target)
-    store = getattr(target, "__dict__", None)
-    if store is None:
+    attributes = getattr(target, "__dict__", None)
+    if attributes is None:
         return load(str(folder), target)
-    from ..drafters import target_io
+    from ..drafters import target_io, text_model
 
     # what the loaded model binds, by identity (target_io's lm_head of a tied target is a new
     # bound method each call: its module is the embedding's)
-    lm = getattr(target, "language_model", None)
-    lm = lm if isinstance(lm, nn.Module) else target
-    binds = (target_io(target)[1], getattr(lm, "lm_head", None))
-    stamp = (path, stamp, len(getattr(target, "layers", ())))
-    store = store.setdefault("_treespec_loaded", {})
+    binds = (target_io(target)[1], getattr(text_model(target), "lm_head", None))
+    stamp = (path, sorted((name, st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns) for name, st in files),
+             len(getattr(target, "layers", ())))
+    store = attributes.setdefault("_treespec_loaded", {})
     hit = store.get(kind)
     if hit is None or hit[0] != stamp or any(a is not b for a, b in zip(hit[1], binds)):
         store.pop(kind, None)  # (the old one goes before the new one is read)
