@@ -31,8 +31,9 @@ DEMO_DRAFTERS = {("demo", "model"): "demo-drafter", ("demo-target", "model"): "d
                  ("demo", "eagle3"): "demo-eagle3", ("demo-target", "eagle3"): "demo-eagle3"}
 
 
-def resolve_model_path(name):
-    """A shipped demo name, or a local mlx-lm folder, or a Hugging Face repo id."""
+def resolve_model_path(name, flag="--model"):
+    """A shipped demo name, or a local mlx-lm folder, or a Hugging Face repo id (`flag`: the
+    option that named it, for the error)."""
     if name in DEMO_MODELS:
         from .demo import demo_path
 
@@ -40,12 +41,14 @@ def resolve_model_path(name):
     expanded = os.path.expanduser(name)
     if os.path.isdir(expanded):
         if not os.path.isfile(os.path.join(expanded, "config.json")):
-            raise FileNotFoundError(f"{name} has no config.json: pass an mlx-lm model folder")
+            raise FileNotFoundError(f"{flag} {name} has no config.json: pass an mlx-lm model folder")
         return expanded
     looks_like_repo = name.count("/") == 1 and not name.startswith((".", "/", "~"))
     if not looks_like_repo:
-        raise FileNotFoundError(f"model folder {name} does not exist: pass an mlx-lm model folder, "
-                                "a Hugging Face repo id, or 'demo' / 'demo-hybrid'")
+        demos = "'demo' / 'demo-hybrid'" if flag == "--model" else \
+            " / ".join(f"'{k}'" for k in DEMO_MODELS if k not in ("demo", "demo-target", "demo-hybrid"))
+        raise FileNotFoundError(f"{flag} {name}: no such folder: pass an mlx-lm model folder, "
+                                f"a Hugging Face repo id, or {demos}")
     return name
 
 
@@ -264,7 +267,7 @@ def _run(args):
     if args.draft_model is not None and not spec.needs_draft_model:
         raise ValueError(f"--drafter {spec.drafter} drafts without a model: drop --draft-model")
     model_path = resolve_model_path(args.model)
-    draft_path = resolve_model_path(draft_name) if draft_name and spec.needs_draft_model else None
+    draft_path = resolve_model_path(draft_name, "--draft-model") if draft_name and spec.needs_draft_model else None
     prompt = _read_prompt(args)
     tokenizer_config = json.loads(metadata.get("tokenizer_config", "{}"))
     tokenizer_config["trust_remote_code"] = args.trust_remote_code

@@ -41,7 +41,7 @@ def test_cli_output_equals_plain_decoding_of_the_demo_target():
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--model", "/nonexistent/model"], "does not exist"),
+    (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such folder"),
     (["--tree-topk", "0"], "--tree-topk"),
     (["--tree-topk", "2", "--tree-lanes", "3"], "--tree-lanes"),
     (["--tree-topk", "2", "--tree-depth", "3", "--tree-budget", "100"], "--tree-budget"),
@@ -257,6 +257,7 @@ def test_parity_flags_bad_input_is_one_line_exit_2(args, needle):
     (["--temp", "-1"], "temp"),
     (["--extra-eos-token", "99999"], "--extra-eos-token"),
     (["--drafter", "lookup", "--draft-model", "/nonexistent"], "drop --draft-model"),
+    (["--drafter", "dflash", "--draft-model", "/nonexistent"], "--draft-model /nonexistent: no such folder"),
 ])
 def test_audited_bad_input_is_one_line_exit_2(args, needle):
     r = cli(*args, "--max-tokens", "4")
