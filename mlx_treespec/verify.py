@@ -513,19 +513,30 @@ def _compiled(model, capture, kernel=False, scans=frozenset()):
     store = model.__dict__.get("_treespec_compiled_verify")
     layers = _layers(model)
     if store is None or store["layers"] != layers:  # new layer modules: trace again
+        # the trace's inputs hold the model's own entries (its modules), not the model, and
+        # the forward sees it through a weak proxy: kept on the model, the trace makes no
+        # reference cycle, so a dropped target is freed at once, not when the collector runs
+        # (an 8B target's weights). A model with arrays of its own at the top (the forward
+        # reads them from the model, not from a copy) takes itself: a cycle, as before.
+        own = dict(model)
+        if any(isinstance(v, mx.array) for v in own.values()):
+            own = model.state
         store = model.__dict__["_treespec_compiled_verify"] = {
             "fns": {}, "checked": {}, "eager": {}, "eager_wins": {}, "off": None, "calls": 0, "trusted_runs": 0,
-            "layers": layers}
+            "layers": layers, "own": own}
         if in_launch():
             store["off"] = "a sharded model (mlx.distributed): its collectives run eagerly"
     if store["off"] is not None:
         return None, store
+    own = store["own"]
+    if own is not model:  # (a module set on the model since, e.g. a quantized lm_head: read now)
+        own.update(model)
     fn = store["fns"].get((capture, kernel, scans))
     if fn is None:
         # the model's arrays and its joined layers' are inputs, read at every call: a trace
         # never runs stale weights (an update, an in-place edit, an adapter: join.join)
         fn = store["fns"][(capture, kernel, scans)] = mx.compile(
-            whole_buffer_forward(model, capture, scans, kernel), inputs=[model.state, joining.arrays(model)])
+            whole_buffer_forward(weakref.proxy(model), capture, scans, kernel), inputs=[own, joining.arrays(model)])
     return fn, store
 
 

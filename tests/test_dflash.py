@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import mlx.core as mx
+import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
@@ -429,6 +430,16 @@ def test_compiled_verify_never_runs_stale_weights(targets, folders, monkeypatch)
     assert want != out
     out, _ = speculative(target, OracleDFlash(bound, target, seed=3, budget=12), prompt)
     assert out == want and _compiled_store(target)["trusted_runs"] > 0
+    # a module set on the model since (as quantizing its lm_head would): its arrays are read
+    # (the trace's inputs hold the model's entries, not the model: they follow it)
+    trusted = _compiled_store(target)["trusted_runs"]
+    old = target.lm_head
+    target.lm_head = nn.Linear(old.weight.shape[1], old.weight.shape[0], bias=False)
+    target.lm_head.weight = old.weight[::-1]
+    want = plain(target, prompt)
+    assert want != out
+    out, _ = speculative(target, OracleDFlash(bound, target, seed=3, budget=12), prompt)
+    assert out == want and _compiled_store(target)["trusted_runs"] > trusted
 
 
 def test_an_error_inside_the_compiled_verify_is_raised_not_hidden(targets, folders, monkeypatch):

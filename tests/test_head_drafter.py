@@ -724,13 +724,13 @@ def test_a_head_drafter_and_its_head_are_freed_when_the_generation_ends(tmp_path
             del drafter
         # (one vocabulary's copy and rows are kept: a sweep over sizes would keep an n x H copy each)
         assert mtp.narrowed(50) is not mtp.narrowed(40) and len(mtp.__dict__["_narrowed_views"]) == 1
-        # a head read from a folder is kept on the target: the two go together (the target's
-        # compiled verify holds the target, a cycle of its own: freed by the collector)
+        # a head read from a folder is kept on the target: the two go together, with the
+        # last reference to the target (its compiled verify, kept on it, holds it weakly)
         drafter = make_drafter(folder, drafter="eagle3", target=target)
         list(tree_generate_step(prompt, target, drafter, max_tokens=12, temp=0.7, seed=1))
         refs = [weakref.ref(m) for _, m in drafter.primary.model.named_modules()] + [weakref.ref(target)]
+        assert bool(target.__dict__.get("_treespec_compiled_verify", {}).get("fns")) == queued_rounds
         del drafter, drafts, head, target
-        gc.collect()
         assert [type(r()).__name__ for r in refs if r() is not None] == []
     finally:
         gc.enable()
