@@ -213,6 +213,9 @@ class AdaptiveDrafter:
             temps = [t for t, _ in sampled_shapes]
             if primary is None:
                 raise ValueError("sampled_shapes= shapes the primary drafter: pass primary=")
+            if not callable(getattr(primary, "reshape", None)):
+                raise ValueError(f"sampled_shapes= reshapes the primary drafter, and a {type(primary).__name__} "
+                                 "takes no shape (a draft model's or a head's does): drop sampled_shapes=")
             if not all(a < b for a, b in zip([0.0] + temps, temps)):  # (NaN fails every comparison)
                 raise ValueError("sampled_shapes= takes (temp, shape) pairs by strictly ascending temp, each "
                                  f"above 0: got temps {temps}")

@@ -410,6 +410,11 @@ def _probe(args, model, drafter):
 
     parents = drafter.probe_parents()
     topologies = [chain_parents(int(depths_of(parents).max()) + 1), parents]
+    host = getattr(drafter, "host", None)  # an adaptive drafter's lookup: its trees and chains too
+    if host is not None and getattr(drafter, "primary", None) is not None:
+        hosted = host.probe_parents()
+        deepest = chain_parents(int(depths_of(hosted).max()) + 1)
+        topologies += [t for t in (hosted, deepest) if not any(np.array_equal(t, u) for u in topologies)]
     # sampled: the probe compares draws (a near-tie flips a draw more often than an argmax),
     # under a fixed seed (any seed's draws flip as often; the run's own is drawn later)
     sampler = make_node_sampler(args.temp, args.top_p, args.min_p, args.top_k, args.min_tokens_to_keep, 0,

@@ -148,6 +148,8 @@ class DraftSpec:
                                  "(a DDTree), not both")
             if block is not None:
                 return cls("dflash", topk=1, depth=block, budget=block)
+            if budget == 1:  # (a DDTree of one node is the block's first argmax: a chain of 1)
+                return cls("dflash", topk=1, depth=1, budget=1)
             return cls("dflash", topk=budget or 0, depth=0, budget=budget or 0)
         # the draft model, or a head
         if all(o is None for o in (block, topk, depth, budget, lanes)):
@@ -223,6 +225,9 @@ class DraftSpec:
         for head in HEADS:  # 'mtp-chain:4', 'eagle3-tree:3:4:12:1'
             if kind.startswith(head + "-"):
                 drafter, kind = head, kind[len(head) + 1:]
+                if kind not in ("chain", "tree"):
+                    raise ValueError(f"cannot read arm {arm!r}: a head's arm is {head}-chain:K or "
+                                     f"{head}-tree:K:S[:B[:L]] (its default: auto:{head})")
         if has_lookup and kind not in ("chain", "tree"):
             raise ValueError(f"arm {arm!r}: +lookup goes after a chain:K or tree:K:S[:B[:L]] arm")
         if vocab is not None and kind not in ("chain", "tree"):

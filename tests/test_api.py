@@ -97,6 +97,45 @@ def test_a_cache_or_drafter_that_does_not_fit_is_refused_before_anything_runs(pa
         make_drafter(drafter, drafter="lookup")
 
 
+def test_a_draft_model_of_another_kind_is_refused_naming_where_it_goes(pair):
+    """A folder path as a draft model, a draft model as a DFlash or head folder, a drafter object
+    beside a draft model: one-line errors naming what goes there (they were a TypeError or an
+    AttributeError deep inside, or the draft model silently ignored)."""
+    from mlx_treespec import make_drafter
+    from mlx_treespec.drafters.dflash import bind_dflash
+
+    target, drafter, tok = pair
+    for draft_model, kind, needle in ((demo_path("drafter"), None, "mlx_lm.load"),
+                                      (demo_path("dflash"), "model", "drafter='dflash'"),
+                                      (drafter, "dflash", "DFlash drafter's folder"),
+                                      (drafter, "eagle3", "EAGLE-3 head's folder")):
+        for build in (lambda: make_drafter(draft_model, drafter=kind, target=target),
+                      lambda: next(stream_generate(target, tok, "x", draft_model, drafter=kind, max_tokens=2))):
+            with pytest.raises(ValueError, match=needle) as e:
+                build()
+            assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="drop the draft model"):
+        make_drafter(drafter, drafter=make_drafter(drafter, draft_block_size=2))
+    # a DFlash drafter bound before drafts (bound again to the target it is given)
+    bound = bind_dflash(demo_path("dflash"), target)
+    ref = [r.token for r in mlx_stream_generate(target, tok, "def parse(", max_tokens=12)]
+    assert [r.token for r in stream_generate(target, tok, "def parse(", bound, drafter="dflash",
+                                             max_tokens=12)] == ref
+
+
+def test_mlx_lm_s_num_draft_tokens_is_draft_block_size_and_logits_processors_are_refused(pair):
+    target, drafter, tok = pair
+    ref = [r.token for r in mlx_stream_generate(target, tok, "def parse(", max_tokens=16)]
+    stats = RoundStats()
+    out = [r.token for r in stream_generate(target, tok, "def parse(", drafter, max_tokens=16, num_draft_tokens=3,
+                                            stats=stats)]
+    assert out == ref and max(stats.depth) == 3  # a chain of 3: mlx-lm's meaning
+    with pytest.raises(ValueError, match="not both"):
+        next(stream_generate(target, tok, "x", drafter, num_draft_tokens=3, draft_block_size=4))
+    with pytest.raises(ValueError, match="logits_processors"):
+        next(stream_generate(target, tok, "x", drafter, logits_processors=[lambda toks, logits: logits]))
+
+
 def test_stream_generate_takes_more_stop_tokens(pair):
     target, drafter, tok = pair
     tokens = [r.token for r in stream_generate(target, tok, "def parse(", drafter, max_tokens=12, draft_block_size=3)]

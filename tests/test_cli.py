@@ -386,3 +386,10 @@ def test_the_probe_compares_draws_when_sampling(monkeypatch):
         cli._probe(cli.setup_arg_parser().parse_args(["--model", "demo"] + flags), None, shaped)
         shaped.draw = None
     assert [len(t) for t, _ in seen] == [3, 2] and seen[0][0][2].tolist() == [-1, 0, 0, 0]
+    # an adaptive drafter's prompt lookup verifies its own trees and chains (16 deep, where its
+    # primary's were 8): probed too
+    seen.clear()
+    adaptive = types.SimpleNamespace(primary=object(), host=types.SimpleNamespace(
+        probe_parents=lambda: np.array([-1, 0, 1, 2, 3, 0])), probe_parents=lambda: np.array([-1, 0, 1]))
+    cli._probe(cli.setup_arg_parser().parse_args(["--model", "demo"]), None, adaptive)
+    assert [t.tolist() for t in seen[0][0]][2:] == [[-1, 0, 1, 2, 3, 0], [-1, 0, 1, 2, 3]]

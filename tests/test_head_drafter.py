@@ -141,6 +141,8 @@ def test_the_adaptive_head_queues_its_tree_when_sampling(tmp_path, monkeypatch):
             AdaptiveDrafter(primary=d.primary, sampled_shapes=bad)
     with pytest.raises(ValueError, match="pass primary="):
         AdaptiveDrafter(host=d.host, sampled_shapes=((0.55, (5, 1, 4, 20)),))
+    with pytest.raises(ValueError, match="takes no shape"):  # (an AttributeError deep inside, before)
+        AdaptiveDrafter(primary=d.host, sampled_shapes=((0.55, (5, 1, 4, 20)),))
 
 
 def test_sampled_the_adaptive_head_never_hands_its_queued_rounds_back(tmp_path, monkeypatch):

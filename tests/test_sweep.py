@@ -233,6 +233,13 @@ def test_arms_grid_and_specs():
             parse_arm(bad)
     with pytest.raises(SystemExit, match="cannot read arm"):
         parse_arm("bogus:1")
+    # a head's prefix goes with a chain or tree only (it was dropped: 'mtp-plain' ran plain)
+    for bad in ("mtp-plain", "eagle3-lookup:16:8", "mtp-ddtree:31"):
+        with pytest.raises(ValueError, match="a head's arm"):
+            DraftSpec.parse(bad)
+    # DDTree of one node: the block's first argmax, a chain of 1 (it drafted the whole block)
+    one = DraftSpec.from_options("dflash", tree_budget=1)
+    assert (one.topk, one.depth, one.budget, one.arm) == (1, 1, 1, "dflash:1") and DraftSpec.parse(one.arm) == one
 
 
 def test_model_free_arms_and_no_matplotlib(monkeypatch, tmp_path, capsys):

@@ -27,6 +27,31 @@ def check_vocab(model, draft_model):
         )
 
 
+def check_draft_model_kind(drafter, draft_model):
+    """Refuse a draft model of the wrong kind for `drafter` ('model': a loaded mlx-lm model;
+    'dflash', 'mtp', 'eagle3': a folder or that kind's module), naming what goes there."""
+    import mlx.nn as nn
+
+    from ..drafters.dflash import BoundDFlash, DFlashModel
+    from ..drafters.mtp import HeadModule
+
+    if draft_model is None:
+        return
+    folder = isinstance(draft_model, (str, os.PathLike))
+    got = f"a folder path ({os.fspath(draft_model)})" if folder else type(draft_model).__name__
+    if drafter == "model" and (folder or not isinstance(draft_model, nn.Module)
+                               or isinstance(draft_model, (DFlashModel, HeadModule))):
+        raise ValueError(f"drafter='model' takes a loaded mlx-lm model (mlx_lm.load(path)[0]), got {got}: "
+                         "a DFlash folder goes with drafter='dflash', a head's with drafter='mtp' or 'eagle3'")
+    if drafter == "dflash" and not (folder or isinstance(draft_model, (DFlashModel, BoundDFlash))):
+        raise ValueError(f"drafter='dflash' takes a DFlash drafter's folder (or its DFlashModel), got {got}: "
+                         "a draft model goes with drafter='model'")
+    if drafter in ("mtp", "eagle3") and not (folder or isinstance(draft_model, HeadModule)):
+        what = "the target's own folder (its mtp.* weights)" if drafter == "mtp" else "an EAGLE-3 head's folder"
+        raise ValueError(f"drafter={drafter!r} takes {what} (or its loaded head), got {got}: "
+                         "a draft model goes with drafter='model'")
+
+
 def loaded(folder, target, kind, load):
     """`load(folder, target)` (a head or a bound DFlash drafter), kept on `target`, one folder
     per kind: a library call makes a drafter per generation, and one given a folder read its
@@ -72,6 +97,9 @@ def make_drafter(draft_model=None, *, drafter=None, target=None, **options):
     (plain decoding)."""
     if drafter is not None and not isinstance(drafter, str):
         given = [k for k, v in options.items() if v is not None]
+        if draft_model is not None:
+            raise ValueError(f"drafter= is a drafter object ({type(drafter).__name__}): it drafts with its "
+                             "own model; drop the draft model")
         if options.get("draft_lookup"):
             raise ValueError("--draft-lookup adds lookup nodes to a draft model's tree: use it with "
                              "--draft-model, not --drafter")
@@ -83,9 +111,12 @@ def make_drafter(draft_model=None, *, drafter=None, target=None, **options):
     if draft_model is not None and not spec.needs_draft_model:
         raise ValueError(f"drafter={spec.drafter!r} drafts without a model: drop the draft model")
     spec.check_draft_model(draft_model)  # (before a DFlash or head folder is read)
+    check_draft_model_kind(spec.drafter, draft_model)
     if spec.drafter == "dflash":
-        from ..drafters.dflash import bind_dflash
+        from ..drafters.dflash import BoundDFlash, bind_dflash
 
+        if isinstance(draft_model, BoundDFlash):  # (bound before: bound again, to this target)
+            draft_model = draft_model.model
         draft_model = loaded(draft_model, target, "dflash", bind_dflash) \
             if isinstance(draft_model, (str, os.PathLike)) and target is not None else bind_dflash(draft_model, target)
     elif spec.drafter in ("mtp", "eagle3") and isinstance(draft_model, (str, os.PathLike)):
@@ -116,6 +147,15 @@ def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=25
 
     if sampler is not None:
         raise ValueError("pass temp=, top_p=, min_p=, top_k=, seed= instead of a sampler function")
+    if kwargs.get("logits_processors"):
+        raise ValueError("logits_processors= would change the target's tokens after its verify: a tree "
+                         "cannot stay exact under them; drop them (or decode with mlx_lm.generate)")
+    kwargs.pop("logits_processors", None)
+    if "num_draft_tokens" in kwargs:  # (mlx-lm's name for a chain's length)
+        n = kwargs.pop("num_draft_tokens")
+        if draft_block_size is not None and n is not None and n != draft_block_size:
+            raise ValueError("give num_draft_tokens= or draft_block_size= (the same option), not both")
+        draft_block_size = n if draft_block_size is None else draft_block_size
     max_tokens = check_int(max_tokens, "max_tokens")
     if max_tokens == 0:
         raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
