@@ -224,7 +224,7 @@ class AdaptiveDrafter:
         self.tier = 0  # the index in `shapes` of the shape this generation drafts
         self.queueable = False  # set by the loop per generation: rounds can be queued ahead (queued.py)
         if memory is not None and memory in LEARNED:
-            self.learned = LEARNED[memory]
+            self.learned = LEARNED[memory] = LEARNED.pop(memory)  # (the most recent now: kept longest)
             self._restart()
             for d in (primary, host):
                 if d is not None:
@@ -273,8 +273,9 @@ class AdaptiveDrafter:
         plain = self.costs[0] if self.costs and not callable(self.costs) else None
         self.learned = Learned(plain)
         if self.memory is not None:
-            if len(LEARNED) >= 64 and self.memory not in LEARNED:  # keys of models long gone
-                LEARNED.clear()
+            LEARNED.pop(self.memory, None)
+            while len(LEARNED) >= 64:  # the least recently used first (most often a model long gone)
+                LEARNED.pop(next(iter(LEARNED)))
             LEARNED[self.memory] = self.learned
         self._restart()
         for d in (self.primary, self.host):

@@ -821,3 +821,22 @@ def test_a_freed_models_record_is_not_a_new_models():
     del target
     gc.collect()
     assert key != ModelKey("auto", other, draft) and key != key.__class__("auto", other, None)
+
+
+def test_what_was_learned_is_kept_for_the_most_recently_used_models():
+    # the process keeps 64 models' records: past that the least recently used goes, not all of
+    # them (a live model's record was dropped with the others)
+    from mlx_treespec.adaptive import LEARNED
+
+    saved = dict(LEARNED)
+    LEARNED.clear()
+    try:
+        first = AdaptiveDrafter(host=LookupDrafter(), costs=(1.0, flat(2.0)), memory="kept").learned
+        for i in range(100):
+            AdaptiveDrafter(host=LookupDrafter(), costs=(1.0, flat(2.0)), memory=f"other {i}")
+            if i % 10 == 0:  # in use: the model's record is found again, and made the most recent
+                assert AdaptiveDrafter(host=LookupDrafter(), memory="kept").learned is first
+        assert len(LEARNED) == 64 and LEARNED["kept"] is first and "other 99" in LEARNED and "other 0" not in LEARNED
+    finally:
+        LEARNED.clear()
+        LEARNED.update(saved)
