@@ -93,6 +93,32 @@ def test_make_drafter_loads_heads_and_merges_lookup(tmp_path):
     assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N)] == ref
 
 
+def test_a_head_under_a_lookup_chain_keeps_a_target_row_for_every_emitted_token(monkeypatch):
+    # --draft-lookup over a head: where the round accepts lookup nodes, the head still gets the
+    # target's row of each emitted token (it got the rows of its own nodes only, and drafted
+    # later rounds from rows padded with zeros)
+    import mlx_lm
+
+    from mlx_treespec.demo import demo_path
+    from mlx_treespec.drafters.merged import MergedDrafter
+
+    target, tok = mlx_lm.load(demo_path("target"))
+    prompt = tok.encode("def parse(value):\n    return value\n\n\ndef parse(value):\n")
+    seen = []
+    real = MergedDrafter.commit
+
+    def commit(self, draft, path, emitted, *hidden):
+        real(self, draft, path, emitted, *hidden)
+        head = self.base
+        lookup_taken = bool((np.asarray(path) >= draft.state.first_extra).any())
+        seen.append((lookup_taken, len(head.pending) == head.pending_hidden.shape[0]))
+
+    monkeypatch.setattr(MergedDrafter, "commit", commit)
+    d = make_drafter(demo_path("eagle3"), drafter="eagle3", target=target, draft_block_size=4, draft_lookup=8)
+    assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=64)] == plain(target, prompt, n=64)
+    assert any(taken for taken, _ in seen) and all(rows for _, rows in seen), seen
+
+
 def test_the_adaptive_head_queues_its_tree_when_sampling(tmp_path, monkeypatch):
     # where rounds queue (here on CPU), the adaptive default over a head queues its chain when
     # greedy (9 nodes) and its one-lane tree when sampling (its draws miss more often: the

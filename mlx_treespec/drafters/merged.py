@@ -105,7 +105,8 @@ class MergedDrafter:
         path = np.asarray(path)
         nb = st.first_extra
         cut = int(np.argmax(path >= nb)) if (path >= nb).any() else len(path)
-        self.base.commit(st.base, path[:cut], emitted, *[h[:cut] for h in hidden])
+        # (a head pairs each emitted token with its target row, the lookup's accepted nodes' too)
+        self.base.commit(st.base, path[:cut], emitted, *hidden)
         self.extra.commit(st.extra, np.concatenate([[0], path[cut:] - nb + 1]) if cut < len(path) else path[:1],
                           emitted)
 
