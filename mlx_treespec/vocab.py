@@ -86,7 +86,11 @@ def main(argv=None):
         tokenizer = AutoTokenizer.from_pretrained(folder)
         with open(os.path.join(folder, "config.json")) as f:
             cfg = json.load(f)
-        vocab = int((cfg.get("text_config") or cfg)["vocab_size"])
+        vocab = (cfg.get("text_config") or {}).get("vocab_size", cfg.get("vocab_size"))
+        if vocab is None:
+            raise ValueError(f"{folder}/config.json names no vocab_size (nor text_config.vocab_size): pass "
+                             "the target's own folder as --model")
+        vocab = int(vocab)
         ids, n = [], 0
         for text in _texts(args.text):
             ids.append(np.asarray(tokenizer.encode(text, add_special_tokens=False), dtype=np.int64))

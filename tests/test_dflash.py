@@ -543,6 +543,10 @@ def test_loader_errors_name_the_fix(tmp_path, targets, folders):
         make_drafter(folders("qwen3"), drafter="dflash", target=target, draft_block_size=3, tree_budget=8)
     with pytest.raises(ValueError, match="--tree-topk"):
         make_drafter(folders("qwen3"), drafter="dflash", target=target, tree_topk=3)
+    bound = bind_dflash(folders("qwen3"), target)
+    for kw, needle in ((dict(budget=-1), "budget"), (dict(topk=1, depth=-3), "depth"), (dict(topk=2.5), "topk")):
+        with pytest.raises(ValueError, match=f"DFlashDrafter {needle}"):  # (an MLX error naming none, before)
+            DFlashDrafter(bound, **kw)
 
 
 class QueuedOracle(OracleDFlash):

@@ -700,6 +700,21 @@ def test_a_counted_ranking_is_written_read_and_checked(tmp_path, capsys):
     assert "has no tokenizer: pass the target's folder" in capsys.readouterr().err
     with pytest.raises(ValueError, match="does not rank each of the target's 96 token ids once"):
         read_ranks(out, 96)
+    # a config with text_config but the vocabulary size at the top (some multimodal configs)
+    import json
+    import shutil
+
+    from mlx_treespec.demo import demo_path
+
+    folder = tmp_path / "multimodal"
+    shutil.copytree(demo_path("target"), folder, symlinks=False)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(cfg, text_config={"hidden_size": cfg["hidden_size"]})))
+    assert main(["--model", str(folder), "--text", str(text), "--out", str(out / "y.json")]) == 0
+    del cfg["vocab_size"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert main(["--model", str(folder), "--text", str(text), "--out", str(out / "z.json")]) == 2
+    assert "names no vocab_size" in capsys.readouterr().err  # (a KeyError traceback before)
 
 
 @pytest.mark.parametrize("queued_rounds", [False, True])

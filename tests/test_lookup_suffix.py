@@ -317,6 +317,11 @@ def test_shared_suffix_index_carries_earlier_outputs():
     assert private.draft(42, 63).size == 1
 
 
+def test_a_suffix_drafter_refuses_an_index_that_is_not_one():
+    with pytest.raises(ValueError, match="SuffixIndex"):
+        SuffixDrafter(budget=3, max_depth=4, index=[])
+
+
 def test_drafters_refuse_a_root_they_did_not_see():
     for d in (LookupDrafter(4, 4), SuffixDrafter(4, 4)):
         d.prefill([1, 2, 3])

@@ -42,7 +42,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from ..builders import best_first_tree
 from ..draft import Draft, Layout
 from ..join import join, running
-from ..tree import MAX_NODES, chain_parents, preorder, relabel
+from ..tree import MAX_NODES, chain_parents, check_int, preorder, relabel
 from ..verify import check_capture, grown
 from . import GatedMLP, aranges, dequantize_linears, target_io
 from ..device_tree import best_first, top_k
@@ -239,6 +239,8 @@ class DFlashDrafter:
     def __init__(self, bound, topk=0, depth=0, budget=0):
         if not isinstance(bound, BoundDFlash):
             raise ValueError("DFlashDrafter takes a drafter bound to its target: bind_dflash(folder, target)")
+        for name, value in (("topk", topk), ("depth", depth), ("budget", budget)):
+            check_int(value, f"DFlashDrafter {name} (0: the block's)", 0, MAX_NODES - 1)
         self.bound = bound
         m = bound.model
         self.block = m.block_size

@@ -175,6 +175,8 @@ class SuffixDrafter:
             raise ValueError(f"min_prob must be in [0, 1], got {min_prob}")
         self.budget = int(budget)
         self.max_depth = int(max_depth)
+        if index is not None and not isinstance(index, SuffixIndex):
+            raise ValueError(f"index= shares a SuffixIndex between drafters, got {type(index).__name__}")
         self.shared = index is not None
         self.index = index if index is not None else SuffixIndex(index_depth)
         self.index_depth = self.index.depth
