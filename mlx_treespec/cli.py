@@ -52,20 +52,22 @@ def resolve_model_path(name, flag="--model"):
     return name
 
 
-def _load(path, adapter_path=None, tokenizer_config=None, shard=None):
+def _load(path, adapter_path=None, tokenizer_config=None, shard=None, trust_remote_code=False,
+          model_config=None):
     """mlx-lm's load (`sharded_load` over the launch's group with `shard`), with a failure to
     fetch a repo id said in one line."""
     from mlx_lm.utils import load
 
     if shard is not None:
-        return _sharded(path, adapter_path, tokenizer_config, shard)
+        return _sharded(path, adapter_path, tokenizer_config, shard, trust_remote_code)
 
     if adapter_path is not None and not os.path.isfile(os.path.join(os.path.expanduser(adapter_path),
                                                                    "adapter_config.json")):
         raise FileNotFoundError(f"--adapter-path {adapter_path} holds no adapter_config.json: pass the folder "
                                 "mlx_lm.lora wrote (adapters.safetensors and adapter_config.json)")
     try:
-        return load(path, adapter_path=adapter_path, tokenizer_config=tokenizer_config or {})
+        return load(path, adapter_path=adapter_path, tokenizer_config=tokenizer_config or {},
+                    model_config=model_config or {}, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         if os.path.isdir(path):
             raise
@@ -74,7 +76,7 @@ def _load(path, adapter_path=None, tokenizer_config=None, shard=None):
                                 "first (huggingface-cli download) and pass the local folder") from None
 
 
-def _sharded(path, adapter_path, tokenizer_config, shard):
+def _sharded(path, adapter_path, tokenizer_config, shard, trust_remote_code=False):
     """The target split over the processes of an `mlx.launch` (mlx-lm's `sharded_load`)."""
     from mlx_lm.utils import sharded_load
 
@@ -86,7 +88,8 @@ def _sharded(path, adapter_path, tokenizer_config, shard):
         raise ValueError("--adapter-path cannot be combined with --shard (mlx-lm's sharded_load takes no "
                          "adapters): fuse them first (mlx_lm.fuse)")
     try:
-        return sharded_load(path, **{f"{shard}_group": group}, tokenizer_config=tokenizer_config or {})
+        return sharded_load(path, **{f"{shard}_group": group}, tokenizer_config=tokenizer_config or {},
+                            trust_remote_code=trust_remote_code)
     except FileNotFoundError as e:
         if "index.json" in str(e):
             raise ValueError(f"--shard pipeline reads {path}/model.safetensors.index.json (which layer is in "
@@ -123,7 +126,13 @@ def setup_arg_parser():
     p.add_argument("--shard", choices=("tensor", "pipeline"), default=None,
                    help="under mlx.launch: split the target over the launch's processes (mlx-lm's "
                         "sharded_load: tensor or pipeline parallel); drafters run on every process, rank 0 prints")
-    p.add_argument("--trust-remote-code", action="store_true", help="let the tokenizer run the repo's own code")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let the model and its tokenizer run the repo's own code")
+    p.add_argument("--quantize-activations", "-qa", action="store_true",
+                   help="quantize activations as the layers' weights (mlx-lm's flag); the exactness "
+                        "probe then runs before speculating, on any device")
+    p.add_argument("--image", nargs="+", default=None,
+                   help="(mlx-lm's flag for vision models: refused, this library decodes text)")
     p.add_argument("--draft-model", default=None,
                    help="draft model, or a DFlash drafter folder with --drafter dflash (default: the "
                         "shipped demo drafter when --model is a demo)")
@@ -157,6 +166,8 @@ def setup_arg_parser():
                         "same for every drafter and tree shape (and plain decoding) under one seed; "
                         "it is not mlx-lm's sampled output for the same seed")
     p.add_argument("--system-prompt", default=None, help="system prompt for the chat template")
+    p.add_argument("--prefill-response", default=None,
+                   help="start the assistant's response with this text (with the chat template)")
     p.add_argument("--ignore-chat-template", action="store_true", help="use the raw prompt")
     p.add_argument("--use-default-chat-template", action="store_true",
                    help="where the tokenizer has no chat template, use its default one (as mlx-lm did)")
@@ -242,6 +253,15 @@ def _run(args):
         if not target.endswith(".safetensors") or not os.path.isdir(os.path.dirname(target)):
             raise ValueError(f"--save-prompt-cache {args.save_prompt_cache}: pass a .safetensors file in an "
                              "existing folder")
+    if args.image:
+        raise ValueError("--image feeds a vision model, and this library decodes text models (mlx-lm's): "
+                         "drop --image, or use mlx-vlm")
+    if args.save_prompt_cache is not None and args.shard is not None:
+        raise ValueError("--save-prompt-cache with --shard would save one process's slice of the cache: "
+                         "drop one of them")
+    if args.quantize_activations and args.shard is not None:
+        raise ValueError("--quantize-activations with --shard: mlx-lm's sharded_load takes no model "
+                         "config: drop one of them")
     if args.prompt_cache_file is not None and args.max_kv_size is not None:
         raise ValueError("--max-kv-size sizes a new cache; a --prompt-cache-file keeps its own: drop one of them")
     prompt_cache, metadata = _read_prompt_cache(args)
@@ -271,7 +291,9 @@ def _run(args):
     prompt = _read_prompt(args)
     tokenizer_config = json.loads(metadata.get("tokenizer_config", "{}"))
     tokenizer_config["trust_remote_code"] = args.trust_remote_code
-    model, tokenizer = _load(model_path, args.adapter_path, tokenizer_config, shard=args.shard)
+    model, tokenizer = _load(model_path, args.adapter_path, tokenizer_config, shard=args.shard,
+                             trust_remote_code=args.trust_remote_code,
+                             model_config={"quantize_activations": True} if args.quantize_activations else None)
     if args.shard is not None:
         if mx.distributed.init().rank() != 0:  # rank 0 prints; every rank computes the same tokens
             sys.stdout = open(os.devnull, "w")
@@ -286,7 +308,7 @@ def _run(args):
         tokenizer.add_eos_token(token)
     draft_model = None
     if draft_path is not None and spec.drafter == "model":
-        draft_model = _load(draft_path)[0]  # (make_drafter checks its vocabulary)
+        draft_model = _load(draft_path, trust_remote_code=args.trust_remote_code)[0]  # (make_drafter checks its vocabulary)
     elif draft_path is not None:
         draft_model = draft_path  # a DFlash or head folder: bound to the target by make_drafter
     drafter = make_drafter(draft_model, target=model, drafter=spec.drafter, **_draft_options(args))
@@ -301,21 +323,27 @@ def _run(args):
         print("note: no --draft-model or --drafter given: decoding without speculation (--drafter "
               "lookup or suffix drafts without a model)", file=sys.stderr)
 
-    if args.use_default_chat_template and tokenizer.chat_template is None:
+    has_template = getattr(tokenizer, "has_chat_template", tokenizer.chat_template is not None)
+    if args.use_default_chat_template and not has_template:
         default = getattr(tokenizer, "default_chat_template", None)
         if default is None:
             raise ValueError("--use-default-chat-template: this tokenizer has neither a chat template nor a "
                              "default one: drop the flag (the prompt is used raw) or pass a model that has one")
         tokenizer.chat_template = default
-    if not args.ignore_chat_template and tokenizer.chat_template is not None:
-        messages = ([{"role": "system", "content": args.system_prompt}] if args.system_prompt else [])
+        has_template = True
+    if not args.ignore_chat_template and has_template:
+        # (mlx-lm's rules: an empty system prompt is one; a prefilled response continues the
+        # assistant's message)
+        messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt is not None else []
         messages.append({"role": "user", "content": prompt})
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                               **template_kwargs)
+        prefill = args.prefill_response is not None
+        if prefill:
+            messages.append({"role": "assistant", "content": args.prefill_response})
+        turn = dict(tokenize=False, continue_final_message=prefill, add_generation_prompt=not prefill)
+        prompt = tokenizer.apply_chat_template(messages, **turn, **template_kwargs)
         if prompt_cache is not None:  # the cache holds the conversation so far: keep the new part
             messages[-1]["content"] = "<query>"
-            probe = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                  **template_kwargs)
+            probe = tokenizer.apply_chat_template(messages, **turn, **template_kwargs)
             prompt = prompt[probe.index("<query>"):]
         tokens = tokenizer.encode(prompt, add_special_tokens=False)
     else:
@@ -351,8 +379,9 @@ def _run(args):
     if args.save_prompt_cache:
         from mlx_lm.models.cache import save_prompt_cache
 
+        # (the folder, not a demo name: mlx-lm reads the file too)
         save_prompt_cache(args.save_prompt_cache, prompt_cache,
-                          dict(model=args.model, tokenizer_config=json.dumps(tokenizer_config)))
+                          dict(model=model_path, tokenizer_config=json.dumps(tokenizer_config)))
     if args.verbose is False:
         print(text)
     elif args.verbose:
@@ -402,8 +431,8 @@ def _probe(args, model, drafter):
     On MLX's CPU backend a verify is bitwise one-token decoding by construction (pinned by the
     test suite for every supported family), so the probe's forwards are spent on GPUs only.
     """
-    if mx.default_device() == mx.cpu:
-        return
+    if mx.default_device() == mx.cpu and not args.quantize_activations:  # (quantized activations
+        return  # may couple a verify's rows: probed on any device)
     from .probe import check_speculation
     from .sampling import Draw, make_node_sampler
     from .tree import chain_parents, depths_of

@@ -294,6 +294,54 @@ def test_prompt_cache_files_round_trip_with_mlx_lm(tmp_path):
     assert _text(cli("--prompt-cache-file", str(saved), "--prompt", "\n", "--max-tokens", "8"))
 
 
+def _demo_copy(tmp_path, name, tokenizer=None, config=None, files=None):
+    """The demo target's folder under another name, its tokenizer_config / config updated."""
+    folder = tmp_path / name
+    shutil.copytree(os.path.join(DEMO, "target"), folder)
+    for file, more in (("tokenizer_config.json", tokenizer), ("config.json", config)):
+        if more:
+            data = json.loads((folder / file).read_text())
+            (folder / file).write_text(json.dumps(dict(data, **more)))
+    for file, text in (files or {}).items():
+        (folder / file).write_text(text)
+    return str(folder)
+
+
+def test_chat_templates_remote_code_and_saved_caches_as_mlx_lm(tmp_path):
+    # mlx-lm's rules, each once broken here: a template from `chat_template_type` (or a
+    # tokenizer's own renderer) counts as one; an empty --system-prompt is a system message;
+    # --prefill-response continues the assistant's turn; --trust-remote-code reaches the model
+    # loader; a cache saved from --model demo names its folder (mlx-lm reads the file)
+    template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    chat = _demo_copy(tmp_path, "chat", tokenizer=dict(chat_template=template))
+    typed = _demo_copy(tmp_path, "typed", tokenizer=dict(chat_template_type="deepseek_v32"))
+    remote = _demo_copy(tmp_path, "remote", config=dict(model_file="custom.py"),
+                        files={"custom.py": "from mlx_lm.models.qwen3 import Model, ModelArgs\n"})
+
+    def mlx_lm_text(*args):
+        r = subprocess.run([sys.executable, "-m", "mlx_lm", "generate", "--prompt", "def parse(", *args, "--max-tokens",
+                            "12", "--verbose", "False"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    for args in (["--model", chat, "--system-prompt", ""], ["--model", chat, "--prefill-response", "def "],
+                 ["--model", typed], ["--model", remote, "--trust-remote-code"]):
+        ours = cli(*args, "--draft-model", "demo-drafter", "--max-tokens", "12", "--verbose", "F")
+        assert _text(ours) == mlx_lm_text(*args), args
+    from mlx_lm.models.cache import load_prompt_cache
+
+    saved = tmp_path / "demo.safetensors"
+    assert _text(cli("--max-tokens", "8", "--verbose", "F", "--save-prompt-cache", str(saved)))
+    assert os.path.isdir(load_prompt_cache(str(saved), return_metadata=True)[1]["model"])
+    assert mlx_lm_text("--prompt-cache-file", str(saved), "--prompt", "x")
+    for args, needle in ((["--image", "a.png"], "--image"), (["--shard", "tensor", "--save-prompt-cache",
+                                                            str(saved)], "one process's slice")):
+        r = cli(*args, "--max-tokens", "4")
+        lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+        assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
+
+
 def test_readme_real_model_commands_run_on_stand_ins(tmp_path):
     # the README's real-model commands, each model swapped for a small stand-in of its family
     # (random weights, the demo tokenizer): they run, and speculate to plain decoding's text
