@@ -348,9 +348,6 @@ def _run(args):
         tokens = tokenizer.encode(prompt, add_special_tokens=False)
     else:
         tokens = tokenizer.encode(prompt)
-    if args.max_kv_size is not None and len(tokens) > args.max_kv_size:
-        raise ValueError(f"the prompt has {len(tokens)} tokens but --max-kv-size is {args.max_kv_size}: "
-                         "raise --max-kv-size or shorten the prompt")
     if prompt_cache is None and args.save_prompt_cache:
         from mlx_lm.models.cache import make_prompt_cache
 

@@ -325,8 +325,10 @@ def test_chat_templates_remote_code_and_saved_caches_as_mlx_lm(tmp_path):
         assert r.returncode == 0, r.stderr
         return r.stdout
 
+    # (and a prompt longer than --max-kv-size: the rotating cache keeps its window, as mlx-lm's; refused before)
     for args in (["--model", chat, "--system-prompt", ""], ["--model", chat, "--prefill-response", "def "],
-                 ["--model", typed], ["--model", remote, "--trust-remote-code"]):
+                 ["--model", typed], ["--model", remote, "--trust-remote-code"],
+                 ["--model", os.path.join(DEMO, "target"), "--max-kv-size", "6"]):
         ours = cli(*args, "--draft-model", "demo-drafter", "--max-tokens", "12", "--verbose", "F")
         assert _text(ours) == mlx_lm_text(*args), args
     from mlx_lm.models.cache import load_prompt_cache
