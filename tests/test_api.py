@@ -116,6 +116,9 @@ def test_a_draft_model_of_another_kind_is_refused_naming_where_it_goes(pair):
             assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="drop the draft model"):
         make_drafter(drafter, drafter=make_drafter(drafter, draft_block_size=2))
+    for fourth in (100, True):  # mlx-lm's 4th positional (max_tokens, verbose) is the draft model here
+        with pytest.raises(ValueError, match="by name"):
+            next(stream_generate(target, tok, "x", fourth))
     # a DFlash drafter bound before drafts (bound again to the target it is given)
     bound = bind_dflash(demo_path("dflash"), target)
     ref = [r.token for r in mlx_stream_generate(target, tok, "def parse(", max_tokens=12)]

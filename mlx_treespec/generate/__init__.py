@@ -37,6 +37,9 @@ def check_draft_model_kind(drafter, draft_model):
 
     if draft_model is None:
         return
+    if isinstance(draft_model, (bool, int, float)):  # (mlx-lm's 4th positional: max_tokens, or verbose)
+        raise ValueError(f"the 4th argument is the draft model here, got {draft_model!r}: pass max_tokens= "
+                         "and verbose= by name (mlx-lm's stream_generate and generate take them there)")
     folder = isinstance(draft_model, (str, os.PathLike))
     got = f"a folder path ({os.fspath(draft_model)})" if folder else type(draft_model).__name__
     if drafter == "model" and (folder or not isinstance(draft_model, nn.Module)
