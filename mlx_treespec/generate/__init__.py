@@ -100,15 +100,15 @@ def make_drafter(draft_model=None, *, drafter=None, target=None, **options):
     (plain decoding)."""
     if drafter is not None and not isinstance(drafter, str):
         given = [k for k, v in options.items() if v is not None]
-        if draft_model is not None:
-            raise ValueError(f"drafter= is a drafter object ({type(drafter).__name__}): it drafts with its "
-                             "own model; drop the draft model")
         if options.get("draft_lookup"):
             raise ValueError("--draft-lookup adds lookup nodes to a draft model's tree: use it with "
                              "--draft-model, not --drafter")
         if given:
             raise ValueError(f"drafter= is a drafter object: its shape is its own; drop {', '.join(given)} "
                              "(or pass drafter='model' with a draft model)")
+        if draft_model is not None:
+            raise ValueError(f"drafter= is a drafter object ({type(drafter).__name__}): it drafts with its "
+                             "own model; drop the draft model")
         return check_drafter(drafter)
     spec = DraftSpec.from_options(drafter, has_draft_model=draft_model is not None, **options)
     if draft_model is not None and not spec.needs_draft_model:
