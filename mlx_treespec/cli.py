@@ -253,6 +253,9 @@ def _run(args):
         if not target.endswith(".safetensors") or not os.path.isdir(os.path.dirname(target)):
             raise ValueError(f"--save-prompt-cache {args.save_prompt_cache}: pass a .safetensors file in an "
                              "existing folder")
+    if args.prefill_response is not None and args.ignore_chat_template:
+        raise ValueError("--prefill-response starts the assistant's turn of a chat template, and "
+                         "--ignore-chat-template drops it: drop one of them (or end --prompt with it)")
     if args.image:
         raise ValueError("--image feeds a vision model, and this library decodes text models (mlx-lm's): "
                          "drop --image, or use mlx-vlm")
@@ -265,8 +268,8 @@ def _run(args):
     if args.prompt_cache_file is not None and args.max_kv_size is not None:
         raise ValueError("--max-kv-size sizes a new cache; a --prompt-cache-file keeps its own: drop one of them")
     prompt_cache, metadata = _read_prompt_cache(args)
-    if args.model is None:
-        args.model = metadata.get("model", "demo")
+    if args.model is None:  # (a demo's name where the cache was made from one: its drafter is the default)
+        args.model = metadata.get("treespec_model") or metadata.get("model", "demo")
     elif metadata and os.path.abspath(os.path.expanduser(resolve_model_path(args.model))) != \
             os.path.abspath(os.path.expanduser(resolve_model_path(metadata["model"]))):
         raise ValueError(f"--model {args.model} is not the model the prompt cache was made with "
@@ -331,6 +334,9 @@ def _run(args):
                              "default one: drop the flag (the prompt is used raw) or pass a model that has one")
         tokenizer.chat_template = default
         has_template = True
+    if args.prefill_response is not None and not has_template:
+        raise ValueError("--prefill-response starts the assistant's turn of a chat template, and this "
+                         "tokenizer has none: drop --prefill-response (or end --prompt with it)")
     if not args.ignore_chat_template and has_template:
         # (mlx-lm's rules: an empty system prompt is one; a prefilled response continues the
         # assistant's message)
@@ -342,7 +348,8 @@ def _run(args):
         turn = dict(tokenize=False, continue_final_message=prefill, add_generation_prompt=not prefill)
         prompt = tokenizer.apply_chat_template(messages, **turn, **template_kwargs)
         if prompt_cache is not None:  # the cache holds the conversation so far: keep the new part
-            messages[-1]["content"] = "<query>"
+            # (from the user's message: with a prefilled response it is not the last one)
+            messages[-2 if prefill else -1]["content"] = "<query>"
             probe = tokenizer.apply_chat_template(messages, **turn, **template_kwargs)
             prompt = prompt[probe.index("<query>"):]
         tokens = tokenizer.encode(prompt, add_special_tokens=False)
@@ -376,9 +383,9 @@ def _run(args):
     if args.save_prompt_cache:
         from mlx_lm.models.cache import save_prompt_cache
 
-        # (the folder, not a demo name: mlx-lm reads the file too)
+        # (the folder, not a demo name: mlx-lm reads the file too; the name as well, for this CLI)
         save_prompt_cache(args.save_prompt_cache, prompt_cache,
-                          dict(model=model_path, tokenizer_config=json.dumps(tokenizer_config)))
+                          dict(model=model_path, treespec_model=args.model, tokenizer_config=json.dumps(tokenizer_config)))
     if args.verbose is False:
         print(text)
     elif args.verbose:

@@ -530,7 +530,11 @@ def _compiled(model, capture, kernel=False, scans=frozenset()):
         return None, store
     own = store["own"]
     if own is not model:  # (a module set on the model since, e.g. a quantized lm_head: read now)
+        own.clear()
         own.update(model)
+        if any(isinstance(v, mx.array) for v in own.values()):  # (an array set at the top since)
+            model.__dict__.pop("_treespec_compiled_verify")
+            return _compiled(model, capture, kernel, scans)
     fn = store["fns"].get((capture, kernel, scans))
     if fn is None:
         # the model's arrays and its joined layers' are inputs, read at every call: a trace

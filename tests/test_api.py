@@ -135,6 +135,8 @@ def test_mlx_lm_s_num_draft_tokens_is_draft_block_size_and_logits_processors_are
     assert out == ref and max(stats.depth) == 3  # a chain of 3: mlx-lm's meaning
     with pytest.raises(ValueError, match="not both"):
         next(stream_generate(target, tok, "x", drafter, num_draft_tokens=3, draft_block_size=4))
+    # nothing drafts: ignored, as mlx-lm ignores it without a draft model
+    assert [r.token for r in stream_generate(target, tok, "def parse(", max_tokens=16, num_draft_tokens=3)] == ref
     with pytest.raises(ValueError, match="logits_processors"):
         next(stream_generate(target, tok, "x", drafter, logits_processors=[lambda toks, logits: logits]))
 

@@ -337,8 +337,24 @@ def test_chat_templates_remote_code_and_saved_caches_as_mlx_lm(tmp_path):
     assert _text(cli("--max-tokens", "8", "--verbose", "F", "--save-prompt-cache", str(saved)))
     assert os.path.isdir(load_prompt_cache(str(saved), return_metadata=True)[1]["model"])
     assert mlx_lm_text("--prompt-cache-file", str(saved), "--prompt", "x")
+    # read back here with no --model, it is the demo again: its drafter speculates
+    assert "emitted/verify" in _text(cli("--prompt-cache-file", str(saved), "--prompt", "x", "--max-tokens", "8",
+                                         "--verbose", "T"))
+    # a prefilled response over a saved conversation: the new user message goes in (the part
+    # kept was cut at the prefill, as mlx-lm 0.32.2 still cuts it, and the message was lost)
+    convo = tmp_path / "chat.safetensors"
+    assert _text(cli("--model", chat, "--max-tokens", "4", "--verbose", "F", "--save-prompt-cache", str(convo)))
+
+    def prompt_tokens(text):
+        out = _text(cli("--prompt-cache-file", str(convo), "--prompt", text, "--prefill-response", "def ",
+                        "--max-tokens", "2", "--verbose", "T", "--drafter", "none"))
+        return int(out.split("Prompt: ")[1].split(" tokens")[0])
+
+    assert prompt_tokens("import os and sys and json") > prompt_tokens("x") + 3
     for args, needle in ((["--image", "a.png"], "--image"), (["--shard", "tensor", "--save-prompt-cache",
-                                                            str(saved)], "one process's slice")):
+                                                            str(saved)], "one process's slice"),
+                         (["--prefill-response", "x"], "this tokenizer has none"),
+                         (["--model", chat, "--ignore-chat-template", "--prefill-response", "x"], "drops it")):
         r = cli(*args, "--max-tokens", "4")
         lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr

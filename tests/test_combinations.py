@@ -4,8 +4,8 @@ The other tests pin each option on its own and in the pairs that interact; here 
 combines them (family, weight dtype, drafter kind and shape, prompt length, KV quantization or
 a rotating window, prefill chunks, stop tokens, a second turn over the same prompt cache,
 sampling filters), as a user's call would. Greedy, the tokens are `mlx_lm`'s `generate_step`'s;
-sampled, this library's plain sampled decoding's with the same seed; the prompt caches end
-holding the same. A refusal must be a one-line ValueError.
+sampled, this library's plain sampled decoding's with the same seed; the prompt caches end at
+the same offsets. A refusal must be a one-line ValueError.
 """
 import random
 

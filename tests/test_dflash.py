@@ -440,6 +440,21 @@ def test_compiled_verify_never_runs_stale_weights(targets, folders, monkeypatch)
     assert want != out
     out, _ = speculative(target, OracleDFlash(bound, target, seed=3, budget=12), prompt)
     assert out == want and _compiled_store(target)["trusted_runs"] > trusted
+    # an array set at the model's top since: the forward reads it from the model, so the trace
+    # takes the model itself as its input (a copy of its entries would hold it as a constant)
+    target.bias_hack = mx.array(0.0)
+    out, _ = speculative(target, OracleDFlash(bound, target, seed=3, budget=12), prompt)
+    assert out == want and _compiled_store(target)["own"] is target
+
+
+def test_a_tied_target_s_drafter_bound_again_reuses_its_trace(folders):
+    # a tied target's lm_head is a new bound method of its embedding at each bind: the block's
+    # trace is kept by module (it was traced again at every bind, each trace kept)
+    target = tiny.build(dict(tiny.CONFIGS["qwen3"], tie_word_embeddings=True))
+    model = load_dflash(folders("qwen3"))
+    for _ in range(3):
+        DFlashDrafter(bind_dflash(model, target), topk=1, depth=4)
+    assert len(model.__dict__["_treespec_compiled"]) == 1
 
 
 def test_an_error_inside_the_compiled_verify_is_raised_not_hidden(targets, folders, monkeypatch):

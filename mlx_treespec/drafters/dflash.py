@@ -257,7 +257,8 @@ class DFlashDrafter:
         # one trace per bound drafter, shared by every DFlashDrafter over it (a library call
         # makes a drafter per generation; a trace costs far more than a round)
         compiled = bound.model.__dict__.setdefault("_treespec_compiled", {})
-        key = (id(bound.embed), id(bound.lm_head))
+        # (by module: a tied target's lm_head is a new bound method of its embedding each bind)
+        key = (id(bound.embed), id(getattr(bound.lm_head, "__self__", bound.lm_head)))
         if key not in compiled:
             compiled[key] = self._compile()
         self._forward = compiled[key]

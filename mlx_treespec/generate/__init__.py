@@ -154,8 +154,10 @@ def stream_generate(model, tokenizer, prompt, draft_model=None, *, max_tokens=25
         raise ValueError("logits_processors= would change the target's tokens after its verify: a tree "
                          "cannot stay exact under them; drop them (or decode with mlx_lm.generate)")
     kwargs.pop("logits_processors", None)
-    if "num_draft_tokens" in kwargs:  # (mlx-lm's name for a chain's length)
+    if "num_draft_tokens" in kwargs:  # (mlx-lm's name for a chain's length; ignored, as there, where nothing drafts)
         n = kwargs.pop("num_draft_tokens")
+        if draft_model is None and drafter is None:
+            n = None
         if draft_block_size is not None and n is not None and n != draft_block_size:
             raise ValueError("give num_draft_tokens= or draft_block_size= (the same option), not both")
         draft_block_size = n if draft_block_size is None else draft_block_size
