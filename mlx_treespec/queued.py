@@ -251,17 +251,23 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, c
         if root is not None and not handed:
             land(root, failed)
     if handed:  # the queued round past this one wrote only rows a round may write (dead past `start`)
-        drafter.handed_back(start, everything)
+        try:
+            drafter.handed_back(start, everything)
+        except BaseException:  # (the caches lack the root, the last token delivered: it lands)
+            land(root, True)
+            raise
         return root, n
     return None
 
 
 def _chooser(choose):
-    """(logits, positions) -> the target's token after each row: its argmax (greedy: one
-    kernel, where `choose`'s log-softmax would add two), or `choose`'s draw at the row's
-    position."""
+    """(logits, positions) -> the target's token after each row: the argmax of its
+    log-probabilities in the model's dtype, as mlx-lm's greedy step takes it (the logits'
+    own argmax differs where two logits round to one bfloat16 log-probability: mlx-lm takes
+    the lower id), or `choose`'s draw at the row's position."""
     if choose.greedy:
-        return lambda logits, positions: mx.argmax(logits, axis=-1).astype(mx.uint32)
+        return lambda logits, positions: mx.argmax(
+            logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1).astype(mx.uint32)
     return choose
 
 

@@ -840,3 +840,24 @@ def test_what_was_learned_is_kept_for_the_most_recently_used_models():
     finally:
         LEARNED.clear()
         LEARNED.update(saved)
+
+
+def test_an_error_in_a_hand_back_still_lands_the_last_token(requeuing):
+    # queued rounds hand back to the round loop: where the drafter's hand-back raises (an
+    # interrupt), the prompt cache still holds the prompt and every token delivered (the last
+    # one, never forwarded by a queued round, was missing)
+    target, make = requeuing()
+    d = make()
+
+    def interrupted(start, tokens):
+        raise KeyboardInterrupt("interrupted during the hand-back")
+
+    d.handed_back = interrupted
+    from mlx_lm.models.cache import make_prompt_cache
+
+    prompt, cache, got = repetitive(), make_prompt_cache(target), []
+    with pytest.raises(KeyboardInterrupt):
+        for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=64, prompt_cache=cache):
+            got.append(t)
+    assert got and {c.offset for c in cache} == {len(prompt) + len(got)}
+    assert got == plain(target, prompt, n=len(got))

@@ -447,6 +447,28 @@ def test_compiled_verify_never_runs_stale_weights(targets, folders, monkeypatch)
     assert out == want and _compiled_store(target)["own"] is target
 
 
+def test_queued_greedy_rounds_pick_mlx_lm_s_token_at_bfloat16_ties(folders, monkeypatch):
+    # mlx-lm's greedy step takes the argmax of the log-probabilities in the model's dtype:
+    # where two logits round to one bfloat16 log-probability it takes the lower id. Queued
+    # rounds took the logits' own argmax, and left mlx-lm's text there
+    import mlx_treespec.verify as verify
+    from mlx_treespec.queued import _chooser
+    from mlx_treespec.sampling import make_node_sampler
+
+    row = mx.array([[0.01, 0.0101] + [0.0] * (tiny.VOCAB - 2)], mx.bfloat16)
+    greedy = make_node_sampler(0.0)
+    assert _chooser(greedy)(row, None).tolist() == greedy(row, None).tolist() == [0]
+    monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
+    target = tiny.build(tiny.CONFIGS["qwen3"], scale=0.3)  # small logits: ties in bfloat16
+    target.set_dtype(mx.bfloat16)
+    prompt = list(range(20, 40))
+    stats = RoundStats()
+    out = [t for t, _, _ in tree_generate_step(prompt, target, QueuedOracle(bind_dflash(folders("qwen3"), target),
+                                                                           target, budget=12),
+                                               max_tokens=48, stats=stats)]
+    assert out == plain(target, prompt, n=48) and stats.drafter[0] == "queued"
+
+
 def test_a_tied_target_s_drafter_bound_again_reuses_its_trace(folders):
     # a tied target's lm_head is a new bound method of its embedding at each bind: the block's
     # trace is kept by module (it was traced again at every bind, each trace kept)
