@@ -513,28 +513,18 @@ def _compiled(model, capture, kernel=False, scans=frozenset()):
     store = model.__dict__.get("_treespec_compiled_verify")
     layers = _layers(model)
     if store is None or store["layers"] != layers:  # new layer modules: trace again
-        # the trace's inputs hold the model's own entries (its modules), not the model, and
-        # the forward sees it through a weak proxy: kept on the model, the trace makes no
-        # reference cycle, so a dropped target is freed at once, not when the collector runs
-        # (an 8B target's weights). A model with arrays of its own at the top (the forward
-        # reads them from the model, not from a copy) takes itself: a cycle, as before.
-        own = dict(model)
-        if any(isinstance(v, mx.array) for v in own.values()):
-            own = model.state
-        store = model.__dict__["_treespec_compiled_verify"] = {
-            "fns": {}, "checked": {}, "eager": {}, "eager_wins": {}, "off": None, "calls": 0, "trusted_runs": 0,
-            "layers": layers, "own": own}
-        if in_launch():
-            store["off"] = "a sharded model (mlx.distributed): its collectives run eagerly"
+        store = _new_store(model, layers, {})
     if store["off"] is not None:
         return None, store
     own = store["own"]
-    if own is not model:  # (a module set on the model since, e.g. a quantized lm_head: read now)
+    if own is not model:  # (read every call: a module set on the model since, e.g. a quantized lm_head)
         own.clear()
         own.update(model)
-        if any(isinstance(v, mx.array) for v in own.values()):  # (an array set at the top since)
-            model.__dict__.pop("_treespec_compiled_verify")
-            return _compiled(model, capture, kernel, scans)
+        if any(isinstance(v, mx.array) for v in own.values()):
+            # arrays of the model's own at its top: the forward reads them from the model, not
+            # from a copy, so the trace takes the model itself (a cycle the collector frees)
+            store = _new_store(model, layers, model.state)
+            own = model
     fn = store["fns"].get((capture, kernel, scans))
     if fn is None:
         # the model's arrays and its joined layers' are inputs, read at every call: a trace
@@ -542,6 +532,21 @@ def _compiled(model, capture, kernel=False, scans=frozenset()):
         fn = store["fns"][(capture, kernel, scans)] = mx.compile(
             whole_buffer_forward(weakref.proxy(model), capture, scans, kernel), inputs=[own, joining.arrays(model)])
     return fn, store
+
+
+def _new_store(model, layers, own):
+    """A model's compiled-verify record, kept on it: the traces by (capture, kernel, scans), the
+    shapes checked and which run eagerly, and `own`, the traces' input holding the model's
+    arrays. `own` is a copy of the model's entries (its modules), not the model, and the
+    forward sees the model through a weak proxy: kept on the model, the trace makes no
+    reference cycle, so a dropped target is freed at once, not when the collector runs (an 8B
+    target's weights)."""
+    store = model.__dict__["_treespec_compiled_verify"] = {
+        "fns": {}, "checked": {}, "eager": {}, "eager_wins": {}, "off": None, "calls": 0, "trusted_runs": 0,
+        "layers": layers, "own": own}
+    if in_launch():
+        store["off"] = "a sharded model (mlx.distributed): its collectives run eagerly"
+    return store
 
 
 def compiled_forward(model, capture, n, args, reference, kernel=False, scans=frozenset()):
