@@ -12,7 +12,6 @@ import random
 import numpy as np
 import pytest
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -26,26 +25,17 @@ _PAIRS = {}
 
 def pair(family, variant):
     if (family, variant) not in _PAIRS:
-        cfg = dict(tiny.CONFIGS[family], head_dim=32) if variant == "kv" else tiny.CONFIGS[family]
-        target = tiny.build(cfg)
-        draft = tiny.perturbed(target)
-        if variant == "bf16":
-            target.set_dtype(mx.bfloat16)
-            draft.set_dtype(mx.bfloat16)
-        elif variant == "q4":
-            nn.quantize(target, group_size=32, bits=4)
-            nn.quantize(draft, group_size=32, bits=4)
-        _PAIRS[family, variant] = (target, draft)
+        _PAIRS[family, variant] = tiny.pair(family, variant)
     return _PAIRS[family, variant]
 
 
 def draw(seed):
     r = random.Random(seed)
     family = r.choice(list(tiny.CONFIGS))
-    variant = r.choice(["f32", "f32", "bf16", "q4", "kv"])
+    variant = r.choice(["f32", "f32", "bf16", "q4", "kv8"])
     if variant == "bf16" and ("moe" in family or "next" in family or family == "gemma4"):
         variant = "f32"  # (MLX's CPU gather matmul takes float32 only)
-    if variant == "q4" and family in ("gemma4", "phi3") or variant == "kv" and family in ("gemma3", "gemma4"):
+    if variant == "q4" and family in ("gemma4", "phi3") or variant == "kv8" and family in ("gemma3", "gemma4"):
         variant = "f32"  # (a width 32 does not divide; mlx-lm quantizes no rotating cache)
     kind = r.choice(["chain", "tree", "tree", "lanes", "default", "lookup", "suffix"])
     shape = {}
@@ -62,7 +52,7 @@ def draw(seed):
     elif kind in ("lookup", "suffix") and r.random() < 0.5:
         shape = dict(tree_budget=r.randint(1, 24), tree_depth=r.randint(1, 10))
     options = {}
-    if variant == "kv":
+    if variant == "kv8":
         options.update(kv_bits=r.choice([4, 8]), kv_group_size=32, quantized_kv_start=r.choice([0, 5, 20, 60]))
     elif r.random() < 0.3:
         options["max_kv_size"] = r.choice([16, 24, 40, 64])

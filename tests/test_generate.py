@@ -8,7 +8,6 @@ import copy
 import numpy as np
 import pytest
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -36,21 +35,9 @@ def pairs():
     cache = {}
 
     def get(family, variant="f32"):
-        key = (family, variant)
-        if key not in cache:
-            cfg = dict(tiny.CONFIGS[family])
-            if variant == "kv8":
-                cfg["head_dim"] = 32
-            target = tiny.build(cfg)
-            draft = tiny.perturbed(target)
-            if variant == "bf16":
-                target.set_dtype(mx.bfloat16)
-                draft.set_dtype(mx.bfloat16)
-            elif variant == "q4":
-                nn.quantize(target, group_size=32, bits=4)
-                nn.quantize(draft, group_size=32, bits=4)
-            cache[key] = (target, draft)
-        return cache[key]
+        if (family, variant) not in cache:
+            cache[family, variant] = tiny.pair(family, variant)
+        return cache[family, variant]
 
     return get
 

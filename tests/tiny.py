@@ -124,6 +124,23 @@ def perturbed(model, noise=0.05, seed=1):
     return draft
 
 
+def pair(family, variant="f32"):
+    """(target, perturbed drafter) of a family in a weight variant: f32; bf16; q4 (4-bit weights,
+    groups of 32); kv8 (head_dim 32, a width KV quantization's groups of 32 divide)."""
+    import mlx.nn as nn
+
+    cfg = dict(CONFIGS[family], head_dim=32) if variant == "kv8" else CONFIGS[family]
+    target = build(cfg)
+    draft = perturbed(target)
+    if variant == "bf16":
+        target.set_dtype(mx.bfloat16)
+        draft.set_dtype(mx.bfloat16)
+    elif variant == "q4":
+        nn.quantize(target, group_size=32, bits=4)
+        nn.quantize(draft, group_size=32, bits=4)
+    return target, draft
+
+
 class SiblingDrafter:
     """Test drafter for targets of any kind: a draft model's greedy chain plus, at every depth,
     the runner-up tokens as sibling leaves. It decodes plainly from a copy of its cache each
