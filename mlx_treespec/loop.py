@@ -191,9 +191,10 @@ def _quantizer(kv_bits, kv_group_size, quantized_kv_start):
     return quantize
 
 
-def _forward(model, caches, tokens, quantize, capture=()):
-    """A plain forward that lands whole or not at all: a failure puts the caches back."""
-    saved = snapshot(caches)
+def _forward(model, caches, tokens, quantize, capture=(), saved=None):
+    """A plain forward that lands whole or not at all: a failure puts the caches back (to
+    `saved`, where the caller took the snapshot: it may undo the forward later)."""
+    saved = snapshot(caches) if saved is None else saved
     try:
         with capturing(model, capture) as cap:
             logits = model(tokens[None], cache=caches)
@@ -423,6 +424,8 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
             steps = rows_are_steps(model)
             for part in ([tokens] if steps else [tokens[i: i + 1] for i in range(tokens.shape[0])]):
                 _forward(model, caches, part, quantize)  # (one at a time where rows are not steps)
+        if settle and _may_settle(failed):
+            quantize(caches)  # (a round cut short commits without it: mlx-lm's cache is quantized here)
             mx.eval([c.state for c in caches])
 
     failed = False  # an error (not the consumer's stop) unwinds the generation
@@ -470,7 +473,7 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
                 ts = time.perf_counter()
                 mx.eval(draft.arrays(), chosen)
                 tw = time.perf_counter()
-                tree, path, emitted = _walk(draft, chosen, room, stop_tokens)                     # walk
+                tree, path, emitted, drafted = _walk(draft, chosen, room, stop_tokens)            # walk
                 accepted = len(path) - 1
                 logprobs = logits[cached_array(path.astype(np.int32))]
                 logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
@@ -481,7 +484,7 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
             try:
                 for i, t in enumerate(emitted):
                     delivered = i + 1
-                    yield t, logprobs[i], i < accepted
+                    yield t, logprobs[i], i < drafted
                 held, root = rnd.commit(path, draft.tokens, rerun=rerun), emitted[-1]               # commit
             except BaseException:  # the consumer stopped after `delivered` tokens, or the commit raised
                 held, root = _land_delivered(rnd, path, draft.tokens, emitted, delivered, accepted, held, root)
@@ -523,18 +526,22 @@ def _stretch(model, caches, held, root, count, choose, quantize, capture, stats,
     what a drafter reading the target missed), the held tokens' rows left out (the drafter had
     them from the round that accepted them). `watch(token)` True ends the stretch at the next
     token (its forward is queued already; the one after is not). Each token is a round of
-    `stats`, drafted by `label`."""
+    `stats`, drafted by `label`. An error (not the consumer's stop) puts the caches back to
+    where the tokens delivered end: the next token's forward, queued before this token was
+    read, is undone, and before the first token the lead's too (the caller still holds it
+    pending)."""
     lead = mx.array([root], mx.uint32)
     p = 0 if held is None else held.shape[0]
     lead = lead if held is None else mx.concatenate([held, lead])
     position = committed_offset(caches) + p  # the root's
 
-    def step(tokens, position):
-        logits, hidden = _forward(model, caches, tokens, quantize, capture)
+    def step(tokens, position, saved):
+        logits, hidden = _forward(model, caches, tokens, quantize, capture, saved)
         logits = logits[0, -1:]
         return choose(logits, None if choose.greedy else mx.array([position], mx.int32)), logits, hidden
 
-    y, logits, hidden = step(lead, position)
+    undo = snapshot(caches)  # the caches as the delivered tokens leave them (the lead pending)
+    y, logits, hidden = step(lead, position, undo)
     rows = [hidden[p:]] if hidden is not None else []
     mx.async_eval(y)
     tokens = []
@@ -543,19 +550,25 @@ def _stretch(model, caches, held, root, count, choose, quantize, capture, stats,
     while i + 1 < count:
         i += 1
         last = i == count - 1
-        if not last:  # queue the next forward before reading this token
-            nxt = step(y, position + i + 1)
-            mx.async_eval(nxt[0])
-        ts = time.perf_counter()
-        token = y.item()
-        toc = time.perf_counter()
-        stats.record(accepted=0, emitted=1, nodes=1, depth=0, held=0, budget=0, requested_depth=0,
-                     draft_ms=0.0, verify_ms=1e3 * (toc - tic), round_ms=1e3 * (toc - tic),
-                     sync_ms=1e3 * (toc - ts), walk_ms=0.0, drafter=label)
-        tic = toc
+        if i:  # the caches hold the lead and every token delivered: an error puts them back here
+            undo = snapshot(caches)
+        try:
+            if not last:  # queue the next forward before reading this token
+                nxt = step(y, position + i + 1, undo)
+                mx.async_eval(nxt[0])
+            ts = time.perf_counter()
+            token = y.item()
+            toc = time.perf_counter()
+            stats.record(accepted=0, emitted=1, nodes=1, depth=0, held=0, budget=0, requested_depth=0,
+                         draft_ms=0.0, verify_ms=1e3 * (toc - tic), round_ms=1e3 * (toc - tic),
+                         sync_ms=1e3 * (toc - ts), walk_ms=0.0, drafter=label)
+            tic = toc
+            if not last and watch is not None and watch(token):
+                count = i + 2
+        except BaseException:  # this token is not delivered: its queued successor's forward goes
+            restore(caches, undo)
+            raise
         tokens.append(token)
-        if not last and watch is not None and watch(token):
-            count = i + 2
         yield token, logits[0] - mx.logsumexp(logits[0], keepdims=True), (token if last else None)
         if not last:
             y, logits, hidden = nxt
@@ -565,14 +578,15 @@ def _stretch(model, caches, held, root, count, choose, quantize, capture, stats,
 
 
 def _walk(draft, chosen, room, stop_tokens):
-    """The walk over the fetched draft: (tree, accepted path, emitted tokens), the emission cut
-    at the tokens left and after the first stop token (the path with it: commits keep what was
-    emitted)."""
+    """The walk over the fetched draft: (tree, accepted path, emitted tokens, how many of them
+    are accepted drafts), the emission cut at the tokens left and after the first stop token
+    (the path with it: commits keep what was emitted; a cut token may be a draft the target
+    accepted, and mlx-lm flags it drafted)."""
     tree = DraftTree(np.array(draft.tokens).astype(np.int64), draft.layout.host_parents())
     path, emitted = greedy_walk(tree, np.array(chosen).astype(np.int64),
                                 max_emit=None if room == float("inf") else int(room))
     emitted = cut_at_stop([int(t) for t in emitted], stop_tokens)
-    return tree, path[: len(emitted)], emitted
+    return tree, path[: len(emitted)], emitted, min(len(emitted), len(path) - 1)
 
 
 def _may_settle(failed):

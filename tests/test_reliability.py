@@ -86,6 +86,7 @@ def check_cache_holds(target, cache, prompt, delivered, opts, follow=(3, 5, 7)):
     assert offsets == {len(prompt) + len(delivered)}, (offsets, len(prompt) + len(delivered))
     ref_cache = mlx_cache_after(target, prompt, delivered, opts)
     for i, (c, r) in enumerate(zip(cache, ref_cache)):
+        assert type(c) is type(r), f"layer {i}: {type(c).__name__}, mlx-lm's {type(r).__name__}"  # quantized when mlx-lm's is
         if cache_kind(c) == "arrays":
             assert all(mx.array_equal(a, b).item() for a, b in zip(c.cache, r.cache)), f"layer {i}'s state"
     ours = [t for t, _ in generate_step(mx.array(list(follow)), target, max_tokens=12, prompt_cache=cache,
@@ -155,11 +156,24 @@ def layer_list(target):
     return getattr(target, "language_model", target).model.layers
 
 
-STAGES = ["prefill", "draft", "drafter_commit", "forward", "interrupt", "walk", "commit"]
+STAGES = ["prefill", "draft", "drafter_commit", "forward", "interrupt", "walk", "commit", "record", "first_record"]
+
+
+class RaisingStats(RoundStats):
+    """Stats whose n-th record raises: in a plain stretch that is after the next token's forward
+    was queued and before this token is delivered (the caches then hold one token not delivered)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.maybe = _raise_on(n, KeyboardInterrupt)
+
+    def record(self, **kw):
+        self.maybe()
+        super().record(**kw)
 
 
 @pytest.mark.parametrize("case,stage", [(c, s) for c in CASES for s in STAGES
-                                        if c != "plain" or s in ("forward", "interrupt")])
+                                        if c != "plain" or s in ("forward", "interrupt", "record", "first_record")])
 def test_a_round_that_raises_lands_nowhere(models, monkeypatch, case, stage):
     name, opts, make = CASES[case]
     FIRED.clear()
@@ -189,9 +203,10 @@ def test_a_round_that_raises_lands_nowhere(models, monkeypatch, case, stage):
         for name in ("commit_appended", "commit_rotating"):
             real = getattr(verify, name)
             monkeypatch.setattr(verify, name, lambda *a, real=real: (real(*a), maybe())[0])
+    stats = RaisingStats({"record": 3, "first_record": 1}[stage]) if "record" in stage else None
     got = []
     try:
-        steps = tree_generate_step(prompt, target, drafter, max_tokens=N, prompt_cache=cache, **opts)
+        steps = tree_generate_step(prompt, target, drafter, max_tokens=N, prompt_cache=cache, stats=stats, **opts)
         for t, _, _ in steps:
             got.append(t)
             if boom is not None:
@@ -411,3 +426,35 @@ def test_under_a_launch_an_error_leaves_the_pending_tokens_out(models, monkeypat
     assert offset == len(prompt) + n
     offset, n = run(40, fail=True)  # the drafter failed in its third round
     assert n > 0 and offset < len(prompt) + n
+
+
+def test_an_accepted_draft_cut_by_a_stop_token_is_flagged_drafted(models):
+    """A target that drafts for itself: every drafted token is accepted, and mlx-lm flags each
+    from_draft, the stop token that ends the emission inside the accepted path too."""
+    target, _ = models("qwen3")
+    prompt = repetitive(seed=2)
+    ref = [t for t, _ in generate_step(mx.array(prompt), target, max_tokens=3)]
+    assert ref[2] not in ref[:2]  # (the stop is the third token)
+    out = list(tree_generate_step(prompt, target, tiny.SiblingDrafter(target, depth=5, width=1), max_tokens=N,
+                                  stop_tokens=[ref[2]]))
+    assert [t for t, _, _ in out] == ref
+    assert [d for _, _, d in out] == [True, True, True]
+
+
+@pytest.mark.parametrize("start", [20, 22])
+def test_a_stream_stopped_at_the_quantization_boundary_leaves_a_quantized_cache(models, start):
+    """A round cut short by the consumer commits its delivered tokens without the round's
+    quantize; the cache is still mlx-lm's, quantized from `quantized_kv_start` on."""
+    name, opts, make = CASES["quantized"]
+    opts = dict(opts, quantized_kv_start=start)
+    target, draft = models(name)
+    prompt = repetitive()
+    cache = make_prompt_cache(target)
+    steps = tree_generate_step(prompt, target, make(draft), max_tokens=N, prompt_cache=cache, **opts)
+    got = []
+    for t, _, _ in steps:
+        got.append(t)
+        if len(prompt) + len(got) == start:
+            break
+    steps.close()
+    check_cache_holds(target, cache, prompt, got, opts)
