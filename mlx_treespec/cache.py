@@ -46,25 +46,31 @@ def cache_kind(cache):
 
 
 def snapshot(caches):
-    """What `restore` needs to put `caches` back: each cache's attributes by reference.
+    """What `restore` needs to put `caches` back: the list's cache objects and each one's
+    attributes by reference, `(objects, attributes)`.
 
     mx arrays are values, so a reference is a snapshot, with two exceptions that need none: a
     write in place past a cache's offset (append caches: dead rows), and a one-token write in
     place into a rotating buffer's next slot, the slot plain decoding overwrites next (no query
     at a later position sees what it held). Writes inside the live part of a buffer go to a
-    fresh buffer first (`commit_rotating`)."""
-    out = []
+    fresh buffer first (`commit_rotating`). The objects are kept because mlx-lm's quantize
+    replaces a list entry (`to_quantized`) rather than changing it."""
+    attributes = []
     for c in caches:
         attrs = dict(vars(c))
         if isinstance(attrs.get("cache"), list):  # ArraysCache: entries are replaced, not the list
             attrs["cache"] = list(attrs["cache"])
-        out.append(attrs)
-    return out
+        attributes.append(attrs)
+    return list(caches), attributes
 
 
 def restore(caches, saved):
-    """Put caches back as `snapshot` found them (every layer at one offset again)."""
-    for c, attrs in zip(caches, saved):
+    """Put caches back as `snapshot` found them (every layer at one offset again): the list's
+    entries too, where a quantize replaced one."""
+    objects, attributes = saved
+    for i, (c, attrs) in enumerate(zip(objects, attributes)):
+        if caches[i] is not c:
+            caches[i] = c
         vars(c).clear()
         vars(c).update(attrs)
         if isinstance(attrs.get("cache"), list):

@@ -294,10 +294,13 @@ def tree_generate_step(
     stop_tokens = check_stop_tokens(stop_tokens, vocab)
     if not 0 <= seed < 1 << 32:
         raise ValueError(f"seed must be in 0..{(1 << 32) - 1}, got {seed}")
-    for name, value in (("temp", temp), ("top_p", top_p), ("min_p", min_p)):
+    for name, value, high in (("temp", temp, np.inf), ("top_p", top_p, 1), ("min_p", min_p, 1),
+                              ("xtc_probability", xtc_probability, 1), ("xtc_threshold", xtc_threshold, 0.5)):
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
-                or not np.isfinite(value) or value < 0 or (name != "temp" and value > 1):
-            raise ValueError(f"{name} must be a number in 0..{'inf' if name == 'temp' else 1}, got {value!r}")
+                or not np.isfinite(value) or value < 0 or value > high:
+            raise ValueError(f"{name} must be a number in 0..{'inf' if high == np.inf else high}, got {value!r}")
+    xtc_special_tokens = sorted(check_token_ids(() if xtc_special_tokens is None else xtc_special_tokens,
+                                                "xtc_special_tokens", vocab))
     if vocab is not None and (top_k >= vocab or min_tokens_to_keep > vocab):  # (None: a config without it)
         raise ValueError(f"top_k must be below and min_tokens_to_keep at most the vocabulary ({vocab}), "
                          f"got {top_k} and {min_tokens_to_keep}")
@@ -375,13 +378,18 @@ def tree_generate_step(
 
 def check_stop_tokens(stop_tokens, vocab=None):
     """The set of stop token ids (each below `vocab` where it is known)."""
-    if isinstance(stop_tokens, (int, np.integer)) or not hasattr(stop_tokens, "__iter__"):
-        raise ValueError(f"stop_tokens must be a collection of token ids, got {stop_tokens!r}: "
-                         "pass e.g. stop_tokens=[eos_id]")
-    stop_tokens = {check_int(t, "stop_tokens entry", 0) for t in stop_tokens}
-    if vocab is not None and any(t >= vocab for t in stop_tokens):
-        raise ValueError(f"stop token {max(stop_tokens)} is not a token id (the vocabulary has {vocab})")
-    return stop_tokens
+    return check_token_ids(stop_tokens, "stop_tokens", vocab)
+
+
+def check_token_ids(ids, name, vocab=None):
+    """The set of token ids `ids` (a collection of ints, each below `vocab` where it is known:
+    an id past it would index outside a logits row)."""
+    if isinstance(ids, (int, np.integer, str)) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"{name} must be a collection of token ids, got {ids!r}: pass e.g. {name}=[eos_id]")
+    ids = {check_int(t, f"{name} entry", 0) for t in ids}
+    if vocab is not None and any(t >= vocab for t in ids):
+        raise ValueError(f"{name} entry {max(ids)} is not a token id (the vocabulary has {vocab})")
+    return ids
 
 
 def check_cache_matches(model, prompt_cache):
@@ -496,7 +504,7 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
                 drafter.commit(draft, path, emitted)
             n += len(emitted)
             t2 = time.perf_counter()
-            stats.record(accepted=accepted, emitted=len(emitted), nodes=draft.size,
+            stats.record(accepted=drafted, emitted=len(emitted), nodes=draft.size,
                          depth=int(tree.max_depth), held=0 if held is None else int(held.shape[0]),
                          budget=draft.budget, requested_depth=draft.depth, draft_ms=1e3 * (t1 - t0),
                          verify_ms=1e3 * (t2 - t1), round_ms=1e3 * (t2 - t0), sync_ms=1e3 * (tw - ts),
@@ -601,14 +609,18 @@ def _land_delivered(rnd, path, tokens, emitted, delivered, accepted, held, root)
     """A round cut short after `delivered` of its tokens: keep what the target verified of them
     (the root and up to `delivered` accepted nodes); returns (held, root), the delivered tokens
     still to forward. If even that commit fails, the round's caches are as before it and every
-    delivered token is pending."""
+    delivered token is pending. A round whose own commit failed was put back already, and rows
+    it wrote in place may be gone: it is not committed again."""
     keep = min(delivered, accepted)
-    try:
-        rnd.commit(path[: keep + 1], tokens, rerun=False)
-    except BaseException:
-        lead = mx.array([root] + emitted[: delivered - 1], mx.uint32)
-        return (lead if held is None else mx.concatenate([held, lead])), emitted[delivered - 1]
-    return None, (emitted[accepted] if delivered > accepted else None)
+    if not rnd.aborted:
+        try:
+            rnd.commit(path[: keep + 1], tokens, rerun=False)
+            return None, (emitted[accepted] if delivered > accepted else None)
+        except BaseException:
+            pass
+    rnd.abort()  # every layer as the round found it, whatever failed
+    lead = mx.array([root] + emitted[: delivered - 1], mx.uint32)
+    return (lead if held is None else mx.concatenate([held, lead])), emitted[delivered - 1]
 
 
 def _plain_decode(model, caches, root, max_tokens, choose, quantize, stop_tokens, stats, settle):

@@ -199,7 +199,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, c
             toc = time.perf_counter()
             emitted = cut_at_stop(emitted if max_tokens < 0 else emitted[: max_tokens - n], stop_tokens)
             nodes, depth, budget = shape
-            stats.record(accepted=accepted, emitted=len(emitted), nodes=nodes, depth=depth, held=0,
+            stats.record(accepted=min(accepted, len(emitted)), emitted=len(emitted), nodes=nodes, depth=depth, held=0,
                          budget=budget, requested_depth=depth, draft_ms=0.0,
                          verify_ms=1e3 * (toc - tic), round_ms=1e3 * (toc - tic),
                          sync_ms=1e3 * (toc - ts), walk_ms=0.0, draft_forwards=getattr(drafting, "forwards", 1),

@@ -745,6 +745,7 @@ class TreeRound:
         self.hidden = None  # [n, len(capture) * H]: the last forward's captured layer outputs
         self.caches = caches
         self._before = snapshot(caches)  # what abort() restores
+        self.aborted = False  # put back: rows a commit wrote in place are dead, not to be read again
         self.kinds = [cache_kind(c) for c in caches]
         unknown = sorted({type(c).__name__ for c, k in zip(caches, self.kinds) if k not in _STAND_INS})
         if unknown:
@@ -858,6 +859,7 @@ class TreeRound:
 
     def abort(self):
         """Put every cache back as this round found it (a round that raised lands nowhere)."""
+        self.aborted = True
         restore(self.caches, self._before)
 
     def forward(self, tokens, parents):
@@ -1014,7 +1016,7 @@ class TreeRound:
             c.offset = offset + tokens.shape[0]
             # abort puts back the offset; rows before it are the same in the new buffers, and the
             # old ones are left to the graph alone
-            self._before[i]["keys"], self._before[i]["values"] = c.keys, c.values
+            self._before[1][i]["keys"], self._before[1][i]["values"] = c.keys, c.values
         self.hidden = hidden
         return out
 
@@ -1088,18 +1090,18 @@ class TreeRound:
         round found: a commit lands whole or not at all."""
         keep = np.asarray(keep, np.int64)
         writes = []
-        for i, (cache, kind) in enumerate(zip(self.caches, self.kinds)):
-            if kind == "append":
-                writes.append(lambda cache=cache: commit_appended(cache, self.base, keep))
-            elif self.stand_ins is not None:  # nothing was written before commit
-                stand_in = self.stand_ins[i]
-                if kind == "arrays" and stand_in.payload is not None:
-                    from .gdn import gdn_layer_commit
-
-                    writes.append(gdn_layer_commit(stand_in.layer, cache, stand_in.payload, keep, apply=False))
-                elif kind == "rotating" and stand_in.keys is not None:
-                    writes.append(lambda cache=cache, s=stand_in: commit_rotating(cache, s.keys, s.values, keep))
         try:
+            for i, (cache, kind) in enumerate(zip(self.caches, self.kinds)):
+                if kind == "append":
+                    writes.append(lambda cache=cache: commit_appended(cache, self.base, keep))
+                elif self.stand_ins is not None:  # nothing was written before commit
+                    stand_in = self.stand_ins[i]
+                    if kind == "arrays" and stand_in.payload is not None:
+                        from .gdn import gdn_layer_commit
+
+                        writes.append(gdn_layer_commit(stand_in.layer, cache, stand_in.payload, keep, apply=False))
+                    elif kind == "rotating" and stand_in.keys is not None:
+                        writes.append(lambda cache=cache, s=stand_in: commit_rotating(cache, s.keys, s.values, keep))
             for write in writes:
                 write()
         except BaseException:

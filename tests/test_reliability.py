@@ -318,6 +318,11 @@ def test_bad_prompts_are_one_line_errors(models, prompt, needle):
 @pytest.mark.parametrize("kw,needle", [
     (dict(max_tokens=10.5), "max_tokens"), (dict(max_tokens=-2), "max_tokens"), (dict(max_tokens=True), "max_tokens"),
     (dict(stop_tokens=5), "stop_tokens"), (dict(top_k="3"), "top_k"), (dict(seed=1.0), "seed"),
+    # (an id past the vocabulary was written past a logits row: the process crashed)
+    (dict(temp=1.0, xtc_probability=0.5, xtc_special_tokens=[1000]), "xtc_special_tokens entry 1000"),
+    (dict(temp=1.0, xtc_probability=0.5, xtc_special_tokens=[-1]), "xtc_special_tokens"),
+    (dict(xtc_special_tokens=7), "xtc_special_tokens"), (dict(xtc_probability="0.5"), "xtc_probability"),
+    (dict(xtc_threshold=0.7), "xtc_threshold"),
 ])
 def test_options_of_the_wrong_type(models, kw, needle):
     target, _ = models("qwen3")
@@ -439,6 +444,10 @@ def test_an_accepted_draft_cut_by_a_stop_token_is_flagged_drafted(models):
                                   stop_tokens=[ref[2]]))
     assert [t for t, _, _ in out] == ref
     assert [d for _, _, d in out] == [True, True, True]
+    stats = RoundStats()  # the round's stats count what the flags count
+    list(tree_generate_step(prompt, target, tiny.SiblingDrafter(target, depth=5, width=1), max_tokens=N,
+                            stop_tokens=[ref[2]], stats=stats))
+    assert stats.accepted == [3] and stats.emitted == [3]
 
 
 @pytest.mark.parametrize("start", [20, 22])
@@ -457,4 +466,77 @@ def test_a_stream_stopped_at_the_quantization_boundary_leaves_a_quantized_cache(
         if len(prompt) + len(got) == start:
             break
     steps.close()
+    check_cache_holds(target, cache, prompt, got, opts)
+
+
+def test_an_error_after_a_queued_forward_crossed_the_quantization_start_restores_the_plain_caches(models):
+    """The queued forward of a plain stretch that reaches `quantized_kv_start` quantizes: mlx-lm's
+    `to_quantized` replaces the list's entries. An error before that token is delivered puts the
+    plain caches back in the list (their attributes were written into the new objects)."""
+    target, _ = models("qwen3-kv32")
+    prompt, n = list(range(1, 11)), 4  # the 4th token's record raises; its forward reached the start
+    opts = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=len(prompt) + n)
+    cache = make_prompt_cache(target)
+    got = []
+    with pytest.raises(KeyboardInterrupt):
+        for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=20, prompt_cache=cache,
+                                          stats=RaisingStats(n), **opts):
+            got.append(t)
+    assert len(got) == n - 1
+    check_cache_holds(target, cache, prompt, got, opts)
+
+
+@pytest.mark.parametrize("where", ["buffer_grew", "rows_moved", "recurrent_prepare"])
+def test_a_commit_that_fails_is_put_back_and_not_committed_again(models, monkeypatch, where):
+    """A commit that raises puts the round back (`TreeRound.abort`), and the rows it wrote in
+    place may be gone: the round is not committed a second time from them; every delivered
+    token is pending and lands at the end. Three ways a second commit read what was gone: the
+    verify grew the buffer (the old one came back), a moved path's gather ran in place
+    (kv_bits), a recurrent layer's commit failed while being prepared (nothing was put back)."""
+    import mlx_treespec.gdn as gdn
+
+    name = {"buffer_grew": "qwen3", "rows_moved": "qwen3-kv32", "recurrent_prepare": "qwen3_5"}[where]
+    target, draft = models(name)
+    opts, fired = {}, []
+    if where == "buffer_grew":  # a 250-token prompt: the round that crosses 256 rows grew the buffer
+        prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 250).tolist()
+        drafter = make_drafter(draft, draft_block_size=4)
+        real = verify.commit_appended
+
+        def commit(cache, base, keep):
+            real(cache, base, keep)
+            if base <= 256 < base + len(keep) and not fired:
+                fired.append(base)
+                raise KeyboardInterrupt("injected")
+        monkeypatch.setattr(verify, "commit_appended", commit)
+    elif where == "rows_moved":  # (kv_bits: the path's rows are gathered into place, not re-run)
+        prompt, drafter = repetitive(seed=1), tiny.SiblingDrafter(draft, depth=4)
+        opts = dict(kv_bits=8, kv_group_size=32, quantized_kv_start=1000)
+        real = verify.commit_appended
+
+        def commit(cache, base, keep):
+            real(cache, base, keep)
+            k = np.asarray(keep)
+            moved = np.flatnonzero(k != np.arange(len(k)))
+            if not fired and len(moved) >= 2 and k[moved[0]] < len(k):  # a move reads a row another writes
+                fired.append(k.tolist())
+                raise KeyboardInterrupt("injected")
+        monkeypatch.setattr(verify, "commit_appended", commit)
+    else:
+        prompt, drafter = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist(), tiny.SiblingDrafter(draft, depth=3)
+        real = gdn.gdn_layer_commit
+
+        def commit(*a, **kw):
+            fired.append(1)
+            if len(fired) > 4:  # from the third round on every preparation fails
+                raise Fault("injected")
+            return real(*a, **kw)
+        monkeypatch.setattr(gdn, "gdn_layer_commit", commit)
+    cache = make_prompt_cache(target)
+    got = []
+    with pytest.raises((KeyboardInterrupt, Fault)):
+        for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=40, prompt_cache=cache, **opts):
+            got.append(t)
+    monkeypatch.undo()
+    assert fired
     check_cache_holds(target, cache, prompt, got, opts)
