@@ -309,6 +309,14 @@ def tree_generate_step(
     prompt = check_prompt(prompt, vocab)
     if kv_bits is not None and max_kv_size is not None:
         raise ValueError("kv_bits and max_kv_size cannot be combined (mlx-lm cannot quantize a rotating cache)")
+    if kv_bits is not None:
+        caches = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+        if any(cache_kind(c) == "rotating" for c in caches):  # (mlx-lm fails at its first quantize)
+            raise ValueError("kv_bits cannot quantize this model's sliding-window (rotating) cache layers: "
+                             "drop kv_bits")
+        if not isinstance(caches, list):  # (quantizing replaces the list's entries)
+            raise ValueError(f"kv_bits quantizes the prompt_cache in place: pass it as a list, not a "
+                             f"{type(caches).__name__}")
     if in_launch():  # every process must decode this request alike, before any collective (launch.py)
         request = json.dumps([prompt, max_tokens, temp, top_p, min_p, top_k, min_tokens_to_keep, seed,
                               xtc_probability, xtc_threshold, list(xtc_special_tokens), max_kv_size, kv_bits,

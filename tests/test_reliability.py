@@ -540,3 +540,14 @@ def test_a_commit_that_fails_is_put_back_and_not_committed_again(models, monkeyp
     monkeypatch.undo()
     assert fired
     check_cache_holds(target, cache, prompt, got, opts)
+
+
+def test_kv_bits_over_caches_it_cannot_quantize_is_a_one_line_error(models):
+    """mlx-lm fails at its first quantize (a rotating layer's to_quantized, a tuple's item
+    assignment), after tokens were delivered; here the request is refused before anything runs."""
+    gemma = tiny.build(tiny.CONFIGS["gemma3"])  # (sliding-window layers: rotating caches)
+    with pytest.raises(ValueError, match="drop kv_bits"):
+        next(tree_generate_step([1, 2, 3], gemma, None, kv_bits=8))
+    target, _ = models("qwen3-kv32")
+    with pytest.raises(ValueError, match="as a list"):
+        next(tree_generate_step([1, 2, 3], target, None, kv_bits=8, prompt_cache=tuple(make_prompt_cache(target))))
