@@ -68,12 +68,47 @@ def _load(path, adapter_path=None, tokenizer_config=None, shard=None, trust_remo
     try:
         return load(path, adapter_path=adapter_path, tokenizer_config=tokenizer_config or {},
                     model_config=model_config or {}, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        if os.path.isdir(path):
-            raise
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if os.path.isdir(path):  # mlx-lm's own errors run to a line per weight, or are a bare KeyError
+            if "parameters not in model" in first:
+                kind = _folder_kind(path)
+                what = {"dflash": "a DFlash drafter", "eagle3": "an EAGLE-3 head"}.get(kind)
+                fix = f"pass it as --drafter {kind} --draft-model {path}" if kind else \
+                    "pass an mlx-lm model folder (mlx_lm.convert writes one)"
+                raise ValueError(f"{path} is {what or 'not an mlx-lm model'} ({first.rstrip(': ')} of "
+                                 f"{_config(path).get('model_type', '?')}): {fix}") from None
+            if isinstance(e, KeyError):
+                raise ValueError(f"{path}/config.json lacks {first}: pass an mlx-lm model folder "
+                                 "(mlx_lm.convert writes one)") from None
+            if isinstance(e, RuntimeError):
+                raise ValueError(f"{path}: {first}: download or convert the model again") from None
+            raise
+        if isinstance(e, (KeyError, RuntimeError)):
+            raise
         raise FileNotFoundError(f"cannot load {path!r} from the Hugging Face Hub ({first}): download it "
                                 "first (huggingface-cli download) and pass the local folder") from None
+
+
+def _config(path):
+    import json
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _folder_kind(path):
+    """'dflash' or 'eagle3' where a folder holds that drafter (by its config), else None."""
+    config = _config(path)
+    if "dflash_config" in config or any("DFlash" in a for a in config.get("architectures", ())):
+        return "dflash"
+    if any("eagle" in str(a).lower() for a in config.get("architectures", ())) or "eagle_config" in config \
+            or "draft_vocab_size" in config:
+        return "eagle3"
+    return None
 
 
 def _sharded(path, adapter_path, tokenizer_config, shard, trust_remote_code=False):
@@ -185,8 +220,10 @@ def setup_arg_parser():
                                      "eagle3), sampled: {}".format(_shape_flags(DEFAULT_TREE), "; ".join(
                                          "from --temp {:g}, {}".format(temp, _shape_flags(shape))
                                          for temp, shape in SAMPLED_TREES)))
-    t.add_argument("--draft-block-size", "--num-draft-tokens", dest="draft_block_size", type=int, default=None,
-                   help="draft a chain of this many tokens (--num-draft-tokens: mlx-lm's name)")
+    t.add_argument("--draft-block-size", dest="draft_block_size", type=int, default=None,
+                   help="draft a chain of this many tokens")
+    t.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="mlx-lm's name for --draft-block-size (ignored, as there, where nothing drafts)")
     t.add_argument("--tree-topk", type=int, default=None,
                    help="EAGLE-2: children per expanded node, and lanes per step (1, the default "
                         "when other tree flags are given: a chain)")
@@ -215,7 +252,12 @@ def setup_arg_parser():
 
 def _draft_options(args):
     """The draft shape flags, as DraftSpec.from_options and make_drafter take them."""
-    return dict(draft_block_size=args.draft_block_size, tree_topk=args.tree_topk, tree_depth=args.tree_depth,
+    block = args.draft_block_size
+    if args.num_draft_tokens is not None and (args.draft_model is not None or args.drafter not in (None, "none")):
+        if block is not None and block != args.num_draft_tokens:
+            raise ValueError("give --num-draft-tokens or --draft-block-size (the same option), not both")
+        block = args.num_draft_tokens
+    return dict(draft_block_size=block, tree_topk=args.tree_topk, tree_depth=args.tree_depth,
                 tree_budget=args.tree_budget, tree_lanes=args.tree_lanes,
                 draft_lookup=args.draft_lookup,
                 draft_lookup_trust=args.draft_lookup_trust, draft_vocab=args.draft_vocab)
@@ -419,8 +461,9 @@ def _read_prompt_cache(args):
     except (ValueError, RuntimeError, KeyError, TypeError) as e:
         raise ValueError(f"--prompt-cache-file {args.prompt_cache_file} is not a prompt cache ({e}): make one "
                          "with mlx_lm.cache_prompt or --save-prompt-cache") from None
-    if isinstance(cache[0], QuantizedKVCache) and (
-            (args.kv_bits is not None and args.kv_bits != cache[0].bits) or args.kv_group_size != cache[0].group_size):
+    quantized = next((c for c in cache if isinstance(c, QuantizedKVCache)), None)  # (a hybrid's first is recurrent)
+    if quantized is not None and (
+            (args.kv_bits is not None and args.kv_bits != quantized.bits) or args.kv_group_size != quantized.group_size):
         raise ValueError("--kv-bits / --kv-group-size differ from the quantized cache in --prompt-cache-file: "
                          "drop them or pass the cache's")
     if "model" not in metadata:
@@ -475,3 +518,7 @@ def main(argv=None):
               "or lost its connection: read every process's output; mlx.launch exits 0 whatever its "
               "processes do)", file=sys.stderr)
         sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -498,26 +498,30 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
                 raise
             delivered = 0
             try:
-                for i, t in enumerate(emitted):
-                    delivered = i + 1
-                    yield t, logprobs[i], i < drafted
-                held, root = rnd.commit(path, draft.tokens, rerun=rerun), emitted[-1]               # commit
-            except BaseException:  # the consumer stopped after `delivered` tokens, or the commit raised
-                held, root = _land_delivered(rnd, path, draft.tokens, emitted, delivered, accepted, held, root)
-                raise
-            quantize(caches)
-            if capture:
-                drafter.commit(draft, path, emitted, rnd.hidden[cached_array(path.astype(np.int32))])
-            else:
-                drafter.commit(draft, path, emitted)
-            n += len(emitted)
-            t2 = time.perf_counter()
-            stats.record(accepted=drafted, emitted=len(emitted), nodes=draft.size,
-                         depth=int(tree.max_depth), held=0 if held is None else int(held.shape[0]),
-                         budget=draft.budget, requested_depth=draft.depth, draft_ms=1e3 * (t1 - t0),
-                         verify_ms=1e3 * (t2 - t1), round_ms=1e3 * (t2 - t0), sync_ms=1e3 * (tw - ts),
-                         walk_ms=1e3 * (t2 - tw), draft_forwards=draft.forwards,
-                         drafter=draft.source)
+                try:
+                    for i, t in enumerate(emitted):
+                        delivered = i + 1
+                        yield t, logprobs[i], i < drafted
+                    held, root = rnd.commit(path, draft.tokens, rerun=rerun), emitted[-1]           # commit
+                except BaseException:  # the consumer stopped after `delivered` tokens, or the commit raised
+                    held, root = _land_delivered(rnd, path, draft.tokens, emitted, delivered, accepted, held, root)
+                    raise
+                quantize(caches)
+                if capture:
+                    drafter.commit(draft, path, emitted, rnd.hidden[cached_array(path.astype(np.int32))])
+                else:
+                    drafter.commit(draft, path, emitted)
+                n += len(emitted)
+            finally:  # the tokens delivered count, in a round the consumer cut short too (stream_generate
+                # stops at its last token: the generation's last round ends that way)
+                t2 = time.perf_counter()
+                if delivered:
+                    stats.record(accepted=min(drafted, delivered), emitted=delivered, nodes=draft.size,
+                                 depth=int(tree.max_depth), held=0 if held is None else int(held.shape[0]),
+                                 budget=draft.budget, requested_depth=draft.depth, draft_ms=1e3 * (t1 - t0),
+                                 verify_ms=1e3 * (t2 - t1), round_ms=1e3 * (t2 - t0), sync_ms=1e3 * (tw - ts),
+                                 walk_ms=1e3 * (t2 - tw), draft_forwards=draft.forwards,
+                                 drafter=draft.source)
             if root in stop_tokens:
                 break
     except GeneratorExit:

@@ -111,7 +111,7 @@ class DraftSpec:
         budget = _opt(tree_budget, "--tree-budget", 1, MAX_NODES - 1)
         lanes = _opt(tree_lanes, "--tree-lanes", 1, MAX_TOPK)
         lookup = _opt(draft_lookup, "--draft-lookup", 0, MAX_NODES - 2) or 0
-        trust = _opt(draft_lookup_trust, "--draft-lookup-trust", 0, MAX_TRUST) or 0
+        trust = _opt(draft_lookup_trust, "--draft-lookup-trust", 1, MAX_TRUST) or 0
         vocab = 0 if draft_vocab is None else check_int(draft_vocab, "--draft-vocab (token ids a head drafts)",
                                                         MIN_DRAFT_VOCAB)
         if vocab and drafter not in HEADS:

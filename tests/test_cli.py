@@ -1,6 +1,7 @@
 """The command line: the shipped pair out of the box, and one-line errors with exit code 2."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,6 +32,8 @@ def test_demo_runs_out_of_the_box_and_prints_mlx_lm_format():
     assert out.count("==========") == 2
     assert "Prompt:" in out and "Generation: 24 tokens" in out and "Peak memory:" in out
     assert "emitted/verify" in out and "Acceptance by depth" in out
+    rounds, per = re.search(r"Rounds: (\d+), emitted/verify: ([\d.]+)", out).groups()
+    assert round(int(rounds) * float(per)) == 24  # the last round, cut short at --max-tokens, counts too
 
 
 def test_cli_output_equals_plain_decoding_of_the_demo_target():
@@ -258,6 +261,8 @@ def test_parity_flags_bad_input_is_one_line_exit_2(args, needle):
     (["--extra-eos-token", "99999"], "--extra-eos-token"),
     (["--drafter", "lookup", "--draft-model", "/nonexistent"], "drop --draft-model"),
     (["--drafter", "dflash", "--draft-model", "/nonexistent"], "--draft-model /nonexistent: no such folder"),
+    (["--draft-model", "demo-eagle3"], "--drafter eagle3 --draft-model"),  # (mlx-lm's error ran 31 lines)
+    (["--draft-model", "demo-drafter", "--draft-lookup", "4", "--draft-lookup-trust", "0"], "1..4"),
 ])
 def test_audited_bad_input_is_one_line_exit_2(args, needle):
     r = cli(*args, "--max-tokens", "4")
@@ -459,3 +464,52 @@ def test_the_probe_compares_draws_when_sampling(monkeypatch):
         probe_parents=lambda: np.array([-1, 0, 1, 2, 3, 0])), probe_parents=lambda: np.array([-1, 0, 1]))
     cli._probe(cli.setup_arg_parser().parse_args(["--model", "demo"]), None, adaptive)
     assert [t.tolist() for t in seen[0][0]][2:] == [[-1, 0, 1, 2, 3, 0], [-1, 0, 1, 2, 3]]
+
+
+def test_broken_model_folders_are_one_line_errors(tmp_path):
+    """A config without model_type (mlx-lm: a bare KeyError) and a truncated weights file
+    (a RuntimeError): one line naming the fix, exit 2."""
+    for name, breaks in (("no_type", "config"), ("cut", "weights")):
+        folder = tmp_path / name
+        shutil.copytree(os.path.join(DEMO, "target"), folder)
+        if breaks == "config":
+            config = json.loads((folder / "config.json").read_text())
+            del config["model_type"]
+            (folder / "config.json").write_text(json.dumps(config))
+        else:
+            weights = folder / "model-00001-of-00002.safetensors"
+            weights.write_bytes(weights.read_bytes()[:1000])
+        r = cli("--model", str(folder), "--prompt", "hi", "--max-tokens", "4")
+        lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert ("model_type" in lines[0]) if breaks == "config" else ("again" in lines[0])
+
+
+def test_num_draft_tokens_is_ignored_where_nothing_drafts():
+    """mlx-lm's --num-draft-tokens without a draft model decodes plainly, there and here."""
+    r = cli("--model", os.path.join(DEMO, "target"), "--prompt", "hi", "--max-tokens", "8", "--num-draft-tokens", "3")
+    assert r.returncode == 0, r.stderr
+
+
+def test_kv_bits_are_checked_against_a_hybrid_prompt_cache(tmp_path):
+    """A hybrid's first cache is recurrent: the check reads its first quantized layer (--kv-bits 4
+    over an 8-bit cache ran on with the 8-bit layers)."""
+    import argparse
+
+    from mlx_lm.models.cache import save_prompt_cache
+    from mlx_treespec.cli import _read_prompt_cache
+
+    target = tiny.build(dict(tiny.CONFIGS["qwen3_5"], head_dim=32))
+    cache = make_prompt_cache(target)
+    target(mx.arange(1, 40)[None], cache=cache)
+    cache = [c.to_quantized(group_size=32, bits=8) if hasattr(c, "to_quantized") else c for c in cache]
+    assert type(cache[0]).__name__ == "ArraysCache"
+    path = str(tmp_path / "c.safetensors")
+    save_prompt_cache(path, cache, {"model": "somewhere"})
+    for bits, group, ok in ((8, 32, True), (4, 32, False), (None, 64, False)):
+        args = argparse.Namespace(prompt_cache_file=path, kv_bits=bits, kv_group_size=group)
+        if ok:
+            _read_prompt_cache(args)
+        else:
+            with pytest.raises(ValueError, match="--kv-bits / --kv-group-size"):
+                _read_prompt_cache(args)

@@ -64,7 +64,7 @@ class Recorder(MergedDrafter):
         assert base.pending == self.text[cached:]
 
 
-def merged(draft, base, n=8, trust=0):
+def merged(draft, base, n=8, trust=None):
     m = make_drafter(draft, **BASES[base], draft_lookup=n, draft_lookup_trust=trust)
     return Recorder(m.base, m.extra, trust=m.trust)
 
@@ -112,7 +112,7 @@ def test_lookup_alone_where_it_matched_long_enough(pairs, base, trust):
     assert drafter.into_lookup > 0
 
 
-@pytest.mark.parametrize("base,trust", [("chain6", 0), ("k3l2s4b12", 0), ("chain6", 2)])
+@pytest.mark.parametrize("base,trust", [("chain6", None), ("k3l2s4b12", None), ("chain6", 2)])
 def test_sampled_equals_plain_sampled(pairs, base, trust):
     target, draft = pairs("qwen3")
     prompt = repetitive_prompt(1)
@@ -146,7 +146,8 @@ def test_bad_options_are_refused(pairs):
                       (dict(draft_model=draft, draft_lookup=MAX_NODES - 1), f"0..{MAX_NODES - 2}"),
                       (dict(draft_model=draft, draft_lookup=-1), f"0..{MAX_NODES - 2}"),
                       (dict(draft_model=draft, draft_lookup_trust=2), "needs --draft-lookup"),
-                      (dict(draft_model=draft, draft_lookup=8, draft_lookup_trust=5), "0..4")]:
+                      (dict(draft_model=draft, draft_lookup=8, draft_lookup_trust=5), "1..4"),
+                      (dict(draft_model=draft, draft_lookup=8, draft_lookup_trust=0), "1..4")]:
         with pytest.raises(ValueError, match=words):
             make_drafter(**kw)
     assert not isinstance(make_drafter(draft, draft_lookup=0), MergedDrafter)

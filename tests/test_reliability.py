@@ -551,3 +551,18 @@ def test_kv_bits_over_caches_it_cannot_quantize_is_a_one_line_error(models):
     target, _ = models("qwen3-kv32")
     with pytest.raises(ValueError, match="as a list"):
         next(tree_generate_step([1, 2, 3], target, None, kv_bits=8, prompt_cache=tuple(make_prompt_cache(target))))
+
+
+@pytest.mark.parametrize("case", ["chain", "tree", "adaptive", "plain"])
+def test_the_stats_count_every_token_delivered_when_the_consumer_stops(models, case):
+    """stream_generate stops reading at its last token: that round was cut short, and its
+    tokens still count (`--verbose` printed rounds for fewer tokens than it generated)."""
+    name, opts, make = CASES[case]
+    target, draft = models(name)
+    stats = RoundStats()
+    steps = tree_generate_step(repetitive(), target, make(draft), max_tokens=N, stats=stats)
+    for k, _ in enumerate(steps, 1):
+        if k == 13:
+            break
+    steps.close()
+    assert sum(stats.emitted) == 13 and sum(stats.accepted) <= 13
