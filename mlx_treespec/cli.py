@@ -401,12 +401,6 @@ def _run(args):
         from mlx_lm.models.cache import make_prompt_cache
 
         prompt_cache = make_prompt_cache(model, max_kv_size=args.max_kv_size)
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    if args.shard is not None and args.seed is None:  # one draw for the whole launch: rank 0's
-        from .launch import shared_seed
-
-        seed = shared_seed(seed)
-
     def progress(done, total):
         if total > args.prefill_step_size and args.verbose is not False:
             print(f"\rPrefill: {done}/{total} tokens", end="" if done < total else "\n", file=sys.stderr, flush=True)
@@ -414,7 +408,7 @@ def _run(args):
     stats = RoundStats()
     text = generate(model, tokenizer, tokens, verbose=args.verbose is not False, drafter=drafter,
                     max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
-                    top_k=args.top_k, min_tokens_to_keep=args.min_tokens_to_keep, seed=seed,
+                    top_k=args.top_k, min_tokens_to_keep=args.min_tokens_to_keep, seed=args.seed,
                     xtc_probability=args.xtc_probability, xtc_threshold=args.xtc_threshold,
                     xtc_special_tokens=tokenizer.encode("\n") + list(tokenizer.eos_token_ids),
                     prompt_cache=prompt_cache, max_kv_size=None if prompt_cache is not None else args.max_kv_size,

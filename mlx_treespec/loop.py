@@ -13,6 +13,7 @@ also after an exception.
 """
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, List, Optional
@@ -24,7 +25,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from .cache import cache_kind, committed_offset, restore, snapshot
 from .draft import check_drafter
 from .join import join
-from .launch import agree, drafter_digest, in_launch, model_digest
+from .launch import agree, drafter_digest, in_launch, model_digest, shared_seed
 from .sampling import Draw, make_node_sampler
 from .support import require_tree_support
 from .tree import MAX_NODES, DraftTree, check_int
@@ -251,7 +252,7 @@ def tree_generate_step(
     min_p: float = 0.0,
     top_k: int = 0,
     min_tokens_to_keep: int = 1,
-    seed: int = 0,
+    seed: Optional[int] = None,
     xtc_probability: float = 0.0,
     xtc_threshold: float = 0.1,
     xtc_special_tokens=(),
@@ -276,6 +277,10 @@ def tree_generate_step(
     max_tokens = check_int(max_tokens, "max_tokens", -1)
     if max_tokens == 0:
         raise ValueError("max_tokens must be non-zero (use -1 for no limit)")
+    if seed is None:  # a fresh draw each generation, as mlx-lm's sampling (one for a whole launch)
+        seed = int.from_bytes(os.urandom(4), "little")
+        if in_launch():
+            seed = shared_seed(seed)
     for name, value, low in (("top_k", top_k, 0), ("seed", seed, None), ("kv_group_size", kv_group_size, 1),
                              ("quantized_kv_start", quantized_kv_start, 0),
                              ("prefill_step_size", prefill_step_size, 1), ("min_tokens_to_keep", min_tokens_to_keep, 1)):

@@ -566,3 +566,14 @@ def test_the_stats_count_every_token_delivered_when_the_consumer_stops(models, c
             break
     steps.close()
     assert sum(stats.emitted) == 13 and sum(stats.accepted) <= 13
+
+
+def test_without_a_seed_each_sampled_generation_draws_its_own(models):
+    """mlx-lm's sampled text differs from call to call; a fixed default seed gave one text."""
+    target, _ = models("qwen3")
+    runs = {tuple(t for t, _, _ in tree_generate_step([1, 2, 3], target, None, max_tokens=16, temp=1.0))
+            for _ in range(3)}
+    assert len(runs) > 1
+    same = {tuple(t for t, _, _ in tree_generate_step([1, 2, 3], target, None, max_tokens=16, temp=1.0, seed=7))
+            for _ in range(2)}
+    assert len(same) == 1
