@@ -353,7 +353,10 @@ def _run(args):
         tokenizer.add_eos_token(token)
     draft_model = None
     if draft_path is not None and spec.drafter == "model":
-        draft_model = _load(draft_path, trust_remote_code=args.trust_remote_code)[0]  # (make_drafter checks its vocabulary)
+        draft_model, draft_tokenizer = _load(draft_path, trust_remote_code=args.trust_remote_code)
+        if draft_tokenizer.vocab_size != tokenizer.vocab_size:  # mlx-lm's check (make_drafter checks the rows)
+            raise ValueError(f"--draft-model {args.draft_model}'s tokenizer ({draft_tokenizer.vocab_size} ids) is not "
+                             f"the target's ({tokenizer.vocab_size}): use a draft model with the target's tokenizer")
     elif draft_path is not None:
         draft_model = draft_path  # a DFlash or head folder: bound to the target by make_drafter
     drafter = make_drafter(draft_model, target=model, drafter=spec.drafter, **_draft_options(args))

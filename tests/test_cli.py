@@ -87,13 +87,24 @@ def test_unsupported_target_lists_every_blocker(tmp_path):
     assert "mamba2" in r.stderr
 
 
-def test_vocab_mismatch_is_refused(tmp_path):
-    target = tiny.build(tiny.CONFIGS["qwen3"])
-    other = tiny.build(dict(tiny.CONFIGS["qwen3"], vocab_size=tiny.VOCAB + 8))
-    with pytest.raises(ValueError, match="vocabulary"):
-        check_vocab(target, other)
-    small = _save_folder(tmp_path, "small_vocab", target, tiny.CONFIGS["qwen3"])
-    r = cli("--draft-model", small, "--max-tokens", "4")
+def test_a_draft_vocabulary_larger_than_the_targets_is_refused_and_a_smaller_one_is_exact(tmp_path):
+    """Checkpoints of one tokenizer pad their embeddings differently: a draft of fewer rows
+    proposes only ids the target embeds (exact, greedy and sampled); one of more is refused."""
+    target = tiny.build(dict(tiny.CONFIGS["qwen3"], vocab_size=tiny.VOCAB + 8))
+    small = tiny.build(tiny.CONFIGS["qwen3"])
+    with pytest.raises(ValueError, match="larger than the target's"):
+        check_vocab(small, target)
+    check_vocab(target, small)
+    prompt = list(range(1, 9)) * 2
+    for kw in ({}, dict(temp=0.9, seed=3)):
+        ref = [t for t, _, _ in tree_generate_step(prompt, target, None, max_tokens=24, **kw)]
+        out = [t for t, _, _ in tree_generate_step(prompt, target, make_drafter(small, target=target,
+                                                   draft_block_size=3), max_tokens=24, **kw)]
+        assert out == ref
+    # the CLI compares the tokenizers, as mlx-lm does (a folder of the demo's tokenizer: its rows are checked)
+    cfg = dict(tiny.CONFIGS["qwen3"], vocab_size=8192)  # (the demo target embeds 4,096)
+    big = _save_folder(tmp_path, "big_vocab", tiny.build(cfg), cfg)
+    r = cli("--draft-model", big, "--max-tokens", "4")
     assert r.returncode == 2 and "vocabulary" in r.stderr
     # the hybrid demo target with the demo drafter shares the tokenizer: accepted
     r = cli("--model", "demo-hybrid", "--max-tokens", "4")
@@ -108,7 +119,11 @@ def test_the_demo_hybrid_drafts_with_its_hybrid_draft_model():
     plain = cli(*args, "--drafter", "none", "--verbose", "F")
     assert spec.returncode == 0 and plain.returncode == 0, spec.stderr + plain.stderr
     assert spec.stdout.split("==========")[1].strip() == plain.stdout.strip()
-    assert "draft forwards/round: 3.00" in spec.stdout  # a chain of 3 one-token steps
+    # a chain of 3 one-token steps (the last round, capped at the tokens left, drafts fewer)
+    assert "depth requested 3" in spec.stdout
+    rounds = int(re.search(r"Rounds: (\d+)", spec.stdout).group(1))
+    forwards = float(re.search(r"draft forwards/round: ([\d.]+)", spec.stdout).group(1))
+    assert 3 * (rounds - 1) < forwards * rounds <= 3 * rounds
 
 
 def test_errors_leave_a_passed_cache_untouched():
