@@ -312,10 +312,16 @@ def _run(args):
     prompt_cache, metadata = _read_prompt_cache(args)
     if args.model is None:  # (a demo's name where the cache was made from one: its drafter is the default)
         args.model = metadata.get("treespec_model") or metadata.get("model", "demo")
-    elif metadata and os.path.abspath(os.path.expanduser(resolve_model_path(args.model))) != \
-            os.path.abspath(os.path.expanduser(resolve_model_path(metadata["model"]))):
-        raise ValueError(f"--model {args.model} is not the model the prompt cache was made with "
-                         f"({metadata['model']}): drop --model or pass that one")
+    elif metadata:
+        try:
+            made_with = resolve_model_path(metadata["model"])
+        except FileNotFoundError:
+            raise FileNotFoundError(f"--prompt-cache-file {args.prompt_cache_file} was made with {metadata['model']}, "
+                                    "which is not there any more: make the cache again") from None
+        if os.path.abspath(os.path.expanduser(resolve_model_path(args.model))) != \
+                os.path.abspath(os.path.expanduser(made_with)):
+            raise ValueError(f"--model {args.model} is not the model the prompt cache was made with "
+                             f"({metadata['model']}): drop --model or pass that one")
     draft_name = args.draft_model
     # With a demo target and nothing named: its DFlash drafter (adaptive unless a shape is
     # given), or its draft model where the flags are a draft model's tree shape

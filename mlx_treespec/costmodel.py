@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -324,6 +325,9 @@ def _fits(model, key, history):
             d = d if isinstance(d, dict) else {}
         except (OSError, ValueError):
             d = {}
+        # (once per target shape, device and MLX version: tens of seconds, minutes on a slow CPU)
+        print(f"mlx_treespec: timing this target's verify once, for adaptive drafting (kept in {path})",
+              file=sys.stderr, flush=True)
         verify = fit_curve(time_verify(model, VERIFY_TS, history=history, repeats=3, warmup=CHECKS))  # checks, then compiled
         got = time_plain(model, history=history, own=True), verify
         entry = {"plain_ms": got[0], "verify": verify.to_dict()}

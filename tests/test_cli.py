@@ -528,3 +528,16 @@ def test_kv_bits_are_checked_against_a_hybrid_prompt_cache(tmp_path):
         else:
             with pytest.raises(ValueError, match="--kv-bits / --kv-group-size"):
                 _read_prompt_cache(args)
+
+
+def test_a_prompt_cache_whose_model_is_gone_is_named(tmp_path):
+    """The cache's model folder moved: the error names the cache, not --model."""
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    made = str(tmp_path / "c.safetensors")
+    assert cli("--prompt", "hi", "--max-tokens", "2", "--drafter", "none", "--save-prompt-cache", made).returncode == 0
+    cache, metadata = load_prompt_cache(made, return_metadata=True)
+    save_prompt_cache(made, cache, dict(metadata, model="/nonexistent/target"))
+    r = cli("--model", "demo", "--prompt-cache-file", made, "--prompt", " x", "--max-tokens", "2")
+    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "--prompt-cache-file" in lines[0] and "again" in lines[0], r.stderr
