@@ -90,6 +90,19 @@ def _load(path, adapter_path=None, tokenizer_config=None, shard=None, trust_remo
                                 "first (huggingface-cli download) and pass the local folder") from None
 
 
+def _fetch(repo, kind):
+    """A Hugging Face repo id's local folder (mlx-lm's download: its cache, else the Hub), for the
+    loaders of a head or a DFlash drafter, which read folders (an MTP head: the target's own)."""
+    from mlx_lm.utils import _download
+
+    try:
+        return str(_download(repo))
+    except Exception as e:  # (the Hub's errors are many kinds, none one line)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise FileNotFoundError(f"cannot fetch {repo!r} for --drafter {kind} from the Hugging Face Hub ({first}): "
+                                "download it first (huggingface-cli download) and pass the local folder") from None
+
+
 def _config(path):
     import json
 
@@ -363,8 +376,8 @@ def _run(args):
         if draft_tokenizer.vocab_size != tokenizer.vocab_size:  # mlx-lm's check (make_drafter checks the rows)
             raise ValueError(f"--draft-model {args.draft_model}'s tokenizer ({draft_tokenizer.vocab_size} ids) is not "
                              f"the target's ({tokenizer.vocab_size}): use a draft model with the target's tokenizer")
-    elif draft_path is not None:
-        draft_model = draft_path  # a DFlash or head folder: bound to the target by make_drafter
+    elif draft_path is not None:  # a DFlash or head folder: bound to the target by make_drafter
+        draft_model = draft_path if os.path.isdir(draft_path) else _fetch(draft_path, spec.drafter)
     drafter = make_drafter(draft_model, target=model, drafter=spec.drafter, **_draft_options(args))
     if args.shard is not None:  # the processes agree before the probe's collectives (launch.py)
         from .launch import agree, drafter_digest, model_digest
