@@ -304,6 +304,11 @@ def tree_generate_step(
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
                 or not np.isfinite(value) or value < 0 or value > high:
             raise ValueError(f"{name} must be a number in 0..{'inf' if high == np.inf else high}, got {value!r}")
+    with np.errstate(over="ignore", divide="ignore"):
+        scale = np.float32(1) / np.float32(temp)  # (the draw scales log-probabilities by it in float32)
+    if temp > 0 and not (np.isfinite(scale) and scale > 0):
+        raise ValueError(f"temp {temp!r} has no float32 reciprocal (every draw would be token 0): use "
+                         "temp=0 for greedy decoding, or one in 1e-30..1e30")
     xtc_special_tokens = sorted(check_token_ids(() if xtc_special_tokens is None else xtc_special_tokens,
                                                 "xtc_special_tokens", vocab))
     if vocab is not None and (top_k >= vocab or min_tokens_to_keep > vocab):  # (None: a config without it)

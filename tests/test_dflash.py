@@ -479,6 +479,28 @@ def test_a_tied_target_s_drafter_bound_again_reuses_its_trace(folders):
     assert len(model.__dict__["_treespec_compiled"]) == 1
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_dflash_model_bound_to_target_after_target_keeps_none_alive(folders, tied):
+    """The block's trace is kept on the DFlash model and holds a target's embedding and lm_head
+    weakly; an entry whose target is gone is dropped (every freed target's modules stayed)."""
+    import gc
+    import weakref
+
+    model = load_dflash(folders("qwen3"))
+    refs = []
+    for i in range(3):
+        target = tiny.build(dict(tiny.CONFIGS["qwen3"], tie_word_embeddings=tied), seed=i)
+        drafter = DFlashDrafter(bind_dflash(model, target), topk=1, depth=4)
+        prompt = prompt_tokens(seed=i)
+        assert [t for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=12)] == \
+            plain(target, prompt, n=12)
+        refs.append((weakref.ref(target), weakref.ref(target.model.embed_tokens)))
+        del target, drafter
+        gc.collect()
+    assert not any(r() for pair in refs for r in pair)
+    assert len(model.__dict__["_treespec_compiled"]) <= 1  # (the last, dropped at the next bind)
+
+
 def test_an_error_inside_the_compiled_verify_is_raised_not_hidden(targets, folders, monkeypatch):
     # only what stops a trace (an offset read, an array evaluated) sends a round to the eager
     # path; any other error propagates and the round lands nowhere

@@ -323,6 +323,7 @@ def test_bad_prompts_are_one_line_errors(models, prompt, needle):
     (dict(temp=1.0, xtc_probability=0.5, xtc_special_tokens=[-1]), "xtc_special_tokens"),
     (dict(xtc_special_tokens=7), "xtc_special_tokens"), (dict(xtc_probability="0.5"), "xtc_probability"),
     (dict(xtc_threshold=0.7), "xtc_threshold"),
+    (dict(temp=1e-39), "float32 reciprocal"), (dict(temp=1e46), "float32 reciprocal"),  # (every draw was token 0)
 ])
 def test_options_of_the_wrong_type(models, kw, needle):
     target, _ = models("qwen3")
@@ -577,3 +578,17 @@ def test_without_a_seed_each_sampled_generation_draws_its_own(models):
     same = {tuple(t for t, _, _ in tree_generate_step([1, 2, 3], target, None, max_tokens=16, temp=1.0, seed=7))
             for _ in range(2)}
     assert len(same) == 1
+
+
+def test_host_drafter_options_of_the_wrong_type_are_one_line_errors():
+    from mlx_treespec.drafters.suffix import SuffixDrafter
+
+    for make, needle in ((lambda: LookupDrafter(max_matches="3"), "max_matches"),
+                         (lambda: LookupDrafter(max_matches=2.5), "max_matches"),
+                         (lambda: LookupDrafter(ngram_max="4"), "ngram_max"),
+                         (lambda: LookupDrafter(branches=1.5), "branches"),
+                         (lambda: SuffixDrafter(max_match="3"), "max_match"),
+                         (lambda: SuffixDrafter(index_depth=2.5), "index_depth"),
+                         (lambda: SuffixDrafter(min_prob="0.1"), "min_prob")):
+        with pytest.raises(ValueError, match=needle):
+            make()

@@ -45,8 +45,8 @@ def check_budget_depth(budget, max_depth):
 
 
 def check_branches(branches):
-    if branches is not None and branches < 1:
-        raise ValueError(f"branches must be >= 1 or None, got {branches}")
+    if branches is not None:
+        check_int(branches, "branches (or None)", 1)
 
 
 def host_draft(root, tree, budget, depth):

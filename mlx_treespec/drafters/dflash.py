@@ -142,6 +142,15 @@ class DFlashModel(nn.Module):
         return lm_head(self.norm(x))[0]
 
 
+def _weak(fn):
+    """`fn` (a module, or a bound method of one: a tied lm_head) called through a weak reference."""
+    owner = getattr(fn, "__self__", None)
+    if owner is None:
+        return weakref.proxy(fn)
+    ref, name = weakref.proxy(owner), fn.__name__
+    return lambda *a: getattr(ref, name)(*a)
+
+
 def load_dflash(path):
     """A DFlash folder (config.json + safetensors, the published layout; an mlx `quantization`
     entry in the config loads quantized weights) -> DFlashModel."""
@@ -257,11 +266,16 @@ class DFlashDrafter:
         # one trace per bound drafter, shared by every DFlashDrafter over it (a library call
         # makes a drafter per generation; a trace costs far more than a round)
         compiled = bound.model.__dict__.setdefault("_treespec_compiled", {})
-        # (by module: a tied target's lm_head is a new bound method of its embedding each bind)
-        key = (id(bound.embed), id(getattr(bound.lm_head, "__self__", bound.lm_head)))
+        # (by module: a tied target's lm_head is a new bound method of its embedding each bind;
+        # the trace holds the target's modules weakly, and an entry whose modules are gone is
+        # dropped, else a DFlash model bound to target after target kept every one's alive)
+        owners = (bound.embed, getattr(bound.lm_head, "__self__", bound.lm_head))
+        for k in [k for k, (refs, _) in compiled.items() if any(r() is None for r in refs)]:
+            del compiled[k]
+        key = tuple(id(o) for o in owners)
         if key not in compiled:
-            compiled[key] = self._compile()
-        self._forward = compiled[key]
+            compiled[key] = (tuple(weakref.ref(o) for o in owners), self._compile())
+        self._forward = compiled[key][1]
         self.draw = None  # set by the loop per generation (not by reset): at temp > 0 the sampling.Draw it guesses
         self.reset()
 
@@ -370,7 +384,7 @@ class DFlashDrafter:
         width, so a round spends no Python per op and the device runs fused kernels."""
         # (kept on the drafter model: a weak reference to it leaves that model no cycle, so one
         # loaded per call is freed when the call returns)
-        m, embed, lm_head, B = weakref.proxy(self.bound.model), self.bound.embed, self.bound.lm_head, self.block
+        m, embed, lm_head, B = weakref.proxy(self.bound.model), _weak(self.bound.embed), _weak(self.bound.lm_head), self.block
         mask_tokens = mx.full((B - 1,), int(m.mask_token_id), mx.uint32)
 
         def forward(feats, root, L0, n, keys, values):

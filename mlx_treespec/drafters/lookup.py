@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..tree import MAX_NODES, DraftTree
+from ..tree import MAX_NODES, DraftTree, check_int
 from . import check_branches, check_budget_depth, host_draft, host_probe_parents
 
 __all__ = ["NgramIndex", "ngram_matches", "merge_continuations", "LookupDrafter"]
@@ -43,6 +43,8 @@ class NgramIndex:
     """The token stream and a dict n-gram -> end positions (ascending), n in [ngram_min, ngram_max]."""
 
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1):
+        check_int(ngram_max, "ngram_max", 1)
+        check_int(ngram_min, "ngram_min", 1)
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got ngram_min={ngram_min}, ngram_max={ngram_max}")
         self.ngram_max = int(ngram_max)
@@ -181,8 +183,7 @@ class LookupDrafter:
     def __init__(self, budget: int = 16, max_depth: int = 8, ngram_max: int = 4, ngram_min: int = 1,
                  max_matches: int = 16, branches: Optional[int] = None, backoff: bool = False):
         check_budget_depth(budget, max_depth)
-        if max_matches < 1:
-            raise ValueError(f"max_matches must be >= 1, got {max_matches}")
+        check_int(max_matches, "max_matches", 1)
         check_branches(branches)
         NgramIndex(ngram_max, ngram_min)  # validates the n range
         self.budget = int(budget)

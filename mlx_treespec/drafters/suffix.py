@@ -27,7 +27,7 @@ from typing import Callable, Hashable, List, Optional, Tuple
 
 import numpy as np
 
-from ..tree import MAX_NODES, DraftTree
+from ..tree import MAX_NODES, DraftTree, check_int
 from . import check_branches, check_budget_depth, host_draft, host_probe_parents
 
 __all__ = ["SuffixIndex", "SuffixCursor", "expand_best_first", "SuffixDrafter"]
@@ -37,7 +37,7 @@ class SuffixIndex:
     """A suffix trie of depth ``depth`` with occurrence counts, shared by any number of sequences."""
 
     def __init__(self, depth: int = 32):
-        if depth < 2:
+        if check_int(depth, "the index depth", None) < 2:
             raise ValueError(f"the index depth must be >= 2 (a match and one continuation token), got {depth}")
         self.depth = int(depth)
         self.children: List[dict] = [{}]  # node -> {token: child node}
@@ -169,9 +169,10 @@ class SuffixDrafter:
                  max_match: int = 16, min_prob: float = 0.0, index_depth: int = 32,
                  branches: Optional[int] = None):
         check_budget_depth(budget, max_depth)
-        if max_match < 1:
-            raise ValueError(f"max_match must be >= 1, got {max_match}")
-        if not 0.0 <= min_prob <= 1.0:
+        check_int(max_match, "max_match", 1)
+        check_int(index_depth, "index_depth", 2)
+        if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float, np.integer, np.floating)) \
+                or not 0.0 <= min_prob <= 1.0:
             raise ValueError(f"min_prob must be in [0, 1], got {min_prob}")
         self.budget = int(budget)
         self.max_depth = int(max_depth)
