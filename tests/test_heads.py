@@ -695,3 +695,79 @@ def test_eagle3_loader_errors(tmp_path):
     missing = {k: v for k, v in tensors.items() if k != "norm.weight"}
     _one_line_error(lambda: load_eagle3(str(save_folder(tmp_path / "miss", safeailab_config(), missing)), target),
                     "norm.weight")
+
+
+def _spec_with_own_embed(shape, seed=3):
+    et, _ = eagle3_tensors(np.random.default_rng(0))
+    spec = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in et.items()}
+    spec["embed_tokens.weight"] = mx.random.normal(shape, key=mx.random.key(seed))
+    return spec
+
+
+def test_broken_head_folders_are_one_line_errors(tmp_path):
+    """A weights file that is a git-lfs pointer, empty or cut short, a shard the index names that
+    is not there, and an EAGLE-3 head's own embedding of the wrong shape or stored quantized:
+    one line naming the fix (they were a MemoryError, struct.error, a RuntimeError, the wrong
+    message, or a head that loaded and drafted from rows that do not exist)."""
+    cfg = dict(tiny.CONFIGS["qwen3_5"], rope_parameters=ROPE)
+    target, etarget = tiny.build(cfg), tiny.build(EAGLE_TARGET)
+    good = mtp_tensors(np.random.default_rng(0), 64, 4, 2, 16, 96)
+    pointer = b"version https://git-lfs.github.com/spec/v1\noid sha256:" + b"0" * 64 + b"\nsize 123456\n"
+    for i, content in enumerate((pointer, b"", None)):
+        folder = tmp_path / f"mtp{i}"
+        save_folder(folder, cfg, good, name="model-mtp.safetensors")
+        weights = folder / "model-mtp.safetensors"
+        data = weights.read_bytes()
+        weights.write_bytes(content if content is not None else data[: len(data) - 64])
+        with pytest.raises(ValueError, match="download the weights again") as e:
+            load_mtp(str(folder), target)
+        assert len(str(e.value).splitlines()) == 1
+    folder = tmp_path / "index"
+    save_folder(folder, cfg, good, name="model-mtp.safetensors")
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "model-00009-of-00009.safetensors" for k in good}}))
+    with pytest.raises(ValueError, match="named in the folder's index, is not there"):
+        load_mtp(str(folder), target)
+    for shape in ((40, H), (tiny.VOCAB, 32)):  # (the draft vocabulary's rows; another width)
+        folder = tmp_path / f"embed{shape[0]}x{shape[1]}"
+        save_folder(folder, dict(speculators_config((), [2, 4, 6]), embed_requires_grad=True),
+                    _spec_with_own_embed(shape))
+        with pytest.raises(ValueError, match="embed_tokens"):
+            load_eagle3(str(folder), etarget)
+
+
+def test_an_eagle3_head_with_its_own_embedding_keeps_it_when_bound_again(tmp_path):
+    """bind (the way to pick up new target weights) kept the target's embedding, not the head's."""
+    etarget = tiny.build(EAGLE_TARGET)
+    save_folder(tmp_path, dict(speculators_config((), [2, 4, 6]), embed_requires_grad=True),
+                _spec_with_own_embed((tiny.VOCAB, H)))
+    head = load_eagle3(str(tmp_path), etarget)
+    toks, feats = mx.array([[5, 7, 9]]), mx.random.normal((1, 3, 3 * H), key=mx.random.key(4))
+    before = head(toks, hidden=feats, first=True)
+    head.bind(etarget)
+    assert head._embed.weight is not etarget.model.embed_tokens.weight
+    assert mx.array_equal(before, head(toks, hidden=feats, first=True)).item()
+
+
+def test_a_numpy_integer_draft_vocabulary_narrows_as_an_int(tmp_path):
+    """narrowed(np.int64(n)) took n for one row id: the logits lost a dimension (and the view,
+    cached under the same key as n, broke later calls with n)."""
+    head = make_mtp(tmp_path, "qwen3_5_tied")[0]
+    x = mx.random.normal((1, 2, 64))
+    a = head.narrowed(np.int64(32))._logits(head._lm_head, x)
+    assert a.shape == (1, 2, tiny.VOCAB)
+    assert mx.array_equal(a, head.narrowed(32)._logits(head._lm_head, x)).item()
+
+
+@pytest.mark.parametrize("mode", ["affine", "mxfp4"])
+def test_a_head_shipped_in_any_quantization_mode_runs_as_its_float_values(mode):
+    """dequantize_linears dropped the mode: an mxfp4 / nvfp4 / mxfp8 head failed to load."""
+    from mlx_treespec.drafters import dequantize_linears
+
+    lin = nn.Linear(64, 32)
+    q = nn.QuantizedLinear.from_linear(lin, group_size=32, bits=4, mode=mode)
+    want = mx.dequantize(q.weight, q.scales, q.get("biases"), group_size=32, bits=4, mode=mode)
+    holder = nn.Module()
+    holder.proj, holder.norm = q, nn.RMSNorm(64)
+    dequantize_linears(holder)
+    assert isinstance(holder.proj, nn.Linear) and mx.array_equal(holder.proj.weight, want).item()

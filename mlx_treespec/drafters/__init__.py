@@ -76,7 +76,8 @@ def vocab_rows(project, ids):
     if not isinstance(owner, (nn.Linear, nn.QuantizedLinear, nn.Embedding, nn.QuantizedEmbedding)):
         raise ValueError(f"cannot narrow this lm_head ({type(owner).__name__}, e.g. one sharded over "
                          "processes) to a draft vocabulary: drop --draft-vocab")
-    pick = (lambda a: a[:ids]) if isinstance(ids, int) else (lambda a: mx.take(a, mx.array(ids), axis=0))
+    prefix = isinstance(ids, (int, np.integer))
+    pick = (lambda a: a[:int(ids)]) if prefix else (lambda a: mx.take(a, mx.array(ids), axis=0))
     rows = {k: pick(owner[k]) for k in ("weight", "scales", "biases", "bias") if k in owner}
     mx.eval(list(rows.values()))
     if "scales" in rows:
@@ -101,15 +102,16 @@ def dequantize_linears(module):
     swaps = []
     for path, m in module.named_modules():
         if isinstance(m, nn.QuantizedLinear):
-            w = mx.dequantize(m.weight, m.scales, m.get("biases"), group_size=m.group_size, bits=m.bits)
+            w = mx.dequantize(m.weight, m.scales, m.get("biases"), group_size=m.group_size, bits=m.bits,
+                              mode=getattr(m, "mode", "affine"))  # (mxfp4 / nvfp4 / mxfp8 too)
             lin = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
             lin.weight = w
             if "bias" in m:
                 lin.bias = m.bias
             swaps.append((path, lin))
     if swaps:
-        floats = [v.dtype for _, v in tree_flatten(module.parameters())
-                  if mx.issubdtype(v.dtype, mx.floating)]
+        floats = [v.dtype for k, v in tree_flatten(module.parameters())
+                  if mx.issubdtype(v.dtype, mx.floating) and not k.endswith((".scales", ".biases"))]
         module.update_modules(tree_unflatten(swaps))
         for _, lin in swaps:
             lin.set_dtype(floats[0] if floats else mx.float16)

@@ -168,9 +168,13 @@ class Eagle3Head(HeadModule):
                                      self.vocab_size)
 
     def bind(self, target, embed=None):
-        """Use `target`'s embedding (or `embed`, an embedding module the checkpoint ships)."""
+        """Use `target`'s embedding, or the checkpoint's own (`embed`, kept for later binds: a
+        head trained with its own embedding drafts through it whatever target it is bound to)."""
         _, target_embed, self._target_head = target_io(target)
-        self._embed = target_embed if embed is None else embed
+        if embed is not None:
+            self.__dict__["_own_embed"] = embed
+        own = self.__dict__.get("_own_embed")
+        self._embed = target_embed if own is None else own
         self.rebound()
         return self
 
@@ -230,10 +234,10 @@ def _in_dims(weights, name, raw):
     w = weights[f"{name}.weight"]
     if f"{name}.scales" not in weights:
         return int(w.shape[-1])
-    q = raw.get("quantization") or {}
+    q = raw.get("quantization") or raw.get("quantization_config") or {}
     q = q[name] if isinstance(q.get(name), dict) else q
     bits = q.get("bits")
-    return int(w.shape[-1]) * 32 // int(bits) if bits else None
+    return int(w.shape[-1]) * 32 // int(bits) if bits else None  # (None: the caller refuses it)
 
 
 def _config(raw, folder):
@@ -313,9 +317,15 @@ def load_eagle3(folder, target_model, capture=None):
     # embed_requires_grad, or another width); a frozen copy is the target's and is dropped.
     embeds = {k: weights.pop(k) for k in [k for k in weights if k.startswith("embed_tokens.")]}
     own_embed = embeds.get("embed_tokens.weight")
-    if own_embed is not None and (len(embeds) > 1 or not (raw.get("embed_requires_grad")
-                                                          or c["hidden_size"] != t_hidden)):
-        own_embed = None  # (a quantized copy, or a frozen one)
+    trained = raw.get("embed_requires_grad") or c["hidden_size"] != t_hidden
+    if own_embed is not None and trained and len(embeds) > 1:
+        _fail(folder, "its own (trained) embed_tokens is stored quantized: store it as float (it would "
+                      "be read as the target's otherwise)")
+    if own_embed is not None and not trained:
+        own_embed = None  # (a frozen copy: the target's)
+    if own_embed is not None and tuple(own_embed.shape) != (t_vocab, c["hidden_size"]):
+        _fail(folder, f"embed_tokens {tuple(own_embed.shape)} is not [the target's vocabulary {t_vocab}, "
+                      f"hidden size {c['hidden_size']}]: use a head trained for this target")
     d2t = weights.pop("d2t", None)
     t2d = weights.pop("t2d", None)
     if own_embed is None and c["hidden_size"] != t_hidden:
@@ -331,7 +341,10 @@ def load_eagle3(folder, target_model, capture=None):
 
     # aux layers: the number fc reads, and which ones
     in_dims = _in_dims(weights, "fc", raw)
-    if in_dims is not None and in_dims % c["target_hidden_size"]:
+    if in_dims is None:  # (its width, and so its aux layers, cannot be checked; read at another width it drafts garbage)
+        _fail(folder, "fc is quantized and the config names no bits (a 'quantization' entry): convert the head "
+                      "with mlx-lm, which writes it")
+    if in_dims % c["target_hidden_size"]:
         _fail(folder, f"fc.weight reads {in_dims} features, not a multiple of the target hidden size "
                       f"{c['target_hidden_size']}")
     if capture is None:
@@ -341,7 +354,7 @@ def load_eagle3(folder, target_model, capture=None):
             capture = [i - 1 for i in ids] if spec else list(ids)
     capture = tuple(int(i) for i in capture)
     c["n_aux"] = len(capture)
-    if in_dims is not None and in_dims != c["n_aux"] * c["target_hidden_size"]:
+    if in_dims != c["n_aux"] * c["target_hidden_size"]:
         _fail(folder, f"fc.weight reads {in_dims} features but the head names {len(capture)} aux layers "
                       f"of {c['target_hidden_size']}")
     bad = [i for i in capture if not 0 <= i < n_layers]

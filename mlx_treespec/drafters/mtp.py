@@ -81,11 +81,31 @@ def step_rows(hidden, L, who):
     return hidden
 
 
+def _incomplete(path):
+    return ValueError(f"{path} is incomplete or a git-lfs pointer, not safetensors weights: download the "
+                      "weights again (huggingface-cli download, or git lfs pull)")
+
+
 def _safetensors_keys(path):
-    """Tensor names of a safetensors file, from its header only."""
+    """Tensor names of a safetensors file, from its header only (a file too short for the
+    header it announces is an incomplete download: a one-line error)."""
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
+        head = f.read(8)
+        if len(head) < 8:
+            raise _incomplete(path)
+        n = struct.unpack("<Q", head)[0]
+        if n > size - 8:
+            raise _incomplete(path)
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise _incomplete(path) from None
+    if not isinstance(header, dict):
+        raise _incomplete(path)
+    ends = [v.get("data_offsets", (0, 0))[1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
+    if 8 + n + max(ends, default=0) > size:  # (the data cut short: mx.load reads lazily, and would fail later)
+        raise _incomplete(path)
     return [k for k in header if k != "__metadata__"]
 
 
@@ -101,12 +121,19 @@ def read_tensors(folder, want):
             weight_map = json.load(f).get("weight_map", {})
         listed = set(weight_map.values())
         chosen = {v for k, v in weight_map.items() if want(k)}
+        missing = sorted(c for c in chosen if not os.path.isfile(os.path.join(folder, c)))
+        if missing:
+            raise ValueError(f"{os.path.join(folder, missing[0])}, named in the folder's index, is not there: "
+                             "download the checkpoint's weights again")
         files = [p for p in files if os.path.basename(p) in chosen or os.path.basename(p) not in listed]
     out = {}
     for path in files:
         keys = [k for k in _safetensors_keys(path) if want(k)]
         if keys:
-            arrays = mx.load(path)
+            try:
+                arrays = mx.load(path)
+            except (RuntimeError, ValueError, OSError):
+                raise _incomplete(path) from None
             out.update({k: arrays[k] for k in keys})
     return out
 
@@ -217,7 +244,7 @@ class HeadModule(nn.Module):
         if not n:
             return self
         project, vocab = self._full_vocab_head()
-        check_int(n, "--draft-vocab (token ids a head drafts)", MIN_DRAFT_VOCAB, vocab - 1)
+        n = check_int(n, "--draft-vocab (token ids a head drafts)", MIN_DRAFT_VOCAB, vocab - 1)
         ranks = getattr(self, "token_ranks", None)
         ids = None if ranks is None else np.sort(np.asarray(ranks[:n]))
         key = (id(getattr(project, "__self__", project)), n, None if ids is None else ids.tobytes())
@@ -375,7 +402,7 @@ def _moe_to_mlx(weights, num_experts):
         for n in ("gate_proj", "up_proj", "down_proj"):
             for suffix in ("weight", "scales", "biases"):
                 keys = [f"{p}experts.{e}.{n}.{suffix}" for e in range(num_experts)]
-                if all(k in weights for k in keys):
+                if keys and all(k in weights for k in keys):  # (none: a dense config; the head says so)
                     weights[f"{p}switch_mlp.{n}.{suffix}"] = mx.stack([weights.pop(k) for k in keys])
     return weights
 
