@@ -105,8 +105,8 @@ class _Group:
 
 def _part_call(self, x):
     group = self.__dict__.get("_treespec_group")
-    if _memo is None or group is None:  # outside a library forward: the layer's own
-        return super(type(self), self).__call__(x)
+    if _memo is None or group is None or group.stale:  # outside a library forward, or its weights changed
+        return super(type(self), self).__call__(x)   # since the joint was made (not joined again yet): its own
     return group.columns(self.__dict__["_treespec_column"], x)
 
 

@@ -87,6 +87,29 @@ def test_new_weights_join_again():
     assert all(g.intact() for g in joining.join(target)) and joining.join(target)[0] is not before[0]
 
 
+def test_a_stale_joint_is_never_run():
+    """Weights set after a join and before the next generation joins again (a TreeRound driven
+    directly, a draft model the loop does not join, a deep copy re-weighted): each layer runs
+    its own weights (the stale joint ran the old ones, and the tree forward was not decoding)."""
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_treespec.verify import TreeRound
+
+    model = tiny.build(tiny.CONFIGS["qwen3"])
+    TreeRound(model, make_prompt_cache(model))  # installs it (and joins it, once)
+    model.update(tree_map(lambda w: w * 1.1 if w.ndim == 2 else w, model.parameters()))
+    prompt, tokens, parents = list(range(3, 12)), [5, 9, 2, 7], [-1, 0, 0, 1]
+    caches = make_prompt_cache(model)
+    model(mx.array([prompt]), cache=caches)
+    rnd = TreeRound(model, caches)
+    logits = rnd.forward(mx.array(tokens, mx.uint32), parents)
+    for node, path in ((1, [5, 9]), (2, [5, 2]), (3, [5, 9, 7])):  # each node: its root path decoded
+        ref = make_prompt_cache(model)
+        model(mx.array([prompt]), cache=ref)
+        for t in path:
+            want = model(mx.array([[t]]), cache=ref)[0, -1]
+        assert mx.array_equal(logits[node], want).item()
+
+
 def test_layers_that_cannot_be_one_matmul_stay_apart():
     # joined, a float16 layer's output would be promoted to float32; a bias on some layers,
     # quantization on some or at different bits, another input width: each stays as it is
