@@ -695,6 +695,14 @@ def test_eagle3_loader_errors(tmp_path):
     missing = {k: v for k, v in tensors.items() if k != "norm.weight"}
     _one_line_error(lambda: load_eagle3(str(save_folder(tmp_path / "miss", safeailab_config(), missing)), target),
                     "norm.weight")
+    # a d2t that sends two draft ids to one target id, or of shape [Vd, 1] (it broadcast): refused
+    d2t = np.array(tensors["d2t"])
+    twice = dict(tensors, d2t=mx.array(np.concatenate([[d2t[1] + 1], d2t[1:]])))
+    _one_line_error(lambda: load_eagle3(str(save_folder(tmp_path / "twice", safeailab_config(), twice)), target),
+                    "two draft ids to one target id")
+    column = dict(tensors, d2t=tensors["d2t"][:, None])
+    _one_line_error(lambda: load_eagle3(str(save_folder(tmp_path / "column", safeailab_config(), column)), target),
+                    "d2t has shape")
 
 
 def _spec_with_own_embed(shape, seed=3):

@@ -370,12 +370,14 @@ def load_eagle3(folder, target_model, capture=None):
         _fail(folder, f"t2d has {t2d.shape[0]} entries, the target vocab has {t_vocab}: "
                       "use a head trained for this target's tokenizer")
     if d2t is not None:
-        if d2t.shape[0] != Vd:
-            _fail(folder, f"d2t has {d2t.shape[0]} entries, draft_vocab_size is {Vd}")
+        if d2t.ndim != 1 or d2t.shape[0] != Vd:
+            _fail(folder, f"d2t has shape {tuple(d2t.shape)}, not [draft_vocab_size {Vd}]")
         ids_t = mx.arange(Vd) + d2t.astype(mx.int64)
         lo, hi = mx.min(ids_t).item(), mx.max(ids_t).item()
         if lo < 0 or hi >= t_vocab:
             _fail(folder, f"d2t maps to target ids {lo}..{hi}, outside the target vocab of {t_vocab}")
+        if len(np.unique(np.array(ids_t))) != Vd:  # (two draft ids on one target id: one of them never drafts)
+            _fail(folder, "d2t maps two draft ids to one target id: use a head trained for this target's tokenizer")
         if t2d is not None and int(mx.sum(t2d.astype(mx.int32)).item()) != Vd:
             _fail(folder, f"t2d marks {int(mx.sum(t2d.astype(mx.int32)).item())} target ids, draft_vocab_size is {Vd}")
     elif Vd != t_vocab:
