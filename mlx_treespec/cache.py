@@ -4,6 +4,8 @@ A tree forward writes every node's K/V (or, for rotating caches, keeps them asid
 only the accepted root path may stay. The functions here turn a layer cache into exactly the
 cache that plain one-token decoding of the accepted tokens would have built.
 """
+from typing import NamedTuple
+
 import numpy as np
 import mlx.core as mx
 from mlx_lm.models.cache import (
@@ -45,9 +47,14 @@ def cache_kind(cache):
     return None
 
 
+class Snapshot(NamedTuple):
+    objects: list  # the list's cache objects (mlx-lm's quantize replaces an entry)
+    attributes: list  # each one's attributes, by reference
+
+
 def snapshot(caches):
     """What `restore` needs to put `caches` back: the list's cache objects and each one's
-    attributes by reference, `(objects, attributes)`.
+    attributes by reference.
 
     mx arrays are values, so a reference is a snapshot, with two exceptions that need none: a
     write in place past a cache's offset (append caches: dead rows), and a one-token write in
@@ -61,14 +68,13 @@ def snapshot(caches):
         if isinstance(attrs.get("cache"), list):  # ArraysCache: entries are replaced, not the list
             attrs["cache"] = list(attrs["cache"])
         attributes.append(attrs)
-    return list(caches), attributes
+    return Snapshot(list(caches), attributes)
 
 
 def restore(caches, saved):
     """Put caches back as `snapshot` found them (every layer at one offset again): the list's
     entries too, where a quantize replaced one."""
-    objects, attributes = saved
-    for i, (c, attrs) in enumerate(zip(objects, attributes)):
+    for i, (c, attrs) in enumerate(zip(saved.objects, saved.attributes)):
         if caches[i] is not c:
             caches[i] = c
         vars(c).clear()

@@ -104,8 +104,6 @@ def _fetch(repo, kind):
 
 
 def _config(path):
-    import json
-
     try:
         with open(os.path.join(path, "config.json")) as f:
             return json.load(f)

@@ -319,14 +319,6 @@ def tree_generate_step(
     prompt = check_prompt(prompt, vocab)
     if kv_bits is not None and max_kv_size is not None:
         raise ValueError("kv_bits and max_kv_size cannot be combined (mlx-lm cannot quantize a rotating cache)")
-    if kv_bits is not None:
-        caches = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
-        if any(cache_kind(c) == "rotating" for c in caches):  # (mlx-lm fails at its first quantize)
-            raise ValueError("kv_bits cannot quantize this model's sliding-window (rotating) cache layers: "
-                             "drop kv_bits")
-        if not isinstance(caches, list):  # (quantizing replaces the list's entries)
-            raise ValueError(f"kv_bits quantizes the prompt_cache in place: pass it as a list, not a "
-                             f"{type(caches).__name__}")
     if in_launch():  # every process must decode this request alike, before any collective (launch.py)
         request = json.dumps([prompt, max_tokens, temp, top_p, min_p, top_k, min_tokens_to_keep, seed,
                               xtc_probability, xtc_threshold, list(xtc_special_tokens), max_kv_size, kv_bits,
@@ -344,6 +336,10 @@ def tree_generate_step(
         check_capture(model, capture)
         join(model)  # (once; again where the target's weights changed since: join.py)
     caches = prompt_cache if prompt_cache is not None else make_prompt_cache(model, max_kv_size=max_kv_size)
+    if kv_bits is not None and any(cache_kind(c) == "rotating" for c in caches):  # (mlx-lm fails at its first quantize)
+        raise ValueError("kv_bits cannot quantize this model's sliding-window (rotating) cache layers: drop kv_bits")
+    if kv_bits is not None and not isinstance(caches, list):  # (quantizing replaces the list's entries)
+        raise ValueError(f"kv_bits quantizes the prompt_cache in place: pass it as a list, not a {type(caches).__name__}")
     if drafter is not None:
         for c in caches:
             if cache_kind(c) == "rotating" and c.max_size <= c.keep:
@@ -446,13 +442,14 @@ def _rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, choose,
         tokens = mx.array([root], mx.uint32) if root is not None else None
         if held is not None:
             tokens = held if tokens is None else mx.concatenate([held, tokens])
-        if settle and tokens is not None and _may_settle(failed):
+        if not (settle and _may_settle(failed)):
+            return
+        if tokens is not None:
             steps = rows_are_steps(model)
             for part in ([tokens] if steps else [tokens[i: i + 1] for i in range(tokens.shape[0])]):
                 _forward(model, caches, part, quantize)  # (one at a time where rows are not steps)
-        if settle and _may_settle(failed):
-            quantize(caches)  # (a round cut short commits without it: mlx-lm's cache is quantized here)
-            mx.eval([c.state for c in caches])
+        quantize(caches)  # (a round cut short commits without it: mlx-lm's cache is quantized here)
+        mx.eval([c.state for c in caches])
 
     failed = False  # an error (not the consumer's stop) unwinds the generation
     queued = False  # handed to queued rounds: the generation goes on there

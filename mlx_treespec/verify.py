@@ -1016,7 +1016,7 @@ class TreeRound:
             c.offset = offset + tokens.shape[0]
             # abort puts back the offset; rows before it are the same in the new buffers, and the
             # old ones are left to the graph alone
-            self._before[1][i]["keys"], self._before[1][i]["values"] = c.keys, c.values
+            self._before.attributes[i]["keys"], self._before.attributes[i]["values"] = c.keys, c.values
         self.hidden = hidden
         return out
 

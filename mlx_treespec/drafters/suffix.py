@@ -37,9 +37,7 @@ class SuffixIndex:
     """A suffix trie of depth ``depth`` with occurrence counts, shared by any number of sequences."""
 
     def __init__(self, depth: int = 32):
-        if check_int(depth, "the index depth", None) < 2:
-            raise ValueError(f"the index depth must be >= 2 (a match and one continuation token), got {depth}")
-        self.depth = int(depth)
+        self.depth = check_int(depth, "index_depth (a match and one continuation token)", 2)
         self.children: List[dict] = [{}]  # node -> {token: child node}
         self.count: List[int] = [0]  # occurrences of the node's substring
         self.last: List[int] = [0]  # clock of its most recent occurrence (end token)
@@ -170,7 +168,6 @@ class SuffixDrafter:
                  branches: Optional[int] = None):
         check_budget_depth(budget, max_depth)
         check_int(max_match, "max_match", 1)
-        check_int(index_depth, "index_depth", 2)
         if isinstance(min_prob, bool) or not isinstance(min_prob, (int, float, np.integer, np.floating)) \
                 or not 0.0 <= min_prob <= 1.0:
             raise ValueError(f"min_prob must be in [0, 1], got {min_prob}")
