@@ -15,6 +15,7 @@ Each column is the same dot product as the layer's own: on CPU bit for bit (pinn
 which the exactness probe measures as it does a verify's row count.
 """
 import contextlib
+import threading
 import weakref
 
 import numpy as np
@@ -30,7 +31,15 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
 
 _LEAVES = ("weight", "scales", "biases", "bias")  # a linear layer's arrays: one row per output
 _KINDS = (nn.Linear, nn.QuantizedLinear)
-_memo = None  # {id(group): (input, joined output)} while a library forward runs
+
+class _Memo(threading.local):
+    """{id(group): (input, joined output)} while a library forward runs in this thread (None
+    outside one): two threads generating at once keep their own."""
+
+    outputs = None
+
+
+_MEMO = _Memo()
 
 
 class _Group:
@@ -97,15 +106,16 @@ class _Group:
 
     def columns(self, i, x):
         """Layer i's columns of the group's output for x (run once per input)."""
-        hit = _memo.get(id(self))
+        memo = _MEMO.outputs
+        hit = memo.get(id(self))
         if hit is None or hit[0] is not x:
-            hit = _memo[id(self)] = (x, self.matmul(x))
+            hit = memo[id(self)] = (x, self.matmul(x))
         return hit[1][..., self.cuts[i] : self.cuts[i + 1]]
 
 
 def _part_call(self, x):
     group = self.__dict__.get("_treespec_group")
-    if _memo is None or group is None or group.stale:  # outside a library forward, or its weights changed
+    if _MEMO.outputs is None or group is None or group.stale:  # outside a library forward, or its weights changed
         return super(type(self), self).__call__(x)   # since the joint was made (not joined again yet): its own
     return group.columns(self.__dict__["_treespec_column"], x)
 
@@ -222,12 +232,11 @@ def joined_groups(model):
 def running():
     """A library forward: joined layers run their group's matmul once per input. Nests (the
     outermost clears the outputs it kept)."""
-    global _memo
-    outer = _memo
+    outer = _MEMO.outputs
     if outer is None:
-        _memo = {}
+        _MEMO.outputs = {}
     try:
         yield
     finally:
         if outer is None:
-            _memo = None
+            _MEMO.outputs = None

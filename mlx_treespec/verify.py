@@ -18,6 +18,7 @@ tree's mask and key layout.
 """
 import dataclasses
 import sys
+import threading
 import time
 import weakref
 
@@ -49,10 +50,11 @@ __all__ = ["TreeRound", "install", "is_tree_module", "cached_array", "capturing"
            "reserve", "grown", "layer_span", "rows_are_steps", "kernel_fits"]
 
 
-class _Context:
-    """What the re-classed modules read while a tree forward runs: one for the process, since
-    forwards run one at a time and a draft model may share modules with its target (layer-skip
-    self-speculation: `draft.model.layers = target.model.layers[:k]`)."""
+class _Context(threading.local):
+    """What the re-classed modules read while a tree forward runs: one per thread (two threads
+    generating at once each run their own forwards), not per model, since a draft model may
+    share modules with its target (layer-skip self-speculation:
+    `draft.model.layers = target.model.layers[:k]`)."""
 
     def __init__(self):
         self.positions = None  # mx int [L] while a tree forward runs

@@ -466,9 +466,14 @@ def test_mtp_loader_errors(tmp_path):
     _one_line_error(lambda: load_mtp(str(bad_kind), target), "mtp_hidden")
 
 
-def test_mtp_zero_centred_override(tmp_path):
+def test_mtp_norm_layout_is_read_from_the_values(tmp_path):
     # zero_centred=False reads norms as already shifted: the head differs from the raw reading
-    # by exactly the +1 on every norm
+    # by exactly the +1 on every norm. Unsaid, the values decide: a folder whose mtp.* norms
+    # were written shifted (vllm-mlx's add_mtp_weights.py: the same names) loads the raw
+    # folder's head (it was shifted twice: norms near 2), and a median between 0 and 1 is a
+    # one-line error naming zero_centred=
+    from mlx_treespec.drafters.mtp import _is_norm
+
     head, target, ref, _ = make_mtp(tmp_path, "qwen3_5_tied")
     folder = tmp_path / "qwen3_5_tied"
     shifted = load_mtp(str(folder), target, zero_centred=False)
@@ -479,6 +484,17 @@ def test_mtp_zero_centred_override(tmp_path):
             assert mx.allclose(a[k], b[k] + 1.0, atol=1e-6), k
         else:
             assert mx.array_equal(a[k], b[k]), k
+    raw = mx.load(str(folder / "model-mtp.safetensors")) if (folder / "model-mtp.safetensors").exists() else \
+        {k: v for k, v in mx.load(str(folder / "model.safetensors")).items() if k.startswith("mtp.")}
+    cfg = dict(MTP_CASES["qwen3_5_tied"][0], mtp_num_hidden_layers=1)
+    norm = lambda k, v: v.ndim == 1 and _is_norm(k[len("mtp."):])  # noqa: E731
+    assert any(norm(k, v) for k, v in raw.items())
+    plus = {k: v + 1.0 if norm(k, v) else v for k, v in raw.items()}
+    c = dict(tree_flatten(load_mtp(str(save_folder(tmp_path / "shifted", cfg, plus)), target).parameters()))
+    assert all(mx.allclose(a[k], c[k], atol=1e-6) for k in a)
+    half = {k: v + 0.5 if norm(k, v) else v for k, v in raw.items()}
+    _one_line_error(lambda: load_mtp(str(save_folder(tmp_path / "half", cfg, half)), target), "zero_centred=True")
+    load_mtp(str(tmp_path / "half"), target, zero_centred=True)  # (said: loaded)
 
 
 @pytest.mark.parametrize("name", ["qwen3_5_quantized", "qwen3_next_moe"])

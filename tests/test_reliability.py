@@ -592,3 +592,58 @@ def test_host_drafter_options_of_the_wrong_type_are_one_line_errors():
                          (lambda: SuffixDrafter(min_prob="0.1"), "min_prob")):
         with pytest.raises(ValueError, match=needle):
             make()
+
+
+def test_two_threads_generating_at_once_each_get_their_models_tokens():
+    # what a tree forward's re-classed modules read (verify._Context) and the joined projections'
+    # outputs (join._MEMO) are per thread: two threads generating with two models at once raised
+    # in rope (one thread's positions read by the other's forward) or could mix rows. Set in one
+    # thread, neither is seen by another; and two threads x 3 generations each (the interpreter
+    # switching threads every 10 us) get plain decoding's tokens
+    import sys
+    import threading
+
+    import mlx_treespec.join as join
+
+    seen = {}
+
+    def other():
+        seen["positions"], seen["memo"] = verify._CTX.positions, join._MEMO.outputs
+
+    with join.running():
+        verify._CTX.positions = mx.arange(3)
+        try:
+            t = threading.Thread(target=other)
+            t.start()
+            t.join()
+        finally:
+            verify._CTX.positions = None
+    assert seen == {"positions": None, "memo": None}
+    pairs = []
+    for seed in (0, 7):
+        target = tiny.build(tiny.CONFIGS["qwen3"], seed=seed)
+        pairs.append((target, tiny.perturbed(target)))
+    prompt = np.random.default_rng(6).integers(0, tiny.VOCAB, 12).tolist()
+    refs = [[t for t, _ in generate_step(mx.array(prompt), m, max_tokens=32)] for m, _ in pairs]
+    got = {0: [], 1: []}
+
+    def work(i):
+        target, draft = pairs[i]
+        for _ in range(3):
+            try:
+                got[i].append([t for t, _, _ in tree_generate_step(
+                    prompt, target, make_drafter(draft, target=target, tree_budget=8), max_tokens=32)])
+            except Exception as e:  # (raised in the thread: reported below)
+                got[i].append(repr(e))
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert got == {0: [refs[0]] * 3, 1: [refs[1]] * 3}

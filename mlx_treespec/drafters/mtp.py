@@ -19,12 +19,14 @@ Call convention (mlx-lm's, so `mlx_treespec.verify.TreeRound` drives it like a m
 
 Norm layout (the rule `load_mtp` applies). Qwen3.5 / Qwen3-Next RMSNorms are zero-centred in the
 HF checkpoints: the effective weight is 1 + w. mlx-lm's converter adds the 1 to the target's
-norms and drops every `mtp.*` tensor, so a `mtp.`-prefixed tensor in a folder always comes from
+norms and drops every `mtp.*` tensor, so a `mtp.`-prefixed tensor in a folder mostly comes from
 the raw HF layout (the original checkpoint, or this project's export, which writes raw HF
-tensors into `model-mtp.safetensors` and marks the folder config with `mtp_hidden`). Hence:
-`mtp.*` norms are shifted by +1 on load, whatever the rest of the folder looks like (mlx-vlm's
-rule too: it shifts only keys still carrying the raw `mtp.` prefix). `load_mtp(...,
-zero_centred=False)` overrides this for a folder whose `mtp.*` norms were already shifted.
+tensors into `model-mtp.safetensors` and marks the folder config with `mtp_hidden`); but tools
+that add MTP weights to a converted folder (vllm-mlx's `add_mtp_weights.py`) write them
+shifted under the same names. So the values decide (`norms_zero_centred`): the median of every
+`mtp.*` norm value sits near 0 in the raw layout (the demo hybrid's head: 0.05) and near 1
+shifted; raw norms get +1 on load, shifted ones load as they are, and a median in between is a
+one-line error. `load_mtp(..., zero_centred=True or False)` says which it is instead.
 To write a loaded (possibly quantized) head back in this layout, save `head.raw_weights()`.
 """
 import copy
@@ -407,12 +409,24 @@ def _moe_to_mlx(weights, num_experts):
     return weights
 
 
+def norms_zero_centred(weights):
+    """Whether `weights`' (`mtp.` prefix dropped) norms are the raw zero-centred layout (True) or
+    already shifted (False), by the median of all their values (module docstring); None where
+    it sits too far from both 0 and 1 to tell (a folder with no norms: True)."""
+    values = [np.asarray(v.astype(mx.float32)).ravel() for k, v in weights.items()
+              if v.ndim == 1 and mx.issubdtype(v.dtype, mx.floating) and _is_norm(k)]
+    if not values:
+        return True
+    median = float(np.median(np.concatenate(values)))
+    return True if median < 0.35 else False if median > 0.65 else None
+
+
 def load_mtp(target_folder, target_model, zero_centred=None):
     """The MTP head stored in `target_folder` (the target's own folder: `mtp.*` tensors in any
     of its safetensors files), bound to `target_model`.
 
-    - Norms: `mtp.*` tensors are the raw HF layout (see the module docstring), so every
-      zero-centred norm weight gets +1; `zero_centred=False` loads them as they are.
+    - Norms: raw HF (zero-centred) norms get +1, shifted ones load as they are: told apart by
+      their values (module docstring), or by `zero_centred=True` (raw) or `False` (shifted).
     - Quantized weights (mlx-lm's `.scales` / `.biases` siblings) are loaded quantized.
     - `head.hidden_kind`: the folder config's `mtp_hidden` ("post" or "pre"), default "post".
     """
@@ -445,7 +459,11 @@ def load_mtp(target_folder, target_model, zero_centred=None):
     bad = sorted(k for k in weights if k.startswith("layers.") and not k.startswith("layers.0."))
     if bad:
         raise ValueError(_one_line(f"MTP tensors of more than one layer ({bad[:4]}): only one MTP layer is supported"))
-    shift = True if zero_centred is None else bool(zero_centred)
+    shift = norms_zero_centred(weights) if zero_centred is None else bool(zero_centred)
+    if shift is None:
+        raise ValueError(f"the mtp.* norms in {target_folder} sit between the raw layout (values near 0) and the "
+                         "shifted one (near 1): pass load_mtp(..., zero_centred=True) for raw Hugging Face "
+                         "norms, False for norms with the +1 already added")
     if shift:
         for k, v in list(weights.items()):
             if v.ndim == 1 and mx.issubdtype(v.dtype, mx.floating) and _is_norm(k):
