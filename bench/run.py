@@ -9,7 +9,6 @@
     python bench/run.py pieces --target demo --history 300 --repeats 30   # a DDTree round's pieces
     python bench/run.py round-host --target demo --arms eagle3-chain:10,eagle3-tree:4:10:40:1 --n 4   # queued rounds' host ms
     python bench/run.py draft-kernels --target demo --arms eagle3-chain:10,eagle3-chain:6   # kernels a head draft launches
-    python bench/run.py draft-time --target demo --arms eagle3-chain:10,eagle3-tree:4:10:40:1   # ms a queued head draft takes
     python bench/run.py comm --target demo-hybrid --arms plain,dflash:7,ddtree:12 --n 4   # sharded: collectives
     python bench/run.py bound --target demo --arms eagle3 --prompts unseen --n 8 --max-tokens 128 --depth 12
         # a head's best tree of N rank paths, with hindsight, against its chain of N (CPU, exact)
@@ -1524,7 +1523,7 @@ VIEWS = {"Slice", "Split", "Reshape", "Broadcast", "ExpandDims", "Squeeze", "Tra
 
 def head_arms(args, command):
     """(target, the first unseen prompt's 64 tokens, [(arm, a fresh drafter)]) for a command over
-    head arms drafting ahead (draft-kernels, draft-time); any other arm exits naming it."""
+    head arms drafting ahead (draft-kernels); any other arm exits naming it."""
     target, tok = load_target(args.target)
     texts = load_prompts(args.prompts.split(",")[0])[:1]
     prompt = encode_prompts(tok, texts)[0][:64]
@@ -1707,52 +1706,6 @@ def run_attn(args):
           "| shape | key columns | query rows | fused us | composed us | fused / composed |", "|---|---|---|---|---|---|"]
     md += [f"| {r['shape']} | {r['width']} | {r['rows']} | {r['fused']:.1f} | {r['composed']:.1f} | {r['fused'] / r['composed']:.2f} |"
            for r in out]
-    write(args, report, md)
-
-
-def run_draft_time(args):
-    """Milliseconds one queued draft of each head arm takes (the first unseen prompt's 64 tokens
-    as its prefill; its compiled function called again on the same inputs): synced (each call
-    waited for; the median of --repeats) and pipelined (--repeats calls launched, then one wait:
-    the larger of host and device time a call). Then one op of each kind at R rows, chained 200
-    times (`step_ops`): what a draft step of R rows runs where a chain step runs one."""
-    target, prompt, drafters = head_arms(args, "draft-time")
-    rows = []
-    for a, drafter in drafters:
-        if drafter.ahead.__name__ == "lanes_ahead":
-            sys.exit(f"draft-time: arm {a} drafts an EAGLE-2 tree (a function a step): time a chain or "
-                     "one-lane arm")
-        kind = prefilled(target, drafter, prompt)
-        fn, seen, key = drafter._ahead_fn(kind), [], drafter._ahead_key(kind)
-        drafter._drafts[key] = lambda *x: (seen.append(x), fn(*x))[1]  # (the head's store: put back below)
-        mx.eval(drafter._steps_ahead(mx.array([prompt[-1]], mx.uint32), None, None, None, kind)[0])
-        drafter._drafts[key] = fn
-        inputs = seen[0]
-        synced = []
-        for _ in range(args.repeats + 3):
-            t = time.perf_counter()
-            mx.eval(fn(*inputs))
-            synced.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        outs = [fn(*inputs) for _ in range(args.repeats)]
-        for o in outs:
-            mx.async_eval(o)
-        mx.eval(outs)
-        piped = (time.perf_counter() - t) / args.repeats
-        rows.append(dict(arm=a, kind=kind, depth=drafter.depth, synced_ms=1e3 * statistics.median(synced[3:]),
-                         pipelined_ms=1e3 * piped))
-        log(f"{a}: synced {rows[-1]['synced_ms']:.3f} ms, pipelined {rows[-1]['pipelined_ms']:.3f} ms")
-    ops = step_ops([int(r) for r in args.rows.split(",")])
-    report = dict(meta=run_meta(section=args.section, target=args.target, arms=args.arms.split(",")), arms=rows, ops=ops)
-    md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
-          f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
-          f"One queued draft, ms: synced (median of {args.repeats}) and pipelined ({args.repeats} launched, one wait).",
-          "", "| arm | kind | steps | synced ms | pipelined ms |", "|---|---|---|---|---|"]
-    md += [f"| {r['arm']} | {r['kind']} | {r['depth']} | {r['synced_ms']:.3f} | {r['pipelined_ms']:.3f} |" for r in rows]
-    rs = sorted({r for v in ops.values() for r in v})
-    md += ["", "One op at R rows, chained 200 times, device us an op (each \"+ add\": one more kernel):", "",
-           "| op | " + " | ".join(f"R={r}" for r in rs) + " |", "|---|" + "---|" * len(rs)]
-    md += [f"| {k} | " + " | ".join(f"{v[r]:.1f}" for r in rs) + " |" for k, v in ops.items()]
     write(args, report, md)
 
 
@@ -2192,11 +2145,11 @@ def _json(o):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "round-host", "draft-kernels", "draft-time", "comm", "comm-rank",
+    p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "round-host", "draft-kernels", "comm", "comm-rank",
                                        "paths", "bound", "unseen-prompts", "train-prompts", "table", "attn", "topk",
                                        "head-step"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
-    p.add_argument("--rows", default="1,2,4,8,16,32,64", help="attn: query rows; draft-time, head-step: a step's "
+    p.add_argument("--rows", default="1,2,4,8,16,32,64", help="attn: query rows; head-step: a step's "
                                                               "rows; topk: logits rows")
     p.add_argument("--draft-vocab", type=int, default=32768, help="head-step: the draft vocabulary's ids")
     p.add_argument("--widths", default="1024,4096", help="attn: key columns; topk: vocabulary widths")
@@ -2258,7 +2211,7 @@ def main(argv=None):
     if args.arms is None and args.command != "proj":
         args.arms = "plain,chain:7,tree:3:8"
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
-     "pieces": run_pieces, "round-host": run_round_host, "draft-kernels": run_draft_kernels, "draft-time": run_draft_time, "attn": run_attn, "topk": run_topk, "head-step": run_head_step, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
+     "pieces": run_pieces, "round-host": run_round_host, "draft-kernels": run_draft_kernels, "attn": run_attn, "topk": run_topk, "head-step": run_head_step, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
      "unseen-prompts": make_unseen_prompts, "train-prompts": make_train_prompts,
      "table": run_table}[args.command](args)
 

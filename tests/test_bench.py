@@ -318,21 +318,6 @@ def test_rank_rounds_and_the_best_rank_tree():
     assert emitted == 3.0  # the first round emits 3 and ends the prompt
 
 
-def test_draft_time_section_tiny(tmp_path):
-    # one queued draft of a chain and of a one-lane tree, timed; the step ops at 1 and 2 rows;
-    # an EAGLE-2 tree (a function a step) is refused
-    text = run(["draft-time", "--arms", "eagle3-chain:3,eagle3-tree:2:3:6:1", "--rows", "1,2", "--repeats", "2",
-                "--out", str(tmp_path / "d")])
-    data = read_json(tmp_path / "d.json.gz")
-    assert [(r["arm"], r["kind"], r["depth"]) for r in data["arms"]] == [("eagle3-chain:3", "chain", 3),
-                                                                         ("eagle3-tree:2:3:6:1", "tree", 3)]
-    assert all(r["synced_ms"] > 0 and r["pipelined_ms"] > 0 for r in data["arms"])
-    assert all(set(v) == {"1", "2"} and min(v.values()) > 0 for v in data["ops"].values()) and "| R=1 | R=2 |" in text
-    out = subprocess.run([sys.executable, "bench/run.py", "draft-time", "--arms", "eagle3-tree:2:3:6:2", "--out",
-                          str(tmp_path / "e")], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode != 0 and "EAGLE-2 tree" in out.stderr
-
-
 def test_proj_prices_each_arm_at_its_own_verify_rows():
     # proj's verify for an arm's round: its nodes, root included, rounded up to a timed row
     # count, up to MAX_NODES (a tree past 64 nodes is priced at its own rows, not at 64)
