@@ -720,6 +720,12 @@ class AdaptiveDrafter:
         self.fed = 0
 
     def probe_parents(self):
+        """The largest layout a round of the primary (else the host) sends: greedy with
+        `depth_shapes`, the deepest depth's (what the GPU exactness probe verifies)."""
+        if self.depths is not None:
+            from .drafters.model import model_probe_parents
+
+            return model_probe_parents(*self.depth_shapes[max(self.depth_shapes)])
         return (self.primary if self.primary is not None else self.host).probe_parents()
 
     # ------------------------------------------------------------------ the choices

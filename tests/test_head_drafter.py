@@ -853,6 +853,10 @@ def test_the_head_defaults_depth_moves_between_rounds_and_stays_exact(tmp_path, 
                 assert all(n == f + 1 for n, f in mine), mine
         else:
             assert d.depths.current < 8 and d.primary.depth == d.depths.current, (d.depths.current, mine)
+            # the GPU probe verifies the deepest shape a round may send: K3 one lane, 16 deep
+            from mlx_treespec.spec import DraftSpec
+
+            assert len(d.probe_parents()) == 1 + 3 * HEAD_DEPTHS[-1] == len(DraftSpec.from_options(family).probe_parents())
             left = d.depths.current
             assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N, stats=RoundStats())] == ref
             assert d.depths.current <= left
