@@ -1709,40 +1709,6 @@ def run_attn(args):
     write(args, report, md)
 
 
-def step_ops(rows_list, n=200, H=384, F=1024, V=4096, dtype=mx.float16):
-    """Device us of one op of each kind a head step runs at R rows (the demo EAGLE-3 head's
-    widths), each fed the last one's output: {op: {R: us}}."""
-    rng = np.random.default_rng(0)
-
-    def w(*shape):
-        return mx.array((rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)).astype(dtype)
-
-    mats = {f"[R, {k}] @ [{k}, {m}]": w(m, k) for k, m in ((2 * H, H), (H, 128), (H, F), (F, H), (H, V))}
-    out = {}
-    for R in rows_list:
-        x0 = {k: w(R, m.shape[1]) for k, m in mats.items()}
-        logits = w(R, V)
-        idx = mx.array(rng.integers(0, R, R).astype(np.int32))
-        kinds = {k: (x0[k], lambda a, m=m: a + (a @ m.T)[:, : a.shape[1]].sum() * 0) for k, m in mats.items()}
-        kinds.update({
-            f"argsort of [R, {V}] (+ add)": (logits, lambda a: a + mx.argsort(a, axis=-1)[0, -1].astype(a.dtype)),
-            f"argmax of [R, {V}] (+ add)": (logits, lambda a: a + mx.argmax(a, axis=-1)[0].astype(a.dtype)),
-            f"take of R rows of [R, {H}]": (x0[f"[R, {H}] @ [{H}, 128]"], lambda a: mx.take(a, idx, axis=0)),
-        })
-        for name, (a0, f) in kinds.items():
-            fc = mx.compile(f)
-            for reps in (8, n):
-                a = a0
-                mx.eval(a)
-                for _ in range(reps):
-                    a = fc(a)
-                t = time.perf_counter()  # (nothing ran yet: the launch and the device time)
-                mx.eval(a)
-                t0 = time.perf_counter()
-            out.setdefault(name, {})[R] = 1e6 * (t0 - t) / n
-    return out
-
-
 def run_draft_kernels(args):
     """Kernels in one queued draft's graph per head arm (the first unseen prompt, 64 tokens, as
     its prefill): arms of two depths give a step's kernels, (A_S - A_s) / (S - s)."""

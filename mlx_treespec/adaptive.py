@@ -153,20 +153,23 @@ class DepthChoice:
         self.agreed = np.zeros(self.depths[-1] + 1)  # ... and agreed at d
         self.since = 0  # rounds booked at `current` since it was chosen
 
-    def book(self, depth, emitted, ms=None):
+    def book(self, depth, emitted, ms=None, asked=None):
         """A round drafted `depth` deep and emitted `emitted` tokens (its accepted drafts and the
         target's token after them); `ms`: its wall time where it was booked (not a warm-up or a
-        new shape's spike)."""
+        new shape's spike), booked to the depth it was `asked` to draft (default `depth`: a
+        round the context or max_tokens cut short is its depth's round, or a depth no round
+        can reach would never be left)."""
+        asked = int(depth if asked is None else asked)
         depth = min(int(depth), self.depths[-1])
         accepted = min(max(int(emitted) - 1, 0), depth)
         self.reached *= 1 - 1 / DEPTH_WINDOW
         self.agreed *= 1 - 1 / DEPTH_WINDOW
         self.reached[1 : min(accepted + 1, depth) + 1] += 1
         self.agreed[1 : accepted + 1] += 1
-        if ms is not None and depth in self.depths:  # (a round cut short by the context drafts less)
-            old = self.ms.get(depth)
-            self.ms[depth] = float(ms) if old is None else old + ALPHA * (float(ms) - old)
-            self.since += depth == self.current
+        if ms is not None and asked in self.depths:
+            old = self.ms.get(asked)
+            self.ms[asked] = float(ms) if old is None else old + ALPHA * (float(ms) - old)
+            self.since += asked == self.current
 
     def expected(self):
         """A round's expected emitted tokens at each depth 0..max: 1 + the sum over depths of the
@@ -310,6 +313,7 @@ class AdaptiveDrafter:
                 raise ValueError("depth_shapes= takes (depth, shape of that depth) pairs by strictly ascending "
                                  f"depth, the primary's own depth ({primary.depth}) among them: got depths {depths}")
         self.depth_shapes = None if depth_shapes is None else dict(depth_shapes)
+        self.home = None if primary is None else primary.depth  # (a fresh DepthChoice starts here)
         self.shapes = None if sampled_shapes is None else (
             ((0.0, (primary.topk, primary.lanes, primary.depth, primary.budget)),) + tuple(sampled_shapes))
         self.tier = 0  # the index in `shapes` of the shape this generation drafts
@@ -367,18 +371,24 @@ class AdaptiveDrafter:
         return self.learned.depth if self.depth_shapes is not None and self.draw is None else None
 
     def _apply_depth(self):
-        """The primary drafts the chosen depth's shape from its next draft on."""
+        """The primary drafts the chosen depth's shape from its next draft on (sampled with no
+        `sampled_shapes`: its own shape)."""
+        if self.depth_shapes is None:
+            return
         choice = self.depths
-        if choice is not None and self.primary.depth != choice.current:
-            self.primary.reshape(*self.depth_shapes[choice.current])
+        depth = choice.current if choice is not None else self.home
+        if self.shapes is None or choice is not None:
+            if self.primary.depth != depth:
+                self.primary.reshape(*self.depth_shapes[depth])
 
     def _book_depth(self, depth, emitted, ms):
-        """A primary's round for the depth choice (`ms` None: not booked); the next rounds'
-        depth follows."""
+        """A primary's round for the depth choice (`depth`: drafted, or (drafted, asked); `ms`
+        None: not booked); the next rounds' depth follows."""
         choice = self.depths
         if choice is None or depth is None:
             return
-        choice.book(depth, emitted, ms)
+        drafted, asked = depth if isinstance(depth, tuple) else (depth, depth)
+        choice.book(drafted, emitted, ms, asked)
         if ms is not None:
             choice.choose(self._depth_verify_ms)
             self._apply_depth()
@@ -429,7 +439,7 @@ class AdaptiveDrafter:
         self._queue_from(None)
         self.reach = self._reach_base()  # how deep the next host round drafts (`_reach_after`)
         if self.depth_shapes is not None and self.learned.depth is None:
-            self.learned.depth = DepthChoice(self.depth_shapes, self.primary.depth)
+            self.learned.depth = DepthChoice(self.depth_shapes, self.home)
         if self.learned.depth is not None:
             self.learned.depth.restart()
 
@@ -511,7 +521,7 @@ class AdaptiveDrafter:
         else:
             d = self._primary_draft(root, max_depth)
         d.source = self.names[arm]
-        self.last = (arm, now, d.size, d.depth if arm == "primary" else None)
+        self.last = (arm, now, d.size, (d.depth, self.primary.depth) if arm == "primary" else None)
         return d
 
     def commit(self, draft, path, emitted, hidden=None):

@@ -45,8 +45,7 @@ DEFAULT_TREE = dict(topk=3, lanes=1, depth=8)
 # 0.8 the coolest temperature measured where both are level or ahead (exact CPU acceptance by
 # temperature priced by the GPU's round costs).
 SAMPLED_TREES = ((0.55, dict(topk=5, lanes=1, depth=4)), (0.8, dict(topk=6, lanes=1, depth=3)))
-# Greedy (and below the first sampled temp), the default over a head drafts at one of these
-# depths, moving to a neighbour where its rounds promise more tokens per ms
+# Greedy, the default over a head drafts at one of these depths, moving to a neighbour where its rounds promise more tokens per ms
 # (adaptive.DepthChoice), from DEFAULT_TREE's. A head step costs a fraction of a verify, so how
 # deep a round pays follows how deep the target agrees with the head on the text: the demo MTP
 # head's chain of 16 ran 1.39x the fixed depth 8's on unseen text (bench/RESULTS.md, "Greedy
@@ -400,7 +399,7 @@ class DraftSpec:
     @property
     def depth_shapes(self):
         """((depth, (topk, lanes, depth, budget)), ...): the shapes a head's default moves between
-        greedy and below the first sampled temp, one per HEAD_DEPTHS (None: not a head's default)."""
+        greedy, one per HEAD_DEPTHS (None: not a head's default)."""
         if not self._head_default:
             return None
         return tuple((S, self._head_shape(DEFAULT_TREE["topk"], DEFAULT_TREE["lanes"], S)) for S in HEAD_DEPTHS)

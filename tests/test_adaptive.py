@@ -920,3 +920,50 @@ def test_a_heads_depth_moves_to_the_neighbour_with_the_most_tokens_per_ms():
             AdaptiveDrafter(primary=types.SimpleNamespace(depth=8, reshape=print), depth_shapes=bad)
     with pytest.raises(ValueError, match="pass a primary= that takes a shape"):
         AdaptiveDrafter(host=LookupDrafter(16, 8), depth_shapes=((8, (3, 1, 8, 24)),))
+
+
+class Shaped:
+    """A primary that takes a shape (a head drafter's options), for the depth rule alone."""
+
+    def __init__(self):
+        self.topk, self.lanes, self.depth, self.budget = 3, 1, 8, 24
+        self.draw = None  # (the sampling.Draw it guesses: set through the adaptive drafter)
+
+    def reshape(self, topk, lanes, depth, budget):
+        self.topk, self.lanes, self.depth, self.budget = topk, lanes, depth, budget
+
+    def reset(self):
+        pass
+
+
+def test_a_heads_depth_record_starts_at_its_own_depth_and_sampled_rounds_keep_their_shape():
+    # DepthChoice's record starts at the drafter's own depth (8) whatever shape the primary
+    # drafts when it is made (a sampled generation's K6 S3 left it at 3, which no depth record
+    # holds: every later drafter of the key raised), and a reset starts there again; sampled,
+    # the primary drafts SAMPLED_TREES' shape or, without sampled_shapes=, its own, never the
+    # learned greedy depth; a round the context cut short is its depth's round (a depth no
+    # round can reach in full is left like any other)
+    from mlx_treespec.adaptive import DEPTH_ROUNDS, DepthChoice
+    from mlx_treespec.spec import HEAD_DEPTHS
+
+    spec = DraftSpec.from_options("mtp")
+    for sampled in (spec.sampled_shapes, None):
+        d = AdaptiveDrafter(primary=Shaped(), depth_shapes=spec.depth_shapes, sampled_shapes=sampled)
+        d.draw = types.SimpleNamespace(temp=0.9)
+        assert d.depths is None and d.primary.depth == (3 if sampled else 8)
+        d.reset()
+        d.draw = None
+        assert d.depths.current == 8 and d.primary.depth == 8
+        d.depths.current = 16
+        d.draw = None
+        assert d.primary.depth == 16
+        d.draw = types.SimpleNamespace(temp=0.3)  # (below the first sampled temp: the default's own)
+        assert d.primary.depth == 8
+        d.draw = None
+        d.reset()
+        d.draw = None
+        assert d.depths.current == 8 and d.primary.depth == 8
+    choice = DepthChoice(HEAD_DEPTHS, 16)
+    for _ in range(DEPTH_ROUNDS):
+        choice.book(15, 1, 10.0, asked=16)  # a rotating window of 20: 15 at most, none agreed
+    assert choice.ms == {16: 10.0} and choice.choose(lambda S: 1.0) == 12
