@@ -313,7 +313,7 @@ class AdaptiveDrafter:
                 raise ValueError("depth_shapes= takes (depth, shape of that depth) pairs by strictly ascending "
                                  f"depth, the primary's own depth ({primary.depth}) among them: got depths {depths}")
         self.depth_shapes = None if depth_shapes is None else dict(depth_shapes)
-        self.home = None if primary is None else primary.depth  # (a fresh DepthChoice starts here)
+        self.home = getattr(primary, "depth", None)  # (a fresh DepthChoice starts here)
         self.shapes = None if sampled_shapes is None else (
             ((0.0, (primary.topk, primary.lanes, primary.depth, primary.budget)),) + tuple(sampled_shapes))
         self.tier = 0  # the index in `shapes` of the shape this generation drafts
