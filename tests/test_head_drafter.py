@@ -857,6 +857,6 @@ def test_the_head_defaults_depth_moves_between_rounds_and_stays_exact(tmp_path, 
             from mlx_treespec.spec import DraftSpec
 
             assert len(d.probe_parents()) == 1 + 3 * HEAD_DEPTHS[-1] == len(DraftSpec.from_options(family).probe_parents())
-            left = d.depths.current
-            assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N, stats=RoundStats())] == ref
-            assert d.depths.current <= left
+            left, stats = d.depths.current, RoundStats()
+            assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N, stats=stats)] == ref
+            assert [f for f, k in zip(stats.requested_depth, stats.drafter) if k in ("queued", "head")][0] == left
