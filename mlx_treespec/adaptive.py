@@ -521,7 +521,7 @@ class AdaptiveDrafter:
         else:
             d = self._primary_draft(root, max_depth)
         d.source = self.names[arm]
-        self.last = (arm, now, d.size, (d.depth, self.primary.depth) if arm == "primary" else None)
+        self.last = (arm, now, d.size, (d.depth, self.primary.depth) if arm == "primary" and self.depth_shapes else None)
         return d
 
     def commit(self, draft, path, emitted, hidden=None):

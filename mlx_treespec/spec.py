@@ -48,8 +48,9 @@ SAMPLED_TREES = ((0.55, dict(topk=5, lanes=1, depth=4)), (0.8, dict(topk=6, lane
 # Greedy, the default over a head drafts at one of these depths, moving to a neighbour where its rounds promise more tokens per ms
 # (adaptive.DepthChoice), from DEFAULT_TREE's. A head step costs a fraction of a verify, so how
 # deep a round pays follows how deep the target agrees with the head on the text: the demo MTP
-# head's chain of 16 ran 1.39x the fixed depth 8's on unseen text (bench/RESULTS.md, "Greedy
-# head trees against their chains"), while heads trained one step ahead agree a few tokens deep.
+# head's chain of 16 ran 1.39x the default (its queued chain of 8) on unseen text
+# (bench/RESULTS.md, "Greedy head trees against their chains"), while heads trained one step
+# ahead agree a few tokens deep.
 HEAD_DEPTHS = (2, 4, 8, 12, 16)
 # The depth of any tree or chain whose depth is not given, and the budget of a model-free
 # drafter's tree whose budget is not given.

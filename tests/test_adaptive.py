@@ -967,3 +967,13 @@ def test_a_heads_depth_record_starts_at_its_own_depth_and_sampled_rounds_keep_th
     for _ in range(DEPTH_ROUNDS):
         choice.book(15, 1, 10.0, asked=16)  # a rotating window of 20: 15 at most, none agreed
     assert choice.ms == {16: 10.0} and choice.choose(lambda S: 1.0) == 12
+
+
+def test_a_primary_without_a_depth_still_drafts():
+    # the depth record is kept for a primary with depth_shapes= only: a primary that has no
+    # depth (prompt lookup in primary=) drafts and commits as before
+    d = AdaptiveDrafter(primary=LookupDrafter())
+    d.prefill([1, 2, 3, 1, 2, 3, 1, 2])
+    draft = d.draft(2, 8)
+    assert draft.size > 1 and d.last[3] is None
+    d.commit(draft, np.zeros(1, np.int64), [3])
