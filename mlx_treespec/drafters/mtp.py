@@ -23,10 +23,11 @@ norms and drops every `mtp.*` tensor, so a `mtp.`-prefixed tensor in a folder mo
 the raw HF layout (the original checkpoint, or this project's export, which writes raw HF
 tensors into `model-mtp.safetensors` and marks the folder config with `mtp_hidden`); but tools
 that add MTP weights to a converted folder (vllm-mlx's `add_mtp_weights.py`) write them
-shifted under the same names. So the values decide (`norms_zero_centred`): the median of every
-`mtp.*` norm value sits near 0 in the raw layout (the demo hybrid's head: 0.05) and near 1
-shifted; raw norms get +1 on load, shifted ones load as they are, and a median in between is a
-one-line error. `load_mtp(..., zero_centred=True or False)` says which it is instead.
+shifted under the same names. So the values decide (`norms_zero_centred`): the MTP layer's
+input and post-attention norms sit about 1 below the target's own layers' (loaded shifted by
+mlx-lm) in the raw layout and level with them shifted; raw norms get +1 on load, shifted ones
+load as they are, and a median between the two is a one-line error. `load_mtp(...,
+zero_centred=True or False)` says which it is instead.
 To write a loaded (possibly quantized) head back in this layout, save `head.raw_weights()`.
 """
 import copy
@@ -409,16 +410,31 @@ def _moe_to_mlx(weights, num_experts):
     return weights
 
 
-def norms_zero_centred(weights):
+_LAYER_PAIRS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+
+
+def _median(arrays):
+    return float(np.median(np.concatenate([np.asarray(a.astype(mx.float32)).ravel() for a in arrays])))
+
+
+def norms_zero_centred(weights, target_model):
     """Whether `weights`' (`mtp.` prefix dropped) norms are the raw zero-centred layout (True) or
-    already shifted (False), by the median of all their values (module docstring); None where
-    it sits too far from both 0 and 1 to tell (a folder with no norms: True)."""
-    values = [np.asarray(v.astype(mx.float32)).ravel() for k, v in weights.items()
-              if v.ndim == 1 and mx.issubdtype(v.dtype, mx.floating) and _is_norm(k)]
-    if not values:
+    already shifted (False): the median of the MTP layer's input and post-attention norms
+    against the target's own layers' (mlx-lm loads those shifted: effective weights), about 1
+    below them raw and level shifted (module docstring); None where the median sits within
+    0.15 of halfway. No target layer norms to compare with: against 1; no MTP norms: True."""
+    from mlx.utils import tree_flatten
+
+    mine = [v for k, v in weights.items() if k.startswith("layers.") and k.endswith(_LAYER_PAIRS) and v.ndim == 1]
+    if not mine:
+        mine = [v for k, v in weights.items() if v.ndim == 1 and mx.issubdtype(v.dtype, mx.floating) and _is_norm(k)]
+    if not mine:
         return True
-    median = float(np.median(np.concatenate(values)))
-    return True if median < 0.35 else False if median > 0.65 else None
+    theirs = [v for k, v in tree_flatten(target_model.parameters())
+              if k.endswith(_LAYER_PAIRS) and "mtp." not in k and v.ndim == 1]
+    halfway = (_median(theirs) if theirs else 1.0) - 0.5
+    median = _median(mine)
+    return True if median < halfway - 0.15 else False if median > halfway + 0.15 else None
 
 
 def load_mtp(target_folder, target_model, zero_centred=None):
@@ -459,11 +475,11 @@ def load_mtp(target_folder, target_model, zero_centred=None):
     bad = sorted(k for k in weights if k.startswith("layers.") and not k.startswith("layers.0."))
     if bad:
         raise ValueError(_one_line(f"MTP tensors of more than one layer ({bad[:4]}): only one MTP layer is supported"))
-    shift = norms_zero_centred(weights) if zero_centred is None else bool(zero_centred)
+    shift = norms_zero_centred(weights, target_model) if zero_centred is None else bool(zero_centred)
     if shift is None:
-        raise ValueError(f"the mtp.* norms in {target_folder} sit between the raw layout (values near 0) and the "
-                         "shifted one (near 1): pass load_mtp(..., zero_centred=True) for raw Hugging Face "
-                         "norms, False for norms with the +1 already added")
+        raise ValueError(f"the mtp.* norms in {target_folder} sit between the raw layout (about 1 below the "
+                         "target's own layer norms) and the shifted one (level with them): pass load_mtp(..., "
+                         "zero_centred=True) for raw Hugging Face norms, False for norms with the +1 already added")
     if shift:
         for k, v in list(weights.items()):
             if v.ndim == 1 and mx.issubdtype(v.dtype, mx.floating) and _is_norm(k):
