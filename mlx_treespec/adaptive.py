@@ -381,14 +381,13 @@ class AdaptiveDrafter:
             if self.primary.depth != depth:
                 self.primary.reshape(*self.depth_shapes[depth])
 
-    def _book_depth(self, depth, emitted, ms):
-        """A primary's round for the depth choice (`depth`: drafted, or (drafted, asked); `ms`
-        None: not booked); the next rounds' depth follows."""
+    def _book_depth(self, depth, emitted, ms, asked=None):
+        """A primary's round `depth` deep (asked for `asked`: `DepthChoice.book`) for the depth
+        choice (`ms` None: not booked); the next rounds' depth follows."""
         choice = self.depths
         if choice is None or depth is None:
             return
-        drafted, asked = depth if isinstance(depth, tuple) else (depth, depth)
-        choice.book(drafted, emitted, ms, asked)
+        choice.book(depth, emitted, ms, asked)
         if ms is not None:
             choice.choose(self._depth_verify_ms)
             self._apply_depth()
@@ -398,9 +397,10 @@ class AdaptiveDrafter:
         queued chain's depth + 1 nodes, else its shape's tree."""
         if self.costs is None or callable(self.costs):
             return 0.0
-        topk, lanes, _, budget = self.depth_shapes[depth]
+        from .drafters.model import kept_nodes
+
         chain = self.queueable and not self.queues_trees
-        nodes = depth + 1 if chain else 1 + (depth if topk == 1 else min(budget, MAX_NODES - 1))
+        nodes = 1 + (depth if chain else kept_nodes(*self.depth_shapes[depth]))
         return float(self.verify_ms([nodes])[0])
 
     # ------------------------------------------------------------------ the drafter calls
@@ -430,7 +430,8 @@ class AdaptiveDrafter:
         # tokens per use carried in (what `value` weighs this generation's own against)
         self.prior = {k: r.tokens for k, r in self.rates.items() if r.ms is not None}
         self.spikes = {}  # per rate: uses in a row not booked as spikes (SPIKE)
-        self.last = None  # (arm, start time, nodes, depth drafted) of the round or stretch under way
+        # (arm, start time, nodes, (depth drafted, depth asked) or None) of the round or stretch under way
+        self.last = None
         self.emitted = 0
         self.scores = None  # draft probability of each node of the last DFlash draft (draft order)
         self.requeued = False  # the queued rounds under way are not the generation's first
@@ -521,7 +522,8 @@ class AdaptiveDrafter:
         else:
             d = self._primary_draft(root, max_depth)
         d.source = self.names[arm]
-        self.last = (arm, now, d.size, (d.depth, self.primary.depth) if arm == "primary" and self.depth_shapes else None)
+        asked = self.primary.depth if arm == "primary" and self.depth_shapes else None  # (DepthChoice.book)
+        self.last = (arm, now, d.size, None if asked is None else (d.depth, asked))
         return d
 
     def commit(self, draft, path, emitted, hidden=None):
@@ -611,10 +613,11 @@ class AdaptiveDrafter:
 
     def queue_more(self, tokens, ms, depth=None):
         """After each queued round (`tokens`: what it emitted, the last the next root; `ms`: its
-        wall time; `depth`: how deep it drafted, for `DepthChoice`): whether queueing goes on. Its rate over the last QUEUED_WINDOW booked rounds
-        (warm-up rounds and spikes unbooked, as `_close` leaves them) must stay at least
-        QUEUED_LOSS x the better of plain decoding's rate and the host drafter's over the same
-        text (`_shadow`); sampled, a head's go on to the generation's end (`holds_queue`)."""
+        wall time; `depth`: how deep it drafted, for `DepthChoice`): whether queueing goes on.
+        Its rate over the last QUEUED_WINDOW booked rounds (warm-up rounds and spikes unbooked,
+        as `_close` leaves them) must stay at least QUEUED_LOSS x the better of plain decoding's
+        rate and the host drafter's over the same text (`_shadow`); sampled, a head's go on to
+        the generation's end (`holds_queue`)."""
         if self.holds_queue:
             return True
         self.queued_tokens += [int(t) for t in tokens]
@@ -855,7 +858,8 @@ class AdaptiveDrafter:
         """Book the round or stretch that just ended against its arm."""
         if self.last is None:
             return
-        arm, start, nodes, depth = self.last
+        arm, start, nodes, depths = self.last
+        depth, asked = depths if depths is not None else (None, None)
         self.last = None
         ms = 1e3 * (now - start)
         key = self._key(arm)
@@ -864,15 +868,15 @@ class AdaptiveDrafter:
             self.seen[key] = (tokens + self.emitted, uses + 1)
         if arm != "plain" and arm not in self.warm:  # traces, first buffers: not what it costs
             self.warm.add(arm)
-            self._book_depth(depth, self.emitted, None)
+            self._book_depth(depth, self.emitted, None, asked)
             return
         if ms > SPIKE * self._expected_ms(arm, nodes) and self.spikes.get(key, 0) < SPIKES_IN_A_ROW:
             self.spikes[key] = self.spikes.get(key, 0) + 1  # a new shape's trace and kernels, once
-            self._book_depth(depth, self.emitted, None)
+            self._book_depth(depth, self.emitted, None, asked)
             return
         self.spikes[key] = 0
         self.rate(arm).add(self.emitted, ms)
-        self._book_depth(depth, self.emitted, ms)
+        self._book_depth(depth, self.emitted, ms, asked)
         if arm == "primary" and self.blocks and self.costs is not None:
             extra = max(ms - float(self.verify_ms([nodes])[0]), 0.0)
             self.overhead = extra if self.overhead is None else self.overhead + ALPHA * (extra - self.overhead)

@@ -32,6 +32,7 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
 _LEAVES = ("weight", "scales", "biases", "bias")  # a linear layer's arrays: one row per output
 _KINDS = (nn.Linear, nn.QuantizedLinear)
 
+
 class _Memo(threading.local):
     """{id(group): (input, joined output)} while a library forward runs in this thread (None
     outside one): two threads generating at once keep their own."""

@@ -45,8 +45,8 @@ DEFAULT_TREE = dict(topk=3, lanes=1, depth=8)
 # 0.8 the coolest temperature measured where both are level or ahead (exact CPU acceptance by
 # temperature priced by the GPU's round costs).
 SAMPLED_TREES = ((0.55, dict(topk=5, lanes=1, depth=4)), (0.8, dict(topk=6, lanes=1, depth=3)))
-# Greedy, the default over a head drafts at one of these depths, moving to a neighbour where its rounds promise more tokens per ms
-# (adaptive.DepthChoice), from DEFAULT_TREE's. A head step costs a fraction of a verify, so how
+# Greedy, the default over a head drafts at one of these depths, from DEFAULT_TREE's, moving to
+# a neighbour where its rounds promise more tokens per ms (adaptive.DepthChoice). A head step costs a fraction of a verify, so how
 # deep a round pays follows how deep the target agrees with the head on the text: the demo MTP
 # head's chain of 16 ran 1.39x the default (its queued chain of 8) on unseen text
 # (bench/RESULTS.md, "Greedy head trees against their chains"), while heads trained one step
