@@ -31,9 +31,7 @@ TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the
 step only, ARM/uncoupled (with --temp) a draft model's, head's or DFlash drafter's steps taking their logits'
 argmax, where the library's guess the target's draw (sampling.Draw) (suffixes in that order:
 ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains][/handback], ARM[/astree], ARM[/replay], ARM[/ranked],
-ARM[/separate], ARM[/onedepth]), auto:HEAD/onedepth a head's default at its one depth (8) greedy,
-where the library's moves between spec.HEAD_DEPTHS (adaptive.DepthChoice's A/B arm). Speed figures are
-ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt (with --temp every
+ARM[/separate]). Speed figures are ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt (with --temp every
 arm samples: mlx-plain by mlx-lm's sampler, the others' tokens checked against this library's
 plain sampled decoding, `plain`). Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
@@ -156,10 +154,6 @@ class Arms:
         """A function making the arm's drafter: a fresh one per prompt, as each library call
         makes one (an adaptive one starts from the target's start-up costs, measured at the
         warm-up and then read from disk)."""
-        arm, one_depth = (arm[: -len("/onedepth")], True) if arm.endswith("/onedepth") else (arm, False)
-        if one_depth:  # "auto:HEAD/onedepth": the head default at its one depth (DepthChoice's A/B arm)
-            inner = self.maker(arm)
-            return lambda: OneDepth.of(inner())
         arm, separate = (arm[: -len("/separate")], True) if arm.endswith("/separate") else (arm, False)
         arm_in = arm
         arm, ranked = (arm[: -len("/ranked")], True) if arm.endswith("/ranked") else (arm, False)
@@ -365,18 +359,6 @@ class ChainsQueued:
         drafter.__class__ = type("ChainsQueued" + type(drafter).__name__, (type(drafter),), {"queues_trees": False})
         drafter.shapes = None
         return own_record(drafter, "chains")
-
-
-class OneDepth:
-    """An adaptive head default drafting at its one depth greedy (DEFAULT_TREE's, the rule before
-    adaptive's `DepthChoice`): the A/B arm."""
-
-    @staticmethod
-    def of(drafter):
-        if getattr(drafter, "depth_shapes", None) is None:
-            raise ValueError("ARM/onedepth takes a head's default (auto:mtp, auto:eagle3)")
-        drafter.depth_shapes = None
-        return own_record(drafter, "onedepth")
 
 
 class HandBack:

@@ -59,12 +59,6 @@ QUEUED_WARM, QUEUED_MIN, QUEUED_WINDOW, QUEUED_LOSS = 3, 4, 32, 0.8
 # stretches, on the prompts where the fixed tree lost to plain decoding too. Holding ran
 # 1.15x the old rule on the hybrid at temp 0.7; at 0.3 the old rule won on repetitive text,
 # handing back to prompt lookup (bench/RESULTS.md, "Sampled, the default keeps its queued tree")
-# A head's depth (spec.HEAD_DEPTHS, `DepthChoice`): its acceptance by depth weighs the newest
-# round 1 / DEPTH_WINDOW (about the last DEPTH_WINDOW rounds: the text's, not the prompt's
-# start); a depth's rounds are booked DEPTH_ROUNDS times before the next move, and a move must
-# promise DEPTH_MARGIN x the tokens per ms of the depth it leaves (a measured round's ms varies
-# by a few percent)
-DEPTH_WINDOW, DEPTH_ROUNDS, DEPTH_MARGIN = 32, 4, 1.05
 
 
 @dataclass(frozen=True)
@@ -129,80 +123,6 @@ class Calibration:
         np.add.at(self.seen, b, 1.0)
 
 
-class DepthChoice:
-    """How deep a head's next rounds draft, among `depths` (ascending; spec.HEAD_DEPTHS): the
-    depth with the most expected tokens per ms. A depth's tokens per round come from this text's
-    acceptance by depth (the chance the target agrees at depth d where it agreed before it: each
-    depth's own rounds, leaning on the depth before it where they are few, so past the deepest
-    drafted the last rate goes on); its ms per round from its own booked rounds, carried between
-    generations. A neighbour of the current depth not measured yet is priced low (deeper: the
-    current round's ms plus the verify's extra nodes; shallower: its verify plus the current
-    round's other ms scaled by depth), so it is tried where it might win and kept only if its
-    own rounds do. `current`: the depth the next rounds draft."""
-
-    PRIOR = 1.0  # pseudo-rounds at the rate of the depth before (at depth 1: even odds)
-
-    def __init__(self, depths, current):
-        self.depths, self.current = tuple(depths), int(current)
-        self.ms = {}  # depth -> a booked round's ms (EWMA)
-        self.restart()
-
-    def restart(self):
-        """A new text: its acceptance is learned afresh (the ms stay)."""
-        self.reached = np.zeros(self.depths[-1] + 1)  # rounds that drafted depth d and agreed before it
-        self.agreed = np.zeros(self.depths[-1] + 1)  # ... and agreed at d
-        self.since = 0  # rounds booked at `current` since it was chosen
-
-    def book(self, depth, emitted, ms=None, asked=None):
-        """A round drafted `depth` deep and emitted `emitted` tokens (its accepted drafts and the
-        target's token after them); `ms`: its wall time where it was booked (not a warm-up or a
-        new shape's spike), booked to the depth it was `asked` to draft (default `depth`: a
-        round the context or max_tokens cut short is its depth's round, or a depth no round
-        can reach would never be left)."""
-        asked = int(depth if asked is None else asked)
-        depth = min(int(depth), self.depths[-1])
-        accepted = min(max(int(emitted) - 1, 0), depth)
-        self.reached *= 1 - 1 / DEPTH_WINDOW
-        self.agreed *= 1 - 1 / DEPTH_WINDOW
-        self.reached[1 : min(accepted + 1, depth) + 1] += 1
-        self.agreed[1 : accepted + 1] += 1
-        if ms is not None and asked in self.depths:
-            old = self.ms.get(asked)
-            self.ms[asked] = float(ms) if old is None else old + ALPHA * (float(ms) - old)
-            self.since += asked == self.current
-
-    def expected(self):
-        """A round's expected emitted tokens at each depth 0..max: 1 + the sum over depths of the
-        chance the target agrees all the way to it."""
-        p, prev = np.empty(len(self.reached)), 0.5
-        for d in range(1, len(p)):
-            p[d] = prev = (self.agreed[d] + self.PRIOR * prev) / (self.reached[d] + self.PRIOR)
-        return 1.0 + np.concatenate([[0.0], np.cumsum(np.cumprod(p[1:]))])
-
-    def choose(self, verify_ms):
-        """Moves `current` where the rounds promise DEPTH_MARGIN x its tokens per ms, once it
-        has DEPTH_ROUNDS booked rounds; returns it. `verify_ms(depth)`: the start-up fit's
-        verify ms of a round that deep (0 without a fit)."""
-        here = self.ms.get(self.current)
-        if here is None or self.since < DEPTH_ROUNDS:
-            return self.current
-        i = self.depths.index(self.current)
-        priced = {}
-        for j, S in enumerate(self.depths):
-            if S in self.ms:
-                priced[S] = self.ms[S]
-            elif j == i + 1:
-                priced[S] = here + max(verify_ms(S) - verify_ms(self.current), 0.0)
-            elif j == i - 1:
-                v = verify_ms(self.current)
-                priced[S] = verify_ms(S) + max(here - v, 0.0) * S / self.current
-        gain = self.expected()
-        best = max(priced, key=lambda S: gain[S] / max(priced[S], 1e-6))
-        if best != self.current and gain[best] / max(priced[best], 1e-6) > DEPTH_MARGIN * gain[self.current] / here:
-            self.current, self.since = best, 0
-        return self.current
-
-
 class Learned:
     """What an adaptive drafter has learned: its arms' rates, the DFlash calibration, a DFlash
     round's overhead. Drafters built with the same `memory` key share one (`LEARNED`), so a
@@ -215,7 +135,6 @@ class Learned:
         self.rates = {"primary": Rate(), "plain": Rate(plain_ms),
                       **{("host", m): Rate() for m in range(MATCHES + 1)}}
         self.calibration = Calibration()
-        self.depth = None  # a head default's DepthChoice (its depths' ms, the depth it drafts)
         self.overhead = None  # EWMA of a DFlash round's ms beyond its verify's
         self.plain_at = plain_ms  # the plain ms per token the plain rate stands at (repricing scales it)
 
@@ -264,13 +183,10 @@ class AdaptiveDrafter:
     function of the context's rows returning `costs` there (`costmodel.costs_at`), asked at
     each prefill and every `REPRICE` rows; `sampled_shapes`: ((temp, (topk, lanes, depth,
     budget)), ...) by ascending temp, the primary's shape when sampling at each temp or hotter
-    (`spec.DraftSpec.sampled_shapes`); `depth_shapes`: ((depth, (topk, lanes, depth, budget)),
-    ...) by ascending depth, the primary's shapes greedy, one chosen per round by `DepthChoice`
-    from the primary's own depth (`spec.DraftSpec.depth_shapes`). `reset` starts a fresh record
-    (under the same key)."""
+    (`spec.DraftSpec.sampled_shapes`). `reset` starts a fresh record (under the same key)."""
 
     def __init__(self, primary=None, host=None, costs=None, verify_rows=None, memory=None,
-                 context_costs=None, sampled_shapes=None, depth_shapes=None):
+                 context_costs=None, sampled_shapes=None):
         if primary is None and host is None:
             raise ValueError("an adaptive drafter needs a drafter to choose: pass primary= or host=")
         if getattr(host, "capture", ()):
@@ -303,17 +219,6 @@ class AdaptiveDrafter:
             if not all(a < b for a, b in zip([0.0] + temps, temps)):  # (NaN fails every comparison)
                 raise ValueError("sampled_shapes= takes (temp, shape) pairs by strictly ascending temp, each "
                                  f"above 0: got temps {temps}")
-        if depth_shapes is not None:
-            depths = [S for S, _ in depth_shapes]
-            if primary is None or not callable(getattr(primary, "reshape", None)):
-                raise ValueError("depth_shapes= reshapes the primary drafter: pass a primary= that takes a shape "
-                                 "(a draft model's or a head's drafter)")
-            if not all(isinstance(S, int) and 0 < S == shape[2] for S, shape in depth_shapes) or \
-                    not all(a < b for a, b in zip(depths, depths[1:])) or primary.depth not in depths:
-                raise ValueError("depth_shapes= takes (depth, shape of that depth) pairs by strictly ascending "
-                                 f"depth, the primary's own depth ({primary.depth}) among them: got depths {depths}")
-        self.depth_shapes = None if depth_shapes is None else dict(depth_shapes)
-        self.home = getattr(primary, "depth", None)  # (a fresh DepthChoice starts here)
         self.shapes = None if sampled_shapes is None else (
             ((0.0, (primary.topk, primary.lanes, primary.depth, primary.budget)),) + tuple(sampled_shapes))
         self.tier = 0  # the index in `shapes` of the shape this generation drafts
@@ -361,47 +266,6 @@ class AdaptiveDrafter:
             temp = getattr(draw, "temp", None)
             self.tier = 0 if temp is None else max((i for i, (t, _) in enumerate(self.shapes) if temp >= t), default=0)
             self.primary.reshape(*self.shapes[self.tier][1])
-        self._apply_depth()
-
-    @property
-    def depths(self):
-        """The `DepthChoice` of this generation's rounds: greedy, where `depth_shapes` was given
-        (sampled, the primary drafts its own shape or `sampled_shapes`': bench/RESULTS.md, "A
-        sampled default shape"); else None."""
-        return self.learned.depth if self.depth_shapes is not None and self.draw is None else None
-
-    def _apply_depth(self):
-        """The primary drafts the chosen depth's shape from its next draft on (sampled with no
-        `sampled_shapes`: its own shape)."""
-        if self.depth_shapes is None:
-            return
-        choice = self.depths
-        depth = choice.current if choice is not None else self.home
-        if self.shapes is None or choice is not None:
-            if self.primary.depth != depth:
-                self.primary.reshape(*self.depth_shapes[depth])
-
-    def _book_depth(self, depth, emitted, ms, asked=None):
-        """A primary's round `depth` deep (asked for `asked`: `DepthChoice.book`) for the depth
-        choice (`ms` None: not booked); the next rounds' depth follows."""
-        choice = self.depths
-        if choice is None or depth is None:
-            return
-        choice.book(depth, emitted, ms, asked)
-        if ms is not None:
-            choice.choose(self._depth_verify_ms)
-            self._apply_depth()
-
-    def _depth_verify_ms(self, depth):
-        """The start-up fit's verify ms of a primary's round `depth` deep (0 without a fit): a
-        queued chain's depth + 1 nodes, else its shape's tree."""
-        if self.costs is None or callable(self.costs):
-            return 0.0
-        from .drafters.model import kept_nodes
-
-        chain = self.queueable and not self.queues_trees
-        nodes = 1 + (depth if chain else kept_nodes(*self.depth_shapes[depth]))
-        return float(self.verify_ms([nodes])[0])
 
     # ------------------------------------------------------------------ the drafter calls
 
@@ -430,8 +294,7 @@ class AdaptiveDrafter:
         # tokens per use carried in (what `value` weighs this generation's own against)
         self.prior = {k: r.tokens for k, r in self.rates.items() if r.ms is not None}
         self.spikes = {}  # per rate: uses in a row not booked as spikes (SPIKE)
-        # (arm, start time, nodes, (depth drafted, depth asked) or None) of the round or stretch under way
-        self.last = None
+        self.last = None  # (arm, start time, nodes) of the round or stretch under way
         self.emitted = 0
         self.scores = None  # draft probability of each node of the last DFlash draft (draft order)
         self.requeued = False  # the queued rounds under way are not the generation's first
@@ -439,10 +302,6 @@ class AdaptiveDrafter:
         self.wait = REPROBE
         self._queue_from(None)
         self.reach = self._reach_base()  # how deep the next host round drafts (`_reach_after`)
-        if self.depth_shapes is not None and self.learned.depth is None:
-            self.learned.depth = DepthChoice(self.depth_shapes, self.home)
-        if self.learned.depth is not None:
-            self.learned.depth.restart()
 
     def _queue_from(self, root):
         """A fresh record for queued rounds from `root` (None: before the prefill)."""
@@ -512,7 +371,7 @@ class AdaptiveDrafter:
             self.match = min(match, MATCHES)
         arm = self.choose(available)
         if arm == "plain":
-            self.last = ("plain", now, 1, None)
+            self.last = ("plain", now, 1)
             self.fed = 0
             return PlainStretch(self.stretch, self.watch if self.host is not None else None)
         if arm == "primary" and self.queueable:  # its rounds are booked in `queue_more`
@@ -522,8 +381,7 @@ class AdaptiveDrafter:
         else:
             d = self._primary_draft(root, max_depth)
         d.source = self.names[arm]
-        asked = self.primary.depth if arm == "primary" and self.depth_shapes else None  # (DepthChoice.book)
-        self.last = (arm, now, d.size, None if asked is None else (d.depth, asked))
+        self.last = (arm, now, d.size)
         return d
 
     def commit(self, draft, path, emitted, hidden=None):
@@ -611,30 +469,26 @@ class AdaptiveDrafter:
         if read is not None:
             read(emitted)
 
-    def queue_more(self, tokens, ms, depth=None):
+    def queue_more(self, tokens, ms):
         """After each queued round (`tokens`: what it emitted, the last the next root; `ms`: its
-        wall time; `depth`: how deep it drafted, for `DepthChoice`): whether queueing goes on.
-        Its rate over the last QUEUED_WINDOW booked rounds (warm-up rounds and spikes unbooked,
-        as `_close` leaves them) must stay at least QUEUED_LOSS x the better of plain decoding's
-        rate and the host drafter's over the same text (`_shadow`); sampled, a head's go on to
-        the generation's end (`holds_queue`)."""
+        wall time): whether queueing goes on. Its rate over the last QUEUED_WINDOW booked rounds
+        (warm-up rounds and spikes unbooked, as `_close` leaves them) must stay at least
+        QUEUED_LOSS x the better of plain decoding's rate and the host drafter's over the same
+        text (`_shadow`); sampled, a head's go on to the generation's end (`holds_queue`)."""
         if self.holds_queue:
             return True
         self.queued_tokens += [int(t) for t in tokens]
         self._shadow()
         self.queued_seen += 1
         if self.queued_seen <= (1 if self.requeued else QUEUED_WARM):
-            self._book_depth(depth, len(tokens), None)
             return True
         booked = self.queued
         usual = sum(m for _, m in booked) / len(booked) if booked else None
         if usual is not None and ms > SPIKE * usual and self.spikes.get("queued", 0) < SPIKES_IN_A_ROW:
             self.spikes["queued"] = self.spikes.get("queued", 0) + 1  # a new shape, once
-            self._book_depth(depth, len(tokens), None)
             return True
         self.spikes["queued"] = 0
         booked.append((len(tokens), ms))
-        self._book_depth(depth, len(tokens), ms)
         # plain decoding's start-up rate (at this context), not the stretches' EWMA: a stretch's
         # wall time holds the drafters' catch-up, and QUEUED_LOSS is the margin for that
         fit = self.costs is not None and not callable(self.costs)
@@ -733,12 +587,6 @@ class AdaptiveDrafter:
         self.fed = 0
 
     def probe_parents(self):
-        """The largest layout a round of the primary (else the host) sends: greedy with
-        `depth_shapes`, the deepest depth's (what the GPU exactness probe verifies)."""
-        if self.depths is not None:
-            from .drafters.model import model_probe_parents
-
-            return model_probe_parents(*self.depth_shapes[max(self.depth_shapes)])
         return (self.primary if self.primary is not None else self.host).probe_parents()
 
     # ------------------------------------------------------------------ the choices
@@ -858,8 +706,7 @@ class AdaptiveDrafter:
         """Book the round or stretch that just ended against its arm."""
         if self.last is None:
             return
-        arm, start, nodes, depths = self.last
-        depth, asked = depths if depths is not None else (None, None)
+        arm, start, nodes = self.last
         self.last = None
         ms = 1e3 * (now - start)
         key = self._key(arm)
@@ -868,15 +715,12 @@ class AdaptiveDrafter:
             self.seen[key] = (tokens + self.emitted, uses + 1)
         if arm != "plain" and arm not in self.warm:  # traces, first buffers: not what it costs
             self.warm.add(arm)
-            self._book_depth(depth, self.emitted, None, asked)
             return
         if ms > SPIKE * self._expected_ms(arm, nodes) and self.spikes.get(key, 0) < SPIKES_IN_A_ROW:
             self.spikes[key] = self.spikes.get(key, 0) + 1  # a new shape's trace and kernels, once
-            self._book_depth(depth, self.emitted, None, asked)
             return
         self.spikes[key] = 0
         self.rate(arm).add(self.emitted, ms)
-        self._book_depth(depth, self.emitted, ms, asked)
         if arm == "primary" and self.blocks and self.costs is not None:
             extra = max(ms - float(self.verify_ms([nodes])[0]), 0.0)
             self.overhead = extra if self.overhead is None else self.overhead + ALPHA * (extra - self.overhead)

@@ -13,7 +13,7 @@ import numpy as np
 import mlx.core as mx
 
 from .loop import DEFAULT_QUANTIZED_KV_START, RoundStats, vocab_size
-from .spec import DEFAULT_TREE, DRAFTERS, HEAD_DEPTHS, SAMPLED_TREES, DraftSpec
+from .spec import DEFAULT_TREE, DRAFTERS, SAMPLED_TREES, DraftSpec
 from .support import require_tree_support
 from .tree import MAX_NODES
 
@@ -228,10 +228,9 @@ def setup_arg_parser():
                    type=_switch,
                    help="print round statistics too (--verbose F prints only the response)")
     t = p.add_argument_group("tree", "with a draft model and none of these: {} (adaptive); a head's (mtp, "
-                                     "eagle3): greedy, its depth moves between {} by measured tokens per ms; "
-                                     "sampled: {}".format(_shape_flags(DEFAULT_TREE), ", ".join(map(str, HEAD_DEPTHS)),
-                                                          "; ".join("from --temp {:g}, {}".format(temp, _shape_flags(shape))
-                                                                    for temp, shape in SAMPLED_TREES)))
+                                     "eagle3), sampled: {}".format(_shape_flags(DEFAULT_TREE), "; ".join(
+                                         "from --temp {:g}, {}".format(temp, _shape_flags(shape))
+                                         for temp, shape in SAMPLED_TREES)))
     t.add_argument("--draft-block-size", dest="draft_block_size", type=int, default=None,
                    help="draft a chain of this many tokens")
     t.add_argument("--num-draft-tokens", type=int, default=None,

@@ -221,7 +221,7 @@ def queued_rounds(model, caches, drafter, prompt, hidden, capture, max_tokens, c
             bound = start + out[-1]  # (round r + 1 is under way: it may commit this many)
             if read is not None:
                 read(n - first)
-            if more is not None and not more(emitted, ms, depth):
+            if more is not None and not more(emitted, ms):
                 handed = True
                 break
     except GeneratorExit:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 from .tree import MAX_NODES, chain_parents, check_int, eagle2_candidates
 
-__all__ = ["DraftSpec", "check_int", "DEFAULT_TREE", "SAMPLED_TREES", "HEAD_DEPTHS", "DRAFTERS"]
+__all__ = ["DraftSpec", "check_int", "DEFAULT_TREE", "SAMPLED_TREES", "DRAFTERS"]
 
 # The draft model's shape when no shape option is given: a spine of 8 with each step's two
 # runners-up as leaves (K=3, one lane, S=8): the fastest tree of the draft model alone on the
@@ -45,13 +45,6 @@ DEFAULT_TREE = dict(topk=3, lanes=1, depth=8)
 # 0.8 the coolest temperature measured where both are level or ahead (exact CPU acceptance by
 # temperature priced by the GPU's round costs).
 SAMPLED_TREES = ((0.55, dict(topk=5, lanes=1, depth=4)), (0.8, dict(topk=6, lanes=1, depth=3)))
-# Greedy, the default over a head drafts at one of these depths, from DEFAULT_TREE's, moving to
-# a neighbour where its rounds promise more tokens per ms (adaptive.DepthChoice). A head step costs a fraction of a verify, so how
-# deep a round pays follows how deep the target agrees with the head on the text: the demo MTP
-# head's chain of 16 ran 1.39x the default (its queued chain of 8) on unseen text
-# (bench/RESULTS.md, "Greedy head trees against their chains"), while heads trained one step
-# ahead agree a few tokens deep.
-HEAD_DEPTHS = (2, 4, 8, 12, 16)
 # The depth of any tree or chain whose depth is not given, and the budget of a model-free
 # drafter's tree whose budget is not given.
 DEFAULT_DEPTH = 8
@@ -355,8 +348,7 @@ class DraftSpec:
                 return AdaptiveDrafter(host=host, costs=costs, memory=memory, context_costs=at)
             return AdaptiveDrafter(primary=replace(self, adaptive=False).build(draft_model),
                                    host=LookupDrafter(DEFAULT_FREE_BUDGET, 2 * DEFAULT_DEPTH),
-                                   costs=costs, memory=memory, context_costs=at, sampled_shapes=self.sampled_shapes,
-                                   depth_shapes=self.depth_shapes)
+                                   costs=costs, memory=memory, context_costs=at, sampled_shapes=self.sampled_shapes)
         if self.drafter == "lookup":
             from .drafters.lookup import LookupDrafter
 
@@ -392,31 +384,17 @@ class DraftSpec:
         """((temp, (topk, lanes, depth, budget)), ...): the shapes a head's default drafts when
         sampling at each temp of SAMPLED_TREES or hotter, coolest first (None: this spec's own
         at every temperature: not adaptive, not a head, or a shape other than the default's)."""
-        if not self._head_default:
-            return None
-        return tuple((temp, self._head_shape(shape["topk"], shape["lanes"], shape["depth"]))
-                     for temp, shape in SAMPLED_TREES)
-
-    @property
-    def depth_shapes(self):
-        """((depth, (topk, lanes, depth, budget)), ...): the shapes a head's default moves between
-        greedy, one per HEAD_DEPTHS (None: not a head's default)."""
-        if not self._head_default:
-            return None
-        return tuple((S, self._head_shape(DEFAULT_TREE["topk"], DEFAULT_TREE["lanes"], S)) for S in HEAD_DEPTHS)
-
-    @property
-    def _head_default(self):
-        """Adaptive drafting over a head's default shape (no shape option given)."""
         if not (self.adaptive and self.drafter in HEADS):
-            return False
+            return None
         default = DraftSpec.adaptive_over(self.drafter)
-        return (self.topk, self.lanes, self.depth, self.budget) == (default.topk, default.lanes, default.depth,
-                                                                    default.budget)
-
-    def _head_shape(self, topk, lanes, depth):
-        shape = DraftSpec.from_options(self.drafter, tree_topk=topk, tree_lanes=lanes, tree_depth=depth)
-        return shape.topk, shape.lanes, shape.depth, shape.budget
+        if (self.topk, self.lanes, self.depth, self.budget) != (default.topk, default.lanes, default.depth, default.budget):
+            return None
+        shapes = []
+        for temp, shape in SAMPLED_TREES:
+            hot = DraftSpec.from_options(self.drafter, tree_topk=shape["topk"], tree_lanes=shape["lanes"],
+                                         tree_depth=shape["depth"])
+            shapes.append((temp, (hot.topk, hot.lanes, hot.depth, hot.budget)))
+        return tuple(shapes)
 
     def probe_parents(self):
         """The largest layout a round of this spec sends (what the GPU exactness probe verifies),
@@ -435,8 +413,7 @@ class DraftSpec:
             return probe_parents(self.topk, self.depth, self.budget)
         from .drafters.model import model_probe_parents
 
-        shape = self.depth_shapes[-1][1] if self.depth_shapes else (self.topk, self.lanes, self.depth, self.budget)
-        return with_root_chain(model_probe_parents(*shape), self.lookup)
+        return with_root_chain(model_probe_parents(self.topk, self.lanes, self.depth, self.budget), self.lookup)
 
 
 def _arm_int(text, arm):

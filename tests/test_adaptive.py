@@ -54,7 +54,7 @@ class Scripted(AdaptiveDrafter):
 def book(d, arm, emitted, ms):
     """A use of `arm` that emitted `emitted` tokens in `ms` ms, booked as the loop books it."""
     d.warm.add(arm)
-    d.last, d.emitted = (arm, 0.0, 2, None), emitted
+    d.last, d.emitted = (arm, 0.0, 2), emitted
     d._close(ms / 1e3)
 
 
@@ -293,11 +293,11 @@ def test_a_sampled_shapes_rounds_are_tried_once_per_text_under_its_own_rate():
 def test_first_use_of_an_arm_in_a_generation_is_not_booked():
     d = AdaptiveDrafter(primary=LookupDrafter(), costs=(1.0, flat(1.0)))
     d.prefill([1, 2, 3])
-    d.last, d.emitted = ("primary", 0.0, 2, None), 1  # a round that took ~forever (a trace)
+    d.last, d.emitted = ("primary", 0.0, 2), 1  # a round that took ~forever (a trace)
     d._close(1.0)
     assert d.rates["primary"].value is None  # its ms not booked: tried again
     assert d.seen["primary"] == (1, 1)  # what it emitted is booked (this text's)
-    d.last = ("primary", 1.0, 2, None)
+    d.last = ("primary", 1.0, 2)
     d._close(1.002)
     assert d.rates["primary"].value == pytest.approx(0.5)
 
@@ -312,7 +312,7 @@ def test_each_generation_relearns_what_an_arm_emits():
     assert d.choose(["primary"]) == "plain"
     d.prefill([4, 5, 6])  # the next text
     assert d.choose(["primary"]) == "primary"  # once per text
-    d.last, d.emitted = ("primary", 0.0, 2, None), 12
+    d.last, d.emitted = ("primary", 0.0, 2), 12
     d._close(0.030)  # its first use: 30 ms (a trace) not booked, its 12 tokens are
     assert d.rates["primary"].ms == pytest.approx(4.0)
     assert d.value("primary") == pytest.approx((2 + 12) / 2 / 4.0)
@@ -406,7 +406,7 @@ def test_a_spike_is_not_booked_unless_it_repeats():
     d.warm.add("primary")
 
     def use(arm, ms, emitted):
-        d.last, d.emitted = (arm, 0.0, 2, None), emitted
+        d.last, d.emitted = (arm, 0.0, 2), emitted
         d._close(ms / 1e3)
 
     use("primary", 2.0, 4)
@@ -572,7 +572,7 @@ class Requeues(Scripted):
         super().__init__(script, **kw)
         self.per_entry, self.left, self.requeues = per_entry, per_entry, []
 
-    def queue_more(self, tokens, ms, depth=None):
+    def queue_more(self, tokens, ms):
         super().queue_more(tokens, ms)
         self.left -= 1
         return self.left > 0
@@ -861,119 +861,3 @@ def test_an_error_in_a_hand_back_still_lands_the_last_token(requeuing):
             got.append(t)
     assert got and {c.offset for c in cache} == {len(prompt) + len(got)}
     assert got == plain(target, prompt, n=len(got))
-
-
-def _agree(rng, depth, rates):
-    """A round's emitted tokens where the target agrees at depth d with chance rates(d)."""
-    a = 0
-    while a < depth and rng.random() < rates(a + 1):
-        a += 1
-    return a + 1
-
-
-def test_a_heads_depth_moves_to_the_neighbour_with_the_most_tokens_per_ms():
-    # DepthChoice over spec.HEAD_DEPTHS from 8: a head the target agrees with 0.95 a token, whose
-    # rounds cost 0.1 ms more a step, climbs to 16 one neighbour at a time; one it agrees with
-    # 0.8 then 0.6 a token, whose steps cost more, goes down to 4; each depth is booked
-    # DEPTH_ROUNDS times before the next move, and a depth two away from the current is never
-    # tried but from one of its neighbours
-    from mlx_treespec.adaptive import DEPTH_MARGIN, DEPTH_ROUNDS, DepthChoice
-    from mlx_treespec.spec import HEAD_DEPTHS
-
-    rng = np.random.default_rng(0)
-    for rates, ms, end in ((lambda d: 0.95, lambda S: 4.0 + 0.1 * S, 16),
-                           (lambda d: 0.8 if d == 1 else 0.6, lambda S: 4.0 + 0.3 * S, 4)):
-        choice, visited, runs = DepthChoice(HEAD_DEPTHS, 8), [8], [0]
-        for _ in range(200):
-            S = choice.current
-            choice.book(S, _agree(rng, S, rates), ms(S))
-            runs[-1] += 1
-            if choice.choose(lambda S: 1.5) != S:
-                visited.append(choice.current)
-                runs.append(0)
-        assert choice.current == end, visited
-        firsts = [i for i, S in enumerate(visited) if S not in visited[:i]][1:]  # (a measured depth may be jumped to)
-        assert all(abs(HEAD_DEPTHS.index(visited[i - 1]) - HEAD_DEPTHS.index(visited[i])) == 1 for i in firsts)
-        assert min(runs[:-1], default=DEPTH_ROUNDS) >= DEPTH_ROUNDS, runs
-    # expected tokens: 1 + the sum of the chances of agreeing all the way to each depth; past
-    # the deepest drafted, the last depth's rate goes on
-    choice = DepthChoice(HEAD_DEPTHS, 4)
-    for _ in range(400):
-        choice.book(4, 1 + 4, None)  # every round accepted whole
-    gain = choice.expected()
-    assert gain[0] == 1.0 and 4.9 < gain[4] <= 5.0 and gain[16] > 14.0
-    # level rates (within DEPTH_MARGIN) do not move; no booked ms at the current depth: no move
-    choice = DepthChoice(HEAD_DEPTHS, 8)
-    for _ in range(DEPTH_ROUNDS):
-        choice.book(8, 1 + 8, None)
-    assert choice.choose(lambda S: 0.0) == 8
-    choice.ms = {8: 10.0, 12: 10.0 * (1 + 4 / 9) * DEPTH_MARGIN * 1.01}  # 12 deep: 4 more tokens of 9
-    for _ in range(DEPTH_ROUNDS):
-        choice.book(8, 1 + 8, 10.0)
-    verify = lambda S: 9.0  # (shallower is no cheaper to verify: 4 is priced at 9.5 ms)
-    assert choice.choose(verify) == 8
-    choice.ms[12] = 10.0
-    assert choice.choose(verify) == 12 and choice.since == 0
-    for bad in (((8, (3, 1, 8, 24)), (4, (3, 1, 4, 12))), ((4, (3, 1, 4, 12)), (12, (3, 1, 12, 36))),
-                ((8, (3, 1, 6, 18)),)):
-        with pytest.raises(ValueError, match="strictly ascending depth, the primary's own depth"):
-            AdaptiveDrafter(primary=types.SimpleNamespace(depth=8, reshape=print), depth_shapes=bad)
-    with pytest.raises(ValueError, match="pass a primary= that takes a shape"):
-        AdaptiveDrafter(host=LookupDrafter(16, 8), depth_shapes=((8, (3, 1, 8, 24)),))
-
-
-class Shaped:
-    """A primary that takes a shape (a head drafter's options), for the depth rule alone."""
-
-    def __init__(self):
-        self.topk, self.lanes, self.depth, self.budget = 3, 1, 8, 24
-        self.draw = None  # (the sampling.Draw it guesses: set through the adaptive drafter)
-
-    def reshape(self, topk, lanes, depth, budget):
-        self.topk, self.lanes, self.depth, self.budget = topk, lanes, depth, budget
-
-    def reset(self):
-        pass
-
-
-def test_a_heads_depth_record_starts_at_its_own_depth_and_sampled_rounds_keep_their_shape():
-    # DepthChoice's record starts at the drafter's own depth (8) whatever shape the primary
-    # drafts when it is made (a sampled generation's K6 S3 left it at 3, which no depth record
-    # holds: every later drafter of the key raised), and a reset starts there again; sampled,
-    # the primary drafts SAMPLED_TREES' shape or, without sampled_shapes=, its own, never the
-    # learned greedy depth; a round the context cut short is its depth's round (a depth no
-    # round can reach in full is left like any other)
-    from mlx_treespec.adaptive import DEPTH_ROUNDS, DepthChoice
-    from mlx_treespec.spec import HEAD_DEPTHS
-
-    spec = DraftSpec.from_options("mtp")
-    for sampled in (spec.sampled_shapes, None):
-        d = AdaptiveDrafter(primary=Shaped(), depth_shapes=spec.depth_shapes, sampled_shapes=sampled)
-        d.draw = types.SimpleNamespace(temp=0.9)
-        assert d.depths is None and d.primary.depth == (3 if sampled else 8)
-        d.reset()
-        d.draw = None
-        assert d.depths.current == 8 and d.primary.depth == 8
-        d.depths.current = 16
-        d.draw = None
-        assert d.primary.depth == 16
-        d.draw = types.SimpleNamespace(temp=0.3)  # (below the first sampled temp: the default's own)
-        assert d.primary.depth == 8
-        d.draw = None
-        d.reset()
-        d.draw = None
-        assert d.depths.current == 8 and d.primary.depth == 8
-    choice = DepthChoice(HEAD_DEPTHS, 16)
-    for _ in range(DEPTH_ROUNDS):
-        choice.book(15, 1, 10.0, asked=16)  # a rotating window of 20: 15 at most, none agreed
-    assert choice.ms == {16: 10.0} and choice.choose(lambda S: 1.0) == 12
-
-
-def test_a_primary_without_a_depth_still_drafts():
-    # the depth record is kept for a primary with depth_shapes= only: a primary that has no
-    # depth (prompt lookup in primary=) drafts and commits as before
-    d = AdaptiveDrafter(primary=LookupDrafter())
-    d.prefill([1, 2, 3, 1, 2, 3, 1, 2])
-    draft = d.draft(2, 8)
-    assert draft.size > 1 and d.last[3] is None
-    d.commit(draft, np.zeros(1, np.int64), [3])

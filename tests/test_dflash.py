@@ -1049,7 +1049,7 @@ def test_queued_tree_rounds_hand_back_to_the_round_loop(targets, folders, gpu_pa
     class HandsBack(QueuedSpineOracle if shape == "spine" else QueuedTreeOracle):
         rounds = 0
 
-        def queue_more(self, tokens, ms, depth=None):
+        def queue_more(self, tokens, ms):
             self.rounds += 1
             if shape == "tree":
                 return self.rounds < 3

@@ -126,7 +126,6 @@ def test_the_adaptive_head_queues_its_tree_when_sampling(tmp_path, monkeypatch):
     # shape from its temp up (K5 S4: 21, K6 S3: 19), generation by generation in one drafter;
     # every generation plain (sampled) decoding's tokens. A shape given is kept at every
     # temperature
-    import mlx_treespec.adaptive as adaptive
     import mlx_treespec.verify as verify
     from test_adaptive import flat
 
@@ -137,8 +136,6 @@ def test_the_adaptive_head_queues_its_tree_when_sampling(tmp_path, monkeypatch):
     folder = str(tmp_path / "qwen3_5_tied")
     prompt = np.random.default_rng(2).integers(0, tiny.VOCAB, 8).tolist() * 2
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
-    # (greedy, the depth held at 8: its moves are test_the_head_defaults_depth_moves_...'s)
-    monkeypatch.setattr(adaptive.DepthChoice, "choose", lambda self, verify_ms: self.current)
     (warm, _), (hot, _) = SAMPLED_TREES
     assert 0.3 < warm <= 0.7 < hot <= 1.0
     d = make_drafter(folder, drafter="mtp", target=target)
@@ -273,7 +270,7 @@ class PositionOracle(tiny.FollowsText, HeadDrafter):
         self._queued["prev"] = mx.concatenate([root.astype(mx.uint32), chain])  # (what is verified)
         return (chain, logits) if kind == "chain" else (chain[:, None], logits, out[2])
 
-    def queue_more(self, tokens, ms, depth=None):
+    def queue_more(self, tokens, ms):
         self.queued_rounds += 1
         return self.hand_back_after is None or self.queued_rounds < self.hand_back_after
 
@@ -452,7 +449,7 @@ class LaneOracle(tiny.FollowsText, HeadDrafter):
             self.text += np.array(path[1 : count.item()]).tolist() + [int(root.item())]
         return self._oracle(super().tree_ahead(root, rows, count, path), queued=True)
 
-    def queue_more(self, tokens, ms, depth=None):
+    def queue_more(self, tokens, ms):
         self.queued_rounds += 1
         return self.hand_back_after is None or self.queued_rounds < self.hand_back_after
 
@@ -807,56 +804,3 @@ def test_a_head_folder_given_per_call_is_read_once_a_target(tmp_path):
     target.model.embed_tokens = type(target.model.embed_tokens)(*target.model.embed_tokens.weight.shape)
     rebound = make_drafter(folder, drafter="eagle3", target=target).primary.model
     assert rebound is not reread.primary.model and rebound._embed is target.model.embed_tokens
-
-
-@pytest.mark.parametrize("kind", ["mtp-qwen3_5_tied", "eagle3-safeailab"])
-@pytest.mark.parametrize("queued", [True, False])
-def test_the_head_defaults_depth_moves_between_rounds_and_stays_exact(tmp_path, monkeypatch, kind, queued):
-    # greedy, the adaptive default over a head drafts at the depth DepthChoice picks, from
-    # the next round on (queued: the round queued after the one read). Moved every booked round
-    # through spec.HEAD_DEPTHS here, its rounds drafted several depths (queued chains of depth
-    # + 1 nodes; the round loop's one-lane trees) and the tokens are plain decoding's. With its
-    # own rule a random head (whose drafts the target seldom takes) goes shallower than 8, and
-    # the next generation starts at the depth the last one left
-    import mlx_treespec.adaptive as adaptive
-    import mlx_treespec.verify as verify
-    from test_adaptive import flat
-
-    from mlx_treespec.spec import HEAD_DEPTHS
-
-    family, name = kind.split("-", 1)
-    (make_mtp if family == "mtp" else make_eagle3)(tmp_path, name)
-    target = (make_mtp if family == "mtp" else make_eagle3)(tmp_path / "again", name)[1]
-    folder = str(tmp_path / name)
-    prompt = np.random.default_rng(2).integers(0, tiny.VOCAB, 8).tolist() * 2
-    monkeypatch.setattr(verify, "pad_keys_default", lambda: queued)
-    monkeypatch.setattr(adaptive, "SPIKE", float("inf"))  # (a slow CPU round booked: the moves on time)
-    ref = plain(target, prompt)
-    real = adaptive.DepthChoice.choose
-    ladder = iter(HEAD_DEPTHS[::-1] * N)
-
-    def cycled(self, verify_ms):
-        self.current = next(ladder)
-        return self.current
-
-    for choose in (cycled, real):
-        monkeypatch.setattr(adaptive.DepthChoice, "choose", choose)
-        d, stats = make_drafter(folder, drafter=family, target=target), RoundStats()
-        d.costs, d.context_costs = (1e6, flat(1.0)), None  # plain decoding slow: speculation goes on
-        d.choose = lambda available: "primary"  # (the round loop: no lookup round or plain stretch)
-        assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N, stats=stats)] == ref
-        mine = [(n, f) for n, f, k in zip(stats.nodes, stats.requested_depth, stats.drafter) if k in ("queued", "head")]
-        if choose is cycled:
-            depths = {f for n, f in mine}  # (the round loop's last rounds draft what max_tokens leaves)
-            assert len(depths & set(HEAD_DEPTHS)) >= 3 and max(depths) <= HEAD_DEPTHS[-1], mine
-            if queued:
-                assert all(n == f + 1 for n, f in mine), mine
-        else:
-            assert d.depths.current < 8 and d.primary.depth == d.depths.current, (d.depths.current, mine)
-            # the GPU probe verifies the deepest shape a round may send: K3 one lane, 16 deep
-            from mlx_treespec.spec import DraftSpec
-
-            assert len(d.probe_parents()) == 1 + 3 * HEAD_DEPTHS[-1] == len(DraftSpec.from_options(family).probe_parents())
-            left, stats = d.depths.current, RoundStats()
-            assert [t for t, _, _ in tree_generate_step(prompt, target, d, max_tokens=N, stats=stats)] == ref
-            assert [f for f, k in zip(stats.requested_depth, stats.drafter) if k in ("queued", "head")][0] == left
