@@ -31,7 +31,8 @@ TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the
 step only, ARM/uncoupled (with --temp) a draft model's, head's or DFlash drafter's steps taking their logits'
 argmax, where the library's guess the target's draw (sampling.Draw) (suffixes in that order:
 ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains][/handback], ARM[/astree], ARM[/replay], ARM[/ranked],
-ARM[/separate]). Speed figures are ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt (with --temp every
+ARM[/separate]). Speed figures are
+ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt (with --temp every
 arm samples: mlx-plain by mlx-lm's sampler, the others' tokens checked against this library's
 plain sampled decoding, `plain`). Each run writes
 bench/results/<date>_<commit>_<section>.{md,json.gz} (commit, versions and device inside) unless
