@@ -661,7 +661,7 @@ class AdaptiveDrafter:
         fit, rows = self.costs[1], self.verify_rows
         table = getattr(self, "_verify_table", None)
         if table is None or table[0] is not fit or table[1] is not rows:
-            table = self._verify_table = (fit, rows, np.array([fit(rows(n)) for n in range(MAX_NODES + 1)]))
+            table = self._verify_table = (fit, rows, fit.at([rows(n) for n in range(MAX_NODES + 1)]))
         return table[2][np.atleast_1d(np.asarray(nodes, np.int64))]
 
     def choose_budget(self, probs):

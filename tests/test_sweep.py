@@ -180,6 +180,13 @@ def test_fit_curve():
     bent = costmodel.fit_curve({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.0, 16: 1.0, 32: 4.0, 64: 12.0})
     assert bent.kind == "interp" and bent.linear_max_rel_err > 0.1
     assert bent(16) == 1.0 and bent(48) == 8.0 and bent(64) == 12.0
+    assert bent(128) == 12.0 + 8.0 / 32 * 64  # past the last point: its segment's slope
+    # an array of T at once (an adaptive drafter's verify table): t(1) up to 1, then the line,
+    # or the points joined and the last segment's slope past them
+    Ts = np.array([0.0, 1.0, 1.5, 2.0, 3.0, 31.0, 48.5, 64.0, 65.0, 257.0])
+    np.testing.assert_allclose(line.at(Ts), [2.0, 2.0] + [2.6 + 0.2 * T for T in Ts[2:]], rtol=1e-12)
+    np.testing.assert_allclose(bent.at(Ts), [1.0] * 5 + [1.0 + 3.0 * 15 / 16, 4.0 + 8.0 * 16.5 / 32, 12.0,
+                                                         12.25, 12.0 + 0.25 * 193], rtol=1e-12)
 
 
 def test_bar_formula():
