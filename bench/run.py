@@ -1717,7 +1717,7 @@ def run_draft_kernels(args):
 def launch_costs(n=200):
     """Host and device microseconds an op of each kind a queued round launches, each op fed the
     last one's output (so none is merged or skipped): {kind: build_us, launch_us, device_us}."""
-    from mlx_treespec.attention import kernel_backend
+    from mlx_treespec.attention import kernel_backend, unfused_attention
     from mlx_treespec.device_tree import run_walk
 
     W = 64
@@ -1737,6 +1737,17 @@ def launch_costs(n=200):
         "argsort of [4, 4096] rows (+ add)": lambda a: a + mx.argsort(rows + a[0], axis=-1)[0, -1].astype(a.dtype),
         "argmax of [4, 4096] rows (+ add)": lambda a: a + mx.argmax(rows + a[0], axis=-1)[0].astype(a.dtype),
     }
+    # a lane step's (4 rows) and a verify's (17) masked attention over 1024 columns (the demo
+    # target's heads, float16): MLX's fused attention (cuDNN on CUDA), and attention.unfused_attention
+    rng = np.random.default_rng(2)
+    for R in (4, 17):
+        q, k, v = (mx.array(rng.standard_normal(sh).astype(np.float16))
+                   for sh in ((1, 6, R, 64), (1, 2, 1024, 64), (1, 2, 1024, 64)))
+        m = mx.array(np.where(rng.random((R, 1024)) < 0.9, 0, -60000).astype(np.float16))
+        kinds[f"masked attention, {R} rows, fused (+ add)"] = lambda a, q=q, k=k, v=v, m=m: a + mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=0.125, mask=m)[0, 0, 0, :W].astype(a.dtype)
+        kinds[f"masked attention, {R} rows, unfused (+ add)"] = lambda a, q=q, k=k, v=v, m=m: a + unfused_attention(
+            q, k, v, m, 0.125)[0, 0, 0, :W].astype(a.dtype)
     backend = kernel_backend()
     if backend is not None:  # the device walk's kernel on a 41-node one-lane tree
         from mlx_treespec.drafters.model import lanes_parents
@@ -2141,6 +2152,9 @@ def main(argv=None):
     p.add_argument("--cpu-queued", action="store_true",
                    help="round-host on CPU: run the GPU's queued rounds (whole-buffer verify) to count each round's "
                         "kernels; CPU times are not speed")
+    p.add_argument("--fused-attention", action="store_true",
+                   help="a tree forward's masked attention of several rows through MLX's fused attention at every "
+                        "width (cuDNN on CUDA), as before attention.unfused: to measure that rule against it")
     p.add_argument("--contexts", default="1024,8192,32768", help="long: committed tokens before the verify")
     p.add_argument("--nodes", type=int, default=32, help="long: tree nodes (and causal tokens) per forward")
     p.add_argument("--nodes-list", default="2,3,5,8,10,12,15,20,30,45", help="bound: tree sizes")
@@ -2157,6 +2171,10 @@ def main(argv=None):
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     args.section = args.section or args.command
+    if args.fused_attention:
+        from mlx_treespec import attention
+
+        attention.unfused = lambda q, k, mask: False
     if args.arms is None and args.command != "proj":
         args.arms = "plain,chain:7,tree:3:8"
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,

@@ -116,3 +116,72 @@ def test_fits_takes_checked_variants_and_shapes_the_merge_can_grid(monkeypatch):
     assert not attention.fits(*shapes(128, 8))  # checked and refused
     assert not attention.fits(*shapes(64, 8)[:3], mx.zeros((8, 256), mx.bfloat16))  # another dtype
     assert attention.fits(*shapes(64, 16383, W=8)) and not attention.fits(*shapes(64, 16384, W=8))  # 4 heads
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("Hkv, G", [(2, 1), (2, 3)])
+@pytest.mark.parametrize("mask_kind", ["bool", "additive", "additive by head"])
+def test_unfused_attention_is_mlx_own_unfused_arithmetic(dtype, Hkv, G, mask_kind):
+    # on CPU MLX's fused attention runs its own unfused arithmetic: bitwise the same there
+    rng = np.random.default_rng(3)
+    R, W, D = 5, 37, 16
+    q, k, v = (mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)
+               for s in ((1, Hkv * G, R, D), (1, Hkv, W, D), (1, Hkv, W, D)))
+    visible = mx.array(np.concatenate([np.ones((R, 30), bool), tree_rows(R, rng), np.zeros((R, 2), bool)], 1))
+    mask = visible if mask_kind == "bool" else mx.where(visible, mx.array(0, dtype), mx.array(mx.finfo(dtype).min, dtype))
+    if mask_kind == "additive by head":
+        mask = mx.broadcast_to(mask, (1, Hkv * G, R, W))
+    got = attention.unfused_attention(q, k, v, mask, D ** -0.5)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5, mask=mask)
+    assert got.shape == want.shape == (1, Hkv * G, R, D)
+    if ON_GPU:
+        assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=2e-2).item()
+    else:
+        assert mx.array_equal(got, want).item()
+
+
+def test_unfused_takes_several_masked_rows_over_short_buffers_on_cuda_only(monkeypatch):
+    def shapes(R, W=256, mask=True):
+        q, k = mx.zeros((1, 4, R, 64), mx.float16), mx.zeros((1, 2, W, 64), mx.float16)
+        return q, k, (mx.zeros((R, W), mx.float16) if mask else None)
+
+    assert attention.unfused(*shapes(4)) == ON_GPU
+    monkeypatch.setattr(attention, "_backend_is_cuda", lambda: True)
+    assert attention.unfused(*shapes(4)) and attention.unfused(*shapes(65, W=attention.MIN_WIDTH - 1))
+    assert not attention.unfused(*shapes(1))  # one row: MLX runs it unfused itself
+    assert not attention.unfused(*shapes(4, W=attention.MIN_WIDTH))  # the kernel's or cuDNN's
+    assert not attention.unfused(*shapes(4, mask=False))
+    q, k, m = shapes(4)
+    assert not attention.unfused(q, (k, k, k), m)  # a quantized cache's keys
+    monkeypatch.setattr(attention, "_backend_is_cuda", lambda: False)
+    assert not attention.unfused(*shapes(4))
+
+
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_tree_forwards_through_unfused_attention_are_plain_decoding(tmp_path, monkeypatch, kind):
+    # what a CUDA GPU runs (the rule taken everywhere it applies): lane trees of a head over its
+    # target, in the round loop and queued, still give plain decoding's tokens on CPU
+    from mlx_lm.generate import generate_step
+
+    import tiny
+    from test_heads import make_eagle3, make_mtp
+    from mlx_treespec import RoundStats, tree_generate_step
+    from mlx_treespec.drafters.head import HeadDrafter
+
+    calls = []
+    real = attention.unfused_attention
+    monkeypatch.setattr(attention, "_backend_is_cuda", lambda: True)
+    monkeypatch.setattr(attention, "usable", lambda dtype, D: False)  # (no tree-attention kernel here)
+    monkeypatch.setattr(attention, "unfused_attention", lambda *a: calls.append(a[0].shape[2]) or real(*a))
+    head, target = (make_mtp(tmp_path, "qwen3_5_tied") if kind == "mtp" else make_eagle3(tmp_path, "safeailab"))[:2]
+    prompt = np.random.default_rng(2).integers(0, tiny.VOCAB, 12).tolist()
+    ref = [t for t, _ in generate_step(mx.array(prompt), target, max_tokens=32)]
+    for queued in (False, True):
+        monkeypatch.setattr(verify, "pad_keys_default", lambda: queued)
+        calls.clear()
+        stats = RoundStats()
+        drafter = HeadDrafter(head, topk=3, lanes=2, depth=4, budget=10)
+        out = [t for t, _, _ in tree_generate_step(prompt, target, drafter, max_tokens=32, stats=stats)]
+        assert out == ref, queued
+        assert (stats.drafter[0] == "queued") == queued
+        assert 2 in calls and max(calls) > 2, calls  # the lane steps' rows and the verify's
