@@ -1714,6 +1714,76 @@ def run_draft_kernels(args):
     write(args, report, md)
 
 
+def run_stalls(args):
+    """Rounds that stall: each arm (a fresh drafter a generation) over --n prompts of the first
+    --prompts set, --reps passes in one process, arms interleaved per prompt; per generation
+    its seconds, its rounds, and the rounds over STALL_MS (their count, time and node counts).
+    Then the first and second call of masked attention at (rows, key columns) shapes new to
+    the process, fused (MLX's) and `attention.unfused_attention`: a shape's first fused call
+    on CUDA builds a cuDNN graph. Run it twice, with and without --fused-attention, in two
+    processes (a process's cuDNN graphs and kernels stay built)."""
+    from mlx_treespec.attention import unfused_attention
+
+    target, tok = load_target(args.target)
+    texts = load_prompts(args.prompts.split(",")[0])[: args.n]
+    prompts = encode_prompts(tok, texts)
+    arms = Arms(target, args.target, texts, args.draft_model, args.dflash, dict(mtp=args.mtp, eagle3=args.eagle3))
+    names = args.arms.split(",")
+    makers = {a: arms.maker(a) for a in names}
+    rows = []
+    for rep in range(args.reps):
+        for i, p in enumerate(prompts):
+            for a in names:
+                t = time.perf_counter()
+                out, stats, _ = run_once(target, makers[a](), p, args.max_tokens)
+                wall = time.perf_counter() - t
+                slow = [(round(ms, 1), n) for ms, n in zip(stats.round_ms, stats.nodes) if ms > STALL_MS]
+                rows.append(dict(arm=a, rep=rep, prompt=i, wall_s=wall, rounds=stats.rounds,
+                                 round_ms_median=statistics.median(stats.round_ms) if stats.round_ms else 0.0,
+                                 slow=slow, slow_ms=sum(ms for ms, _ in slow)))
+                log(f"{a} rep {rep} prompt {i}: {wall:.2f} s, {stats.rounds} rounds, {len(slow)} over {STALL_MS} ms "
+                    f"({sum(ms for ms, _ in slow):.0f} ms: {slow[:6]})")
+    firsts = []
+    rng = np.random.default_rng(5)
+    for W in (640, 1152, 1664):
+        for R in (2, 4, 8, 16):
+            q, k, v = (mx.array(rng.standard_normal(sh).astype(np.float16))
+                       for sh in ((1, 4, R, 64), (1, 2, W, 64), (1, 2, W, 64)))
+            m = mx.array(np.where(rng.random((R, W)) < 0.9, 0, -60000).astype(np.float16))
+            mx.eval(q, k, v, m)
+            for name, f in (("unfused", lambda: unfused_attention(q, k, v, m, 0.125)),
+                            ("fused", lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m))):
+                ts = []
+                for _ in range(2):
+                    t = time.perf_counter()
+                    mx.eval(f())
+                    ts.append(1e3 * (time.perf_counter() - t))
+                firsts.append(dict(rows=R, width=W, kind=name, first_ms=ts[0], second_ms=ts[1]))
+    report = dict(meta=run_meta(section=args.section, target=args.target, arms=names), runs=rows, attention=firsts)
+    md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
+          f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
+          f"Generations ({args.n} prompts x {args.max_tokens} tokens, {args.reps} passes, one process): rounds over "
+          f"{STALL_MS} ms.", "", "| arm | pass | seconds (median, max) | rounds over | their ms (sum) | node counts of the slowest |",
+          "|---|---|---|---|---|---|"]
+    for a in names:
+        for rep in range(args.reps):
+            rs = [r for r in rows if r["arm"] == a and r["rep"] == rep]
+            slow = sorted((x for r in rs for x in r["slow"]), reverse=True)
+            md.append(f"| {a} | {rep} | {statistics.median(r['wall_s'] for r in rs):.2f}, {max(r['wall_s'] for r in rs):.2f} "
+                      f"| {len(slow)} | {sum(r['slow_ms'] for r in rs):.0f} | {', '.join(str(n) for _, n in slow[:8])} |")
+    md += ["", "Masked attention at shapes new to the process (float16, 4 query heads over 2, head dim 64): ms of "
+           "the first and the second call, synced.", "", "| rows | key columns | unfused first | unfused second "
+           "| fused first | fused second |", "|---|---|---|---|---|---|"]
+    for W in (640, 1152, 1664):
+        for R in (2, 4, 8, 16):
+            u, f = ([x for x in firsts if x["rows"] == R and x["width"] == W and x["kind"] == k][0] for k in ("unfused", "fused"))
+            md.append(f"| {R} | {W} | {u['first_ms']:.2f} | {u['second_ms']:.2f} | {f['first_ms']:.2f} | {f['second_ms']:.2f} |")
+    write(args, report, md)
+
+
+STALL_MS = 50.0
+
+
 def launch_costs(n=200):
     """Host and device microseconds an op of each kind a queued round launches, each op fed the
     last one's output (so none is merged or skipped): {kind: build_us, launch_us, device_us}."""
@@ -2107,7 +2177,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("command", choices=["loop", "acceptance", "proj", "long", "pieces", "round-host", "draft-kernels", "comm", "comm-rank",
                                        "paths", "bound", "unseen-prompts", "train-prompts", "table", "attn", "topk",
-                                       "head-step"])
+                                       "head-step", "stalls"])
     p.add_argument("--section", default=None, help="the results file's section name (default: the command)")
     p.add_argument("--rows", default="1,2,4,8,16,32,64", help="attn: query rows; head-step: a step's "
                                                               "rows; topk: logits rows")
@@ -2178,7 +2248,7 @@ def main(argv=None):
     if args.arms is None and args.command != "proj":
         args.arms = "plain,chain:7,tree:3:8"
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,
-     "pieces": run_pieces, "round-host": run_round_host, "draft-kernels": run_draft_kernels, "attn": run_attn, "topk": run_topk, "head-step": run_head_step, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
+     "pieces": run_pieces, "round-host": run_round_host, "stalls": run_stalls, "draft-kernels": run_draft_kernels, "attn": run_attn, "topk": run_topk, "head-step": run_head_step, "bound": run_bound, "comm": run_comm, "comm-rank": run_comm_rank, "paths": run_paths,
      "unseen-prompts": make_unseen_prompts, "train-prompts": make_train_prompts,
      "table": run_table}[args.command](args)
 
