@@ -1718,12 +1718,8 @@ def run_stalls(args):
     """Rounds that stall: each arm (a fresh drafter a generation) over --n prompts of the first
     --prompts set, --reps passes in one process, arms interleaved per prompt; per generation
     its seconds, its rounds, and the rounds over STALL_MS (their count, time and node counts).
-    Then the first and second call of masked attention at (rows, key columns) shapes new to
-    the process, fused (MLX's) and `attention.unfused_attention`: a shape's first fused call
-    on CUDA builds a cuDNN graph. Run it twice, with and without --fused-attention, in two
-    processes (a process's cuDNN graphs and kernels stay built)."""
-    from mlx_treespec.attention import unfused_attention
-
+    Then the first and second call of MLX's masked attention at (rows, key columns) shapes new
+    to the process (on CUDA a first call builds a cuDNN graph)."""
     target, tok = load_target(args.target)
     texts = load_prompts(args.prompts.split(",")[0])[: args.n]
     prompts = encode_prompts(tok, texts)
@@ -1743,22 +1739,19 @@ def run_stalls(args):
                                  slow=slow, slow_ms=sum(ms for ms, _ in slow)))
                 log(f"{a} rep {rep} prompt {i}: {wall:.2f} s, {stats.rounds} rounds, {len(slow)} over {STALL_MS} ms "
                     f"({sum(ms for ms, _ in slow):.0f} ms: {slow[:6]})")
-    firsts = []
+    firsts, shapes = [], [(R, W) for W in (640, 1152, 1664) for R in (2, 4, 8, 16)]
     rng = np.random.default_rng(5)
-    for W in (640, 1152, 1664):
-        for R in (2, 4, 8, 16):
-            q, k, v = (mx.array(rng.standard_normal(sh).astype(np.float16))
-                       for sh in ((1, 4, R, 64), (1, 2, W, 64), (1, 2, W, 64)))
-            m = mx.array(np.where(rng.random((R, W)) < 0.9, 0, -60000).astype(np.float16))
-            mx.eval(q, k, v, m)
-            for name, f in (("unfused", lambda: unfused_attention(q, k, v, m, 0.125)),
-                            ("fused", lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m))):
-                ts = []
-                for _ in range(2):
-                    t = time.perf_counter()
-                    mx.eval(f())
-                    ts.append(1e3 * (time.perf_counter() - t))
-                firsts.append(dict(rows=R, width=W, kind=name, first_ms=ts[0], second_ms=ts[1]))
+    for R, W in shapes:
+        q, k, v = (mx.array(rng.standard_normal(sh).astype(np.float16))
+                   for sh in ((1, 4, R, 64), (1, 2, W, 64), (1, 2, W, 64)))
+        m = mx.array(np.where(rng.random((R, W)) < 0.9, 0, -60000).astype(np.float16))
+        mx.eval(q, k, v, m)
+        ts = []
+        for _ in range(2):
+            t = time.perf_counter()
+            mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m))
+            ts.append(1e3 * (time.perf_counter() - t))
+        firsts.append(dict(rows=R, width=W, first_ms=ts[0], second_ms=ts[1]))
     report = dict(meta=run_meta(section=args.section, target=args.target, arms=names), runs=rows, attention=firsts)
     md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
@@ -1771,13 +1764,9 @@ def run_stalls(args):
             slow = sorted((x for r in rs for x in r["slow"]), reverse=True)
             md.append(f"| {a} | {rep} | {statistics.median(r['wall_s'] for r in rs):.2f}, {max(r['wall_s'] for r in rs):.2f} "
                       f"| {len(slow)} | {sum(r['slow_ms'] for r in rs):.0f} | {', '.join(str(n) for _, n in slow[:8])} |")
-    md += ["", "Masked attention at shapes new to the process (float16, 4 query heads over 2, head dim 64): ms of "
-           "the first and the second call, synced.", "", "| rows | key columns | unfused first | unfused second "
-           "| fused first | fused second |", "|---|---|---|---|---|---|"]
-    for W in (640, 1152, 1664):
-        for R in (2, 4, 8, 16):
-            u, f = ([x for x in firsts if x["rows"] == R and x["width"] == W and x["kind"] == k][0] for k in ("unfused", "fused"))
-            md.append(f"| {R} | {W} | {u['first_ms']:.2f} | {u['second_ms']:.2f} | {f['first_ms']:.2f} | {f['second_ms']:.2f} |")
+    md += ["", "MLX's masked attention at shapes new to the process (float16, 4 query heads over 2, head dim 64): ms "
+           "of the first and the second call, synced.", "", "| rows | key columns | first | second |", "|---|---|---|---|"]
+    md += [f"| {x['rows']} | {x['width']} | {x['first_ms']:.2f} | {x['second_ms']:.2f} |" for x in firsts]
     write(args, report, md)
 
 
@@ -1787,7 +1776,7 @@ STALL_MS = 50.0
 def launch_costs(n=200):
     """Host and device microseconds an op of each kind a queued round launches, each op fed the
     last one's output (so none is merged or skipped): {kind: build_us, launch_us, device_us}."""
-    from mlx_treespec.attention import kernel_backend, unfused_attention
+    from mlx_treespec.attention import kernel_backend
     from mlx_treespec.device_tree import run_walk
 
     W = 64
@@ -1808,16 +1797,15 @@ def launch_costs(n=200):
         "argmax of [4, 4096] rows (+ add)": lambda a: a + mx.argmax(rows + a[0], axis=-1)[0].astype(a.dtype),
     }
     # a lane step's (4 rows) and a verify's (17) masked attention over 1024 columns (the demo
-    # target's heads, float16): MLX's fused attention (cuDNN on CUDA), and attention.unfused_attention
+    # target's heads, float16): MLX's fused attention (cuDNN on CUDA); one masked row runs
+    # MLX's unfused arithmetic (two matmuls, a softmax)
     rng = np.random.default_rng(2)
     for R in (4, 17):
         q, k, v = (mx.array(rng.standard_normal(sh).astype(np.float16))
                    for sh in ((1, 6, R, 64), (1, 2, 1024, 64), (1, 2, 1024, 64)))
         m = mx.array(np.where(rng.random((R, 1024)) < 0.9, 0, -60000).astype(np.float16))
-        kinds[f"masked attention, {R} rows, fused (+ add)"] = lambda a, q=q, k=k, v=v, m=m: a + mx.fast.scaled_dot_product_attention(
+        kinds[f"masked attention, {R} rows (+ add)"] = lambda a, q=q, k=k, v=v, m=m: a + mx.fast.scaled_dot_product_attention(
             q, k, v, scale=0.125, mask=m)[0, 0, 0, :W].astype(a.dtype)
-        kinds[f"masked attention, {R} rows, unfused (+ add)"] = lambda a, q=q, k=k, v=v, m=m: a + unfused_attention(
-            q, k, v, m, 0.125)[0, 0, 0, :W].astype(a.dtype)
     backend = kernel_backend()
     if backend is not None:  # the device walk's kernel on a 41-node one-lane tree
         from mlx_treespec.drafters.model import lanes_parents
@@ -2222,9 +2210,6 @@ def main(argv=None):
     p.add_argument("--cpu-queued", action="store_true",
                    help="round-host on CPU: run the GPU's queued rounds (whole-buffer verify) to count each round's "
                         "kernels; CPU times are not speed")
-    p.add_argument("--fused-attention", action="store_true",
-                   help="a tree forward's masked attention of several rows through MLX's fused attention at every "
-                        "width (cuDNN on CUDA), as before attention.unfused: to measure that rule against it")
     p.add_argument("--contexts", default="1024,8192,32768", help="long: committed tokens before the verify")
     p.add_argument("--nodes", type=int, default=32, help="long: tree nodes (and causal tokens) per forward")
     p.add_argument("--nodes-list", default="2,3,5,8,10,12,15,20,30,45", help="bound: tree sizes")
@@ -2241,10 +2226,6 @@ def main(argv=None):
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     args.section = args.section or args.command
-    if args.fused_attention:
-        from mlx_treespec import attention
-
-        attention.unfused = lambda q, k, mask: False
     if args.arms is None and args.command != "proj":
         args.arms = "plain,chain:7,tree:3:8"
     {"loop": run_loop, "acceptance": run_acceptance, "proj": run_proj, "long": run_long,

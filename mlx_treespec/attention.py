@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from .tree import ancestors_of
 
-__all__ = ["tree_attention", "usable", "splits_for", "unfused", "unfused_attention"]
+__all__ = ["tree_attention", "usable", "splits_for"]
 
 ROWS = 64  # query rows per block (4 warps of 16: the mma fragments' rows)
 HEAD_DIMS = (64, 128)
@@ -179,41 +179,6 @@ def fits(q, k, v, mask):
             and v.dtype == q.dtype and mask.dtype == q.dtype and D in HEAD_DIMS and k.shape[3] == D
             and v.shape == k.shape and k.shape[0] == B and Hq % k.shape[1] == 0
             and mask.shape == (R, k.shape[2]) and B * Hq * R <= 65535)  # the merge's grid: one block row per output row
-
-
-def unfused(q, k, mask):
-    """Whether a tree forward's masked attention runs `unfused_attention` rather than MLX's fused
-    attention: several query rows (MLX runs one masked row unfused itself) over fewer than
-    MIN_WIDTH key columns (from there the kernel above, or cuDNN), on a CUDA GPU. There MLX
-    hands masked attention of several rows to cuDNN, which builds a graph for each new (rows,
-    columns) shape on first use (hundreds of ms: an eager verify of a new shape stalls) and costs
-    more host time a launch than the few kernels below; a head's lane step (a few rows) and a
-    verify (up to a few dozen) are host-bound (bench/RESULTS.md)."""
-    return (isinstance(mask, mx.array) and isinstance(k, mx.array) and q.shape[2] > 1
-            and k.shape[2] < MIN_WIDTH and _backend_is_cuda())
-
-
-def unfused_attention(q, k, v, mask, scale):
-    """softmax(q k^T * scale + mask) v for q [B, Hq, R, D] over k, v [B, Hkv, W, D] in MLX's own
-    arithmetic for attention it does not fuse (mlx/fast.cpp's fallback, which a one-row masked
-    step runs): the scaled queries grouped over their key/value head, one matmul for the
-    scores, the mask (additive, or boolean: the dtype's lowest value where unseen), a precise
-    softmax, one matmul for the output."""
-    B, Hq, R, D = q.shape
-    Hkv = k.shape[1]
-    q = q * mx.array(scale, q.dtype)
-    if Hq != Hkv:
-        q = q.reshape(B, Hkv, Hq // Hkv, R, D)
-        k, v = mx.expand_dims(k, 2), mx.expand_dims(v, 2)
-        if mask.ndim >= 3:  # a mask by query head: grouped as the queries
-            mask = mx.expand_dims(mask, -3) if mask.shape[-3] == 1 else mx.unflatten(mask, -3, (Hkv, Hq // Hkv))
-    scores = q @ k.swapaxes(-1, -2)
-    if mask.dtype == mx.bool_:
-        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    else:
-        scores = scores + mask.astype(scores.dtype)
-    out = mx.softmax(scores, axis=-1, precise=True) @ v
-    return out.reshape(B, Hq, R, out.shape[-1])
 
 
 def tree_attention(q, k, v, mask, bounds, scale):

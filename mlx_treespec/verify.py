@@ -148,14 +148,10 @@ MLA_CLASSES = {"DeepseekV3Attention", "Glm4MoeLiteAttention"}
 def _tree_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx-lm's `scaled_dot_product_attention`, where a model module calls it: a tree forward's
     own mask (the very array the stand-ins handed out) goes to the tree-attention kernel where
-    it takes the shapes, a tree forward's other masked attention of several rows unfused where
-    `attention.unfused` says so; everything else, and every call outside a tree forward, to
-    mlx-lm's."""
+    it takes the shapes; everything else, and every call outside such a forward, to mlx-lm's."""
     attend = _CTX.attend
     if attend is not None and mask is attend[0] and sinks is None and attention.fits(queries, keys, values, mask):
         return attention.tree_attention(queries, keys, values, mask, attend[1], scale)
-    if _CTX.positions is not None and sinks is None and attention.unfused(queries, keys, mask):
-        return attention.unfused_attention(queries, keys, values, mask, scale)
     return _BASE_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 

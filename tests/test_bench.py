@@ -525,3 +525,15 @@ def test_sampled_loop_checks_tokens_against_plain_sampled_decoding(tmp_path, cap
             arms.maker(arm)()
     with pytest.raises(ValueError, match="ARM/handback judges queued rounds"):
         arms.maker("auto:eagle3/sync/handback")
+
+
+def test_stalls_section_tiny(tmp_path):
+    # rounds over the stall line per generation, two passes in one process, and the first and
+    # second call of masked attention at shapes new to the process
+    run(["stalls", "--target", "demo", "--arms", "eagle3-chain:2/sync", "--prompts", "unseen", "--n", "1",
+         "--max-tokens", "8", "--reps", "2", "--out", str(tmp_path / "s")])
+    report = read_json(tmp_path / "s.json.gz")
+    assert [(r["arm"], r["rep"], r["prompt"]) for r in report["runs"]] == [("eagle3-chain:2/sync", 0, 0),
+                                                                          ("eagle3-chain:2/sync", 1, 0)]
+    assert all(r["rounds"] > 0 and r["wall_s"] > 0 and all(ms > 50 for ms, _ in r["slow"]) for r in report["runs"])
+    assert len(report["attention"]) == 12 and all(a["first_ms"] > 0 and a["second_ms"] > 0 for a in report["attention"])
