@@ -1718,8 +1718,8 @@ def run_stalls(args):
     """Rounds that stall: each arm (a fresh drafter a generation) over --n prompts of the first
     --prompts set, --reps passes in one process, arms interleaved per prompt; per generation
     its seconds, its rounds, and the rounds over STALL_MS (their count, time and node counts).
-    Then the first and second call of MLX's masked attention at (rows, key columns) shapes new
-    to the process (on CUDA a first call builds a cuDNN graph)."""
+    Then the first and second call of MLX's masked attention and of a depthwise conv1d at
+    shapes new to the process (on CUDA a first call of either builds a cuDNN graph)."""
     target, tok = load_target(args.target)
     texts = load_prompts(args.prompts.split(",")[0])[: args.n]
     prompts = encode_prompts(tok, texts)
@@ -1751,7 +1751,17 @@ def run_stalls(args):
             t = time.perf_counter()
             mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m))
             ts.append(1e3 * (time.perf_counter() - t))
-        firsts.append(dict(rows=R, width=W, first_ms=ts[0], second_ms=ts[1]))
+        firsts.append(dict(kind="attention", rows=R, width=W, first_ms=ts[0], second_ms=ts[1]))
+    for R in (2, 4, 8, 16, 32):  # a GatedDeltaNet layer's depthwise conv over R windows (the demo hybrid's)
+        win = mx.array(rng.standard_normal((R, 4, 384)).astype(np.float16))
+        w = mx.array(rng.standard_normal((384, 4, 1)).astype(np.float16))
+        mx.eval(win, w)
+        ts = []
+        for _ in range(2):
+            t = time.perf_counter()
+            mx.eval(mx.conv1d(win, w, 1, 0, 1, 384))
+            ts.append(1e3 * (time.perf_counter() - t))
+        firsts.append(dict(kind="conv1d", rows=R, width=4, first_ms=ts[0], second_ms=ts[1]))
     report = dict(meta=run_meta(section=args.section, target=args.target, arms=names), runs=rows, attention=firsts)
     md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
@@ -1764,9 +1774,10 @@ def run_stalls(args):
             slow = sorted((x for r in rs for x in r["slow"]), reverse=True)
             md.append(f"| {a} | {rep} | {statistics.median(r['wall_s'] for r in rs):.2f}, {max(r['wall_s'] for r in rs):.2f} "
                       f"| {len(slow)} | {sum(r['slow_ms'] for r in rs):.0f} | {', '.join(str(n) for _, n in slow[:8])} |")
-    md += ["", "MLX's masked attention at shapes new to the process (float16, 4 query heads over 2, head dim 64): ms "
-           "of the first and the second call, synced.", "", "| rows | key columns | first | second |", "|---|---|---|---|"]
-    md += [f"| {x['rows']} | {x['width']} | {x['first_ms']:.2f} | {x['second_ms']:.2f} |" for x in firsts]
+    md += ["", "MLX's masked attention (float16, 4 query heads over 2, head dim 64) and a depthwise conv1d (384 "
+           "channels, 4 taps) at shapes new to the process: ms of the first and the second call, synced.", "",
+           "| op | rows | key columns or taps | first | second |", "|---|---|---|---|---|"]
+    md += [f"| {x['kind']} | {x['rows']} | {x['width']} | {x['first_ms']:.2f} | {x['second_ms']:.2f} |" for x in firsts]
     write(args, report, md)
 
 

@@ -536,4 +536,5 @@ def test_stalls_section_tiny(tmp_path):
     assert [(r["arm"], r["rep"], r["prompt"]) for r in report["runs"]] == [("eagle3-chain:2/sync", 0, 0),
                                                                           ("eagle3-chain:2/sync", 1, 0)]
     assert all(r["rounds"] > 0 and r["wall_s"] > 0 and all(ms > 50 for ms, _ in r["slow"]) for r in report["runs"])
-    assert len(report["attention"]) == 12 and all(a["first_ms"] > 0 and a["second_ms"] > 0 for a in report["attention"])
+    assert [a["kind"] for a in report["attention"]] == ["attention"] * 12 + ["conv1d"] * 5
+    assert all(a["first_ms"] > 0 and a["second_ms"] > 0 for a in report["attention"])
