@@ -1718,8 +1718,9 @@ def run_stalls(args):
     """Rounds that stall: each arm (a fresh drafter a generation) over --n prompts of the first
     --prompts set, --reps passes in one process, arms interleaved per prompt; per generation
     its seconds, its rounds, and the rounds over STALL_MS (their count, time and node counts).
-    Then the first and second call of MLX's masked attention and of a depthwise conv1d at
-    shapes new to the process (on CUDA a first call of either builds a cuDNN graph)."""
+    Then the first and second call of MLX's masked attention and of a depthwise conv1d (a
+    GatedDeltaNet layer's, `gdn.tree_conv1d`: one window a row) at shapes new to the process
+    (on CUDA MLX runs both through cuDNN, which builds a graph for each shape it meets first)."""
     target, tok = load_target(args.target)
     texts = load_prompts(args.prompts.split(",")[0])[: args.n]
     prompts = encode_prompts(tok, texts)

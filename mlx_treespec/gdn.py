@@ -81,7 +81,6 @@ __all__ = [
     "tree_gated_delta",
     "tree_conv_inputs",
     "tree_conv1d",
-    "conv_by_taps",
     "gdn_layer_tree_forward",
     "gdn_layer_commit",
     "forkable",
@@ -707,28 +706,15 @@ def tree_conv1d(
     ``conv_weight`` is an ``nn.Conv1d(C, C, K, groups=C)`` weight ``[C, K, 1]``. Every node's
     K-long window is one row of a ``[B*T, K, C]`` batch run through ``mx.conv1d`` exactly as
     ``nn.Conv1d.__call__`` does, so along any root path it equals the layer's conv over
-    ``concat([conv_state, qkv])`` (bitwise on CPU; tested). On CUDA the taps are summed instead
-    (`conv_by_taps`).
+    ``concat([conv_state, qkv])`` (bitwise on CPU; tested).
     """
     C, K, _ = conv_weight.shape
     B, T, _ = qkv.shape
-    win = tree_conv_inputs(conv_state, qkv, parents, K)
-    if conv_by_taps():
-        y = (win.astype(mx.float32) * conv_weight[:, :, 0].T.astype(mx.float32)).sum(axis=2).astype(qkv.dtype)
-    else:
-        y = mx.conv1d(win.reshape(B * T, K, C), conv_weight, 1, 0, 1, C).reshape(B, T, C)
+    win = tree_conv_inputs(conv_state, qkv, parents, K).reshape(B * T, K, C)
+    y = mx.conv1d(win, conv_weight, 1, 0, 1, C)
     if bias is not None:
         y = y + bias
-    return y
-
-
-def conv_by_taps():
-    """Whether `tree_conv1d` sums the K taps itself (float32 products, one sum) rather than
-    calling mx.conv1d: on a CUDA GPU, where MLX runs a convolution through cuDNN, which builds a
-    graph for every input shape it has not met (a round of a new row count) and launches it as
-    dearly as its fused attention (bench/RESULTS.md, "The round loop's first verify"). On CPU
-    and Metal mx.conv1d stays: its arithmetic is the layer's own, bitwise on CPU."""
-    return kernel_backend() == "cuda"
+    return y.reshape(B, T, C)
 
 
 # --------------------------------------------------------------------------------------------

@@ -341,24 +341,6 @@ def test_tree_conv_chain_equals_plain_conv_and_differs_from_flat():
     assert mx.array_equal(win[:, 2, -2], qkv[:, 0]) and mx.array_equal(win[:, 2, :2], conv_state[:, 1:])
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
-def test_tree_conv_by_taps_is_the_conv(monkeypatch, dtype):
-    # what a CUDA GPU runs (no cuDNN graph a row count): the K taps summed in float32, the
-    # conv's value along every root path to rounding; on this CPU mx.conv1d runs, bitwise
-    assert not gdn.conv_by_taps()
-    parents = PARENT_LISTS["random20"]
-    conv, conv_state = make_conv(seed=3, bias=True)
-    qkv = mx.random.normal((2, len(parents), conv_state.shape[-1]))
-    w, b, st, x = (a.astype(dtype) for a in (conv.weight, conv.bias, conv_state, qkv))
-    want = gdn.tree_conv1d(w, st, x, parents, bias=b)
-    monkeypatch.setattr(gdn, "conv_by_taps", lambda: True)
-    got = gdn.tree_conv1d(w, st, x, parents, bias=b)
-    assert got.dtype == want.dtype == dtype and got.shape == want.shape
-    tol = 1e-5 if dtype == mx.float32 else 2e-3
-    assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol, rtol=tol).item()
-    assert not mx.allclose(got, gdn.tree_conv1d(w, st, x, gdn.chain_parents(len(parents)), bias=b)).item()
-
-
 # ---------------------------------------------------------------------------------------------
 # Whole layer: tree forward and commit by replay vs plain one-token decoding
 # ---------------------------------------------------------------------------------------------
