@@ -1763,7 +1763,7 @@ def run_stalls(args):
             mx.eval(mx.conv1d(win, w, 1, 0, 1, 384))
             ts.append(1e3 * (time.perf_counter() - t))
         firsts.append(dict(kind="conv1d", rows=R, width=4, first_ms=ts[0], second_ms=ts[1]))
-    report = dict(meta=run_meta(section=args.section, target=args.target, arms=names), runs=rows, attention=firsts)
+    report = dict(meta=run_meta(section=args.section, target=args.target, arms=names), runs=rows, firsts=firsts)
     md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
           f"Generations ({args.n} prompts x {args.max_tokens} tokens, {args.reps} passes, one process): rounds over "

@@ -528,13 +528,21 @@ def test_sampled_loop_checks_tokens_against_plain_sampled_decoding(tmp_path, cap
 
 
 def test_stalls_section_tiny(tmp_path):
-    # rounds over the stall line per generation, two passes in one process, and the first and
-    # second call of masked attention at shapes new to the process
+    # rounds over the stall line per generation, two passes in one process, then the first and
+    # second call of masked attention and of a depthwise conv1d at shapes new to the process;
+    # the table holds a row per arm and pass and one per timed shape
     run(["stalls", "--target", "demo", "--arms", "eagle3-chain:2/sync", "--prompts", "unseen", "--n", "1",
          "--max-tokens", "8", "--reps", "2", "--out", str(tmp_path / "s")])
     report = read_json(tmp_path / "s.json.gz")
     assert [(r["arm"], r["rep"], r["prompt"]) for r in report["runs"]] == [("eagle3-chain:2/sync", 0, 0),
                                                                           ("eagle3-chain:2/sync", 1, 0)]
-    assert all(r["rounds"] > 0 and r["wall_s"] > 0 and all(ms > 50 for ms, _ in r["slow"]) for r in report["runs"])
-    assert [a["kind"] for a in report["attention"]] == ["attention"] * 12 + ["conv1d"] * 5
-    assert all(a["first_ms"] > 0 and a["second_ms"] > 0 for a in report["attention"])
+    for r in report["runs"]:
+        assert r["rounds"] > 0 and r["wall_s"] > 0 and all(ms > 50 for ms, _ in r["slow"])
+        assert r["slow_ms"] == pytest.approx(sum(ms for ms, _ in r["slow"]))
+    firsts = report["firsts"]
+    assert [(f["kind"], f["rows"]) for f in firsts] == (
+        [("attention", R) for W in (640, 1152, 1664) for R in (2, 4, 8, 16)] + [("conv1d", R) for R in (2, 4, 8, 16, 32)])
+    assert all(f["first_ms"] > 0 and f["second_ms"] > 0 for f in firsts)
+    md = (tmp_path / "s.md").read_text().splitlines()
+    assert sum(line.startswith("| eagle3-chain:2/sync |") for line in md) == 2
+    assert sum(line.startswith(("| attention |", "| conv1d |")) for line in md) == 17
