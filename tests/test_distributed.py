@@ -1,10 +1,14 @@
 """Tree speculation on targets sharded with mlx.distributed (mlx-lm's `sharded_load`): two local
 processes through `mlx.launch --backend ring`, tensor- and pipeline-parallel demo targets. Every
 rank's speculative greedy output is the sharded target's own plain greedy output."""
+import fcntl
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,18 +17,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 mx = pytest.importorskip("mlx.core")
 
-# (under pytest-xdist these run on one worker: two mlx.launch rings at once take the same ports)
+# (under pytest-xdist these should run on one worker; pytest 9 with xdist 3.8 splits the group
+# over workers, so `one_ring` also serializes the launches themselves)
 pytestmark = pytest.mark.xdist_group("mlx_launch")
 
 from mlx_treespec.demo import demo_path  # noqa: E402
 
 WORKER = Path(__file__).with_name("distributed_worker.py")
+LAUNCHER = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+
+
+def one_ring(cmd, timeout, **kwargs):
+    """`subprocess.run(cmd)` (output captured as text) for an mlx.launch, one at a time on this
+    machine: two rings at once take the same ports and both hang (a file lock, whatever worker
+    runs the test). On a timeout the launcher's whole process group goes, so no rank is left
+    spinning on a peer (orphans slowed a CI run from 12 to 30 minutes)."""
+    with open(Path(tempfile.gettempdir()) / "mlx_treespec_mlx_launch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, **kwargs)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def launch(*args, timeout=240):
-    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
-    out = subprocess.run([launcher, "--backend", "ring", "-n", "2", "--python", sys.executable, str(WORKER)]
-                         + [str(a) for a in args], capture_output=True, text=True, timeout=timeout)
+    out = one_ring([LAUNCHER, "--backend", "ring", "-n", "2", "--python", sys.executable, str(WORKER)]
+                   + [str(a) for a in args], timeout=timeout)
     rows = [json.loads(line[len("RESULT "):]) for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert out.returncode == 0 and len(rows) == 2, (out.stdout[-2000:], out.stderr[-2000:])
     return sorted(rows, key=lambda r: r["rank"])
@@ -98,10 +121,9 @@ def test_the_cli_shards_under_mlx_launch_and_rank_0_prints():
     # unsharded CLI's up to the sharded sums' rounding (here: the same text)
     args = ["-m", "mlx_treespec.generate", "--model", "demo", "--prompt", "def parse(", "--max-tokens", "8",
             "--ignore-chat-template", "--temp", "0", "--drafter", "dflash", "--draft-block-size", "7"]  # (mlx.launch takes --verbose as its own flag)
-    launcher = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([launcher, "--backend", "ring", "-n", "2", "--cwd", str(root), "--python", sys.executable]
-                         + args + ["--shard", "tensor"], capture_output=True, text=True, timeout=240, cwd=root)
+    out = one_ring([LAUNCHER, "--backend", "ring", "-n", "2", "--cwd", str(root), "--python", sys.executable]
+                   + args + ["--shard", "tensor"], timeout=240, cwd=root)
     alone = subprocess.run([sys.executable] + args, capture_output=True, text=True, timeout=240, cwd=root)
     assert alone.returncode == 0, alone.stderr[-2000:]
 
