@@ -1732,7 +1732,7 @@ def run_stalls(args):
         for i, p in enumerate(prompts):
             for a in names:
                 t = time.perf_counter()
-                out, stats, _ = run_once(target, makers[a](), p, args.max_tokens)
+                _, stats, _ = run_once(target, makers[a](), p, args.max_tokens)
                 wall = time.perf_counter() - t
                 slow = [(round(ms, 1), n) for ms, n in zip(stats.round_ms, stats.nodes) if ms > STALL_MS]
                 rows.append(dict(arm=a, rep=rep, prompt=i, wall_s=wall, rounds=stats.rounds,
@@ -1740,29 +1740,26 @@ def run_stalls(args):
                                  slow=slow, slow_ms=sum(ms for ms, _ in slow)))
                 log(f"{a} rep {rep} prompt {i}: {wall:.2f} s, {stats.rounds} rounds, {len(slow)} over {STALL_MS} ms "
                     f"({sum(ms for ms, _ in slow):.0f} ms: {slow[:6]})")
-    firsts, shapes = [], [(R, W) for W in (640, 1152, 1664) for R in (2, 4, 8, 16)]
     rng = np.random.default_rng(5)
-    for R, W in shapes:
-        q, k, v = (mx.array(rng.standard_normal(sh).astype(np.float16))
-                   for sh in ((1, 4, R, 64), (1, 2, W, 64), (1, 2, W, 64)))
-        m = mx.array(np.where(rng.random((R, W)) < 0.9, 0, -60000).astype(np.float16))
-        mx.eval(q, k, v, m)
+    normal = lambda *shape: mx.array(rng.standard_normal(shape).astype(np.float16))  # noqa: E731
+    firsts = []
+
+    def first_two(kind, rows, width, op, *inputs):  # ms of the op's first and second call, synced
+        mx.eval(*inputs)
         ts = []
         for _ in range(2):
             t = time.perf_counter()
-            mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m))
+            mx.eval(op(*inputs))
             ts.append(1e3 * (time.perf_counter() - t))
-        firsts.append(dict(kind="attention", rows=R, width=W, first_ms=ts[0], second_ms=ts[1]))
+        firsts.append(dict(kind=kind, rows=rows, width=width, first_ms=ts[0], second_ms=ts[1]))
+
+    for W in (640, 1152, 1664):
+        for R in (2, 4, 8, 16):
+            mask = mx.array(np.where(rng.random((R, W)) < 0.9, 0, -60000).astype(np.float16))
+            first_two("attention", R, W, lambda q, k, v, m: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask=m),
+                      normal(1, 4, R, 64), normal(1, 2, W, 64), normal(1, 2, W, 64), mask)
     for R in (2, 4, 8, 16, 32):  # a GatedDeltaNet layer's depthwise conv over R windows (the demo hybrid's)
-        win = mx.array(rng.standard_normal((R, 4, 384)).astype(np.float16))
-        w = mx.array(rng.standard_normal((384, 4, 1)).astype(np.float16))
-        mx.eval(win, w)
-        ts = []
-        for _ in range(2):
-            t = time.perf_counter()
-            mx.eval(mx.conv1d(win, w, 1, 0, 1, 384))
-            ts.append(1e3 * (time.perf_counter() - t))
-        firsts.append(dict(kind="conv1d", rows=R, width=4, first_ms=ts[0], second_ms=ts[1]))
+        first_two("conv1d", R, 4, lambda win, w: mx.conv1d(win, w, 1, 0, 1, 384), normal(R, 4, 384), normal(384, 4, 1))
     report = dict(meta=run_meta(section=args.section, target=args.target, arms=names), runs=rows, firsts=firsts)
     md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",

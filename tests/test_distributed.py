@@ -31,7 +31,7 @@ def one_ring(cmd, timeout, **kwargs):
     """`subprocess.run(cmd)` (output captured as text) for an mlx.launch, one at a time on this
     machine: two rings at once take the same ports and both hang (a file lock, whatever worker
     runs the test). On a timeout the launcher's whole process group goes, so no rank is left
-    spinning on a peer (orphans slowed a CI run from 12 to 30 minutes)."""
+    spinning on a peer (and slowing every test after it)."""
     with open(Path(tempfile.gettempdir()) / "mlx_treespec_mlx_launch.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
