@@ -804,3 +804,20 @@ def test_a_head_folder_given_per_call_is_read_once_a_target(tmp_path):
     target.model.embed_tokens = type(target.model.embed_tokens)(*target.model.embed_tokens.weight.shape)
     rebound = make_drafter(folder, drafter="eagle3", target=target).primary.model
     assert rebound is not reread.primary.model and rebound._embed is target.model.embed_tokens
+
+
+@pytest.mark.parametrize("kind, hand_back", [("mtp-qwen3_5_tied", None), ("eagle3-safeailab", 3)])
+def test_queued_lanes_only_trees_draft_what_the_round_loop_drafts(tmp_path, monkeypatch, kind, hand_back):
+    # a budget of the lanes' own nodes (3 + 3 x 3) keeps them and nothing else: no candidate is
+    # ranked after the ranked step. Queued trees propose the round loop's root paths, text
+    # position by text position, through accepted paths off the spine and a hand-back; tokens
+    # are plain decoding's
+    monkeypatch.setattr(HeadDrafter, "lanes_only", True)
+    family, name = kind.split("-", 1)
+    head, target = (make_mtp(tmp_path, name)[:2] if family == "mtp" else make_eagle3(tmp_path, name)[:2])
+    prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
+    opts = dict(topk=3, lanes=3, depth=4, budget=12)
+    host, queued, stats = _round_loop_then_queued(LaneOracle, head, target, prompt, opts, hand_back, monkeypatch)
+    assert host.ahead == host.lanes_ahead
+    assert all(n == 13 for n, k in zip(stats.nodes, stats.drafter) if k == "queued")
+    assert_same_root_paths(host, queued, stats, hand_back, depth=4)

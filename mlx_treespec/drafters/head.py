@@ -33,11 +33,11 @@ import mlx.core as mx
 
 from ..draft import Draft, Layout
 from ..spec import DEFAULT_DEPTH
-from ..verify import grown, install, whole_buffer_forward
+from ..verify import grown, install, kernel_fits, whole_buffer_forward
 from ..device_tree import top_k
 from . import aranges
-from .model import (ModelDrafter, _logprobs, keep_best, keeps_every_candidate, kept_nodes,
-                    lane_candidates, lane_tree, lanes_layout, root_children)
+from .model import (ModelDrafter, _logprobs, keep_best, keeps_every_candidate, keeps_lanes_only, kept_nodes,
+                    lane_candidates, lane_tree, lanes_layout, lanes_only_tree, root_children)
 
 __all__ = ["HeadDrafter"]
 
@@ -327,7 +327,8 @@ class HeadDrafter(ModelDrafter):
         install(self.model)
         # (the head's store holds the draft: a weak reference in it leaves the head no cycle)
         head, depth, K, L = weakref.proxy(self.model), self.depth, self.topk, (1 if kind == "chain" else self.lanes)
-        forward = whole_buffer_forward(head, ())
+        # (the tree-attention kernel where the verify's rule takes it: `kernel_fits`, `attention.fits`)
+        forward = whole_buffer_forward(head, (), kernel=kernel_fits([self.cache[0].keys]))
         pick = _picker(self.draw)
 
         def chain(tokens, slot_rows, count, L0, keys, values, ranges, at):
@@ -397,7 +398,7 @@ class HeadDrafter(ModelDrafter):
         """Where `_ahead_fn` keeps `kind`'s compiled draft in `_drafts`: per shape (an adaptive
         default's differs by temperature: `reshape`; an EAGLE-2 tree's by its budget and ranked
         steps too) and sampler setting."""
-        lanes = (self.budget, self.ranked_lane_steps) if kind == "lanes" else ()
+        lanes = (self.budget, self.ranked_lane_steps, self.lanes_only) if kind == "lanes" else ()
         return ("_compiled_ahead", kind, self.topk, self.lanes, self.depth) + lanes + (
             () if self.draw is None else (self.draw.scores,))
 
@@ -493,7 +494,7 @@ class HeadDrafter(ModelDrafter):
 
         depths = np.concatenate([np.ones(K, np.int32), np.repeat(np.arange(2, S + 1, dtype=np.int32), L * K)])
 
-        def rank(first, later, own):
+        def rank_every(first, later, own):
             # candidates in creation order: the root's K children, then each step's L * K (the
             # children of that step's lanes, K each)
             c_tok = [first[0]] + [t for t, _, _ in later]
@@ -512,6 +513,14 @@ class HeadDrafter(ModelDrafter):
                 mx.zeros((1,), mx.uint32), mx.concatenate(c_tok), mx.concatenate(c_score),
                 mx.concatenate(c_parent), depths, budget)
             return tokens, parents, tree_depths, anc
+
+        def rank_lanes(first, later, own):  # (`keeps_lanes_only`: the lanes are the tree)
+            choice = own[1] - K
+            return lanes_only_tree(K, L, S)(mx.zeros((1,), mx.uint32), first[0], later[0][2], choice,
+                                            mx.take(later[0][0], choice), mx.stack(own[3]))
+
+        rank = rank_lanes if self.lanes_only and keeps_lanes_only(K, L, S, budget, self.ranked_lane_steps) \
+            else rank_every
 
         # each ranked step's constants, made once (a host array each round waits on the queue to
         # be copied, and one made inside a step is a launch of its own)

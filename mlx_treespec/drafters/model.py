@@ -119,6 +119,44 @@ def keeps_every_candidate(topk, lanes, depth, budget):
     return budget >= eagle2_candidates(topk, lanes, depth)
 
 
+def keeps_lanes_only(topk, lanes, depth, budget, ranked):
+    """Whether an EAGLE-2 tree of this shape keeps its lanes' own nodes and nothing else: its
+    budget is exactly the root's `topk` children and each lane's node at depths 2..`depth`,
+    and one step is ranked, so there is nothing left to rank (`lanes_only_tree`)."""
+    return lanes >= 2 and depth >= 3 and ranked == 1 and budget == topk + lanes * (depth - 1)
+
+
+@functools.lru_cache(maxsize=None)
+def lanes_only_tree(K, L, S):
+    """`tree(root, children, entered, choice, depth2, later)`: the tree `keeps_lanes_only`
+    keeps, as device arrays (tokens, parents, depths, ancestors-or-self rows). Numbering: the
+    root, its K children (`children`, candidate order), then depth by depth each lane's node
+    (lane order: `depth2`, the lanes' tokens after the ranked step, then `later` [S - 2, L],
+    each lane's argmax steps). `entered` [L]: the children the lanes entered the ranked step
+    from; `choice` [L]: the lanes' picks among its L * K candidates (lane choice // K's
+    children). Only the depth-2 nodes' parents depend on the round."""
+    n = 1 + K + L * (S - 1)
+    lane = np.full(n, -1)
+    lane[1 + K:] = np.tile(np.arange(L), S - 1)
+    depths = np.concatenate([[0], np.ones(K, np.int64), np.repeat(np.arange(2, S + 1), L)]).astype(np.int32)
+    parents = np.concatenate([[-1], np.zeros(K + L, np.int64), 1 + K + np.arange(L * (S - 2))]).astype(np.int32)
+    anc = np.eye(n, dtype=bool)
+    anc[:, 0] = True
+    for i in range(1 + K + L, n):  # a lane's node sees its lane's nodes before it (and the root)
+        anc[i] |= anc[parents[i]]
+    head, tail = mx.array(parents[: 1 + K]), mx.array(parents[1 + K + L:])
+    static, row_lane, in_lane = mx.array(anc), mx.array(np.maximum(lane, 0).astype(np.int32)), mx.array(lane >= 0)
+    columns, depths = mx.array(np.arange(n, dtype=np.int32)), mx.array(depths)
+
+    def tree(root, children, entered, choice, depth2, later):
+        below = 1 + mx.take(entered, choice // K).astype(mx.int32)  # each lane's child of the root
+        tokens = mx.concatenate([root, children, depth2, later.reshape(-1)]).astype(mx.uint32)
+        anc = static | (in_lane[:, None] & (columns[None] == mx.take(below, row_lane)[:, None]))
+        return tokens, mx.concatenate([head, below, tail]), depths, anc
+
+    return tree
+
+
 def root_children(logits, K, L):
     """The root's children in a fixed lane tree of L >= 2 lanes (logits [1, V]): the root's best
     K, best first: the lanes' first tokens [L], then its other K - L children (leaves)."""
@@ -215,6 +253,9 @@ class ModelDrafter:
     # argmax step costs a chain step where a ranked one adds the ranking's kernels
     # (bench/RESULTS.md, "Lanes ranked once")
     ranked_lane_steps = 1
+    # (session 35's A/B, bench's TREE/lanesonly: a budget of the lanes' own nodes keeps them
+    # without ranking the other candidates, `keeps_lanes_only`)
+    lanes_only = False
 
     def __init__(self, model, topk=1, depth=DEFAULT_DEPTH, budget=None, prefill_step_size=2048, lanes=None):
         # its steps fork over the round's tree as a target's verify does; positions a tree cannot
@@ -438,6 +479,21 @@ class ModelDrafter:
             lane_cands = n_cand + choice
             lane_parents = first + choice // K
             n_cand += L * K
+        if self.lanes_only and keeps_lanes_only(K, L, depth, budget, self.ranked_lane_steps):
+            # the children, the lanes after the ranked step (`forwarded[1]`, candidates K..), then
+            # the argmax steps' tokens; a node's round row: where its lane forwarded it
+            tree_tokens, tree_parents, tree_depths, anc = lanes_only_tree(K, L, depth)(
+                (root if isinstance(root, mx.array) else mx.array(root)).reshape(-1), tokens[0],
+                forwarded[0], forwarded[1] - K, tokens[1][forwarded[1] - K],
+                mx.stack(argmax_tokens))
+            child_round = mx.full((K,), -1, mx.int32)
+            child_round[forwarded[0]] = forwarded_at[0].astype(mx.int32)
+            tree_round = mx.concatenate([mx.full((1,), -1, mx.int32), child_round]
+                                        + [f.astype(mx.int32) for f in forwarded_at[1:]]
+                                        + [mx.full((L,), -1, mx.int32)])
+            return Draft(tree_tokens, Layout.on_device(tree_parents, tree_depths, anc),
+                         ModelDraftState(rnd, tree_round, root_node), fetch=(tree_round,), budget=budget,
+                         depth=depth, forwards=depth)
         if entering is not None:
             c_tok, c_score, c_parent, argmax_ids = lane_candidates(
                 entering[0], entering[1], mx.stack(argmax_logits), mx.stack(argmax_tokens), entering[2], K)
