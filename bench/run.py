@@ -27,11 +27,10 @@ its queued rounds back where they lose, as greedy (the A/B arm of adaptive's hol
 HEAD-chain:K/astree a head's chains queued as trees of no leaves, TREE/replay a spine-first tree's accepted paths re-run by the next round
 as any tree's are, where the library commits them in place, ARM/separate every linear layer run
 on its own, where the library joins those that read one input (mlx_treespec/join.py),
-TREE/lanesonly a budget of the lanes' own nodes keeping them unranked (`keeps_lanes_only`),
 TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the first lane
 step only, ARM/uncoupled (with --temp) a draft model's, head's or DFlash drafter's steps taking their logits'
 argmax, where the library's guess the target's draw (sampling.Draw) (suffixes in that order:
-ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains][/handback], ARM[/astree], ARM[/replay], ARM[/ranked], ARM[/lanesonly],
+ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains][/handback], ARM[/astree], ARM[/replay], ARM[/ranked],
 ARM[/separate]). Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt (with --temp every
 arm samples: mlx-plain by mlx-lm's sampler, the others' tokens checked against this library's
@@ -66,7 +65,6 @@ from mlx_treespec.harness import (encode_prompts, first_divergence, generate_onc
 from mlx_treespec.spec import HEADS, DraftSpec  # noqa: E402
 from mlx_treespec.sampling import draw_of  # noqa: E402
 from mlx_treespec.tree import MAX_NODES  # noqa: E402
-from mlx_treespec.drafters.model import keeps_lanes_only  # noqa: E402
 
 # the drafter each demo target uses, by kind
 DEMO_DRAFTERS = {"demo": {"model": "demo-drafter", "dflash": "demo-dflash", "eagle3": "demo-eagle3", "mtp": "demo"},
@@ -159,7 +157,6 @@ class Arms:
         warm-up and then read from disk)."""
         arm, separate = (arm[: -len("/separate")], True) if arm.endswith("/separate") else (arm, False)
         arm_in = arm
-        arm, lanes_only = (arm[: -len("/lanesonly")], True) if arm.endswith("/lanesonly") else (arm, False)
         arm, ranked = (arm[: -len("/ranked")], True) if arm.endswith("/ranked") else (arm, False)
         arm, replay = (arm[: -len("/replay")], True) if arm.endswith("/replay") else (arm, False)
         arm, as_tree = (arm[: -len("/astree")], True) if arm.endswith("/astree") else (arm, False)
@@ -188,8 +185,6 @@ class Arms:
             return lambda: Separate(inner(), self.target)
         if ranked:  # "TREE/ranked": EAGLE-2's lanes re-ranked at every step (ranked_lane_steps' A/B arm)
             return lambda: every_step_ranked(make())
-        if lanes_only:  # "TREE/lanesonly": a budget of the lanes' nodes keeps them unranked
-            return lambda: lanes_kept_only(make())
         if handback and (unqueued or replay or ranked):
             raise ValueError("ARM/handback judges queued rounds: it takes no /sync, /replay or /ranked")
         if as_tree and (unqueued or chains):
@@ -233,17 +228,6 @@ def every_step_ranked(drafter):
     if not (hasattr(drafter, "ranked_lane_steps") and drafter.topk > 1 and drafter.lanes > 1):
         raise ValueError("ARM/ranked takes a tree arm of two or more lanes (tree:K:S:B:L, mtp-tree, eagle3-tree)")
     drafter.ranked_lane_steps = drafter.depth
-    return drafter
-
-
-def lanes_kept_only(drafter):
-    """A lane-tree drafter whose budget is its lanes' own nodes (K + L (S - 1)) keeping exactly
-    them, the other candidates unranked (`keeps_lanes_only`), where the library ranks every
-    candidate (`keep_best`): session 35's A/B arm."""
-    if not (hasattr(drafter, "lanes_only") and keeps_lanes_only(drafter.topk, drafter.lanes, drafter.depth,
-                                                                drafter.budget, drafter.ranked_lane_steps)):
-        raise ValueError("ARM/lanesonly takes a tree arm of two or more lanes whose budget is K + L (S - 1)")
-    drafter.lanes_only = True
     return drafter
 
 

@@ -15,6 +15,7 @@ from test_heads import make_eagle3, make_mtp
 from mlx_treespec import RoundStats, make_drafter, tree_generate_step
 from mlx_treespec.draft import Draft
 from mlx_treespec.drafters.head import HeadDrafter
+from mlx_treespec.drafters.model import keeps_lanes_only
 
 N = 48
 
@@ -808,11 +809,12 @@ def test_a_head_folder_given_per_call_is_read_once_a_target(tmp_path):
 
 @pytest.mark.parametrize("kind, hand_back", [("mtp-qwen3_5_tied", None), ("eagle3-safeailab", 3)])
 def test_queued_lanes_only_trees_draft_what_the_round_loop_drafts(tmp_path, monkeypatch, kind, hand_back):
-    # a budget of the lanes' own nodes (3 + 3 x 3) keeps them and nothing else: no candidate is
-    # ranked after the ranked step. Queued trees propose the round loop's root paths, text
-    # position by text position, through accepted paths off the spine and a hand-back; tokens
-    # are plain decoding's
-    monkeypatch.setattr(HeadDrafter, "lanes_only", True)
+    assert keeps_lanes_only(3, 3, 4, 12, 1) and not keeps_lanes_only(3, 3, 4, 11, 1) and not keeps_lanes_only(3, 3, 4, 12, 2)
+    # a budget of the lanes' own nodes (3 + 3 x 3) keeps them and nothing else
+    # (`keeps_lanes_only`): no candidate is ranked after the ranked step. Queued trees propose
+    # the round loop's root paths, text position by text position, through accepted paths off
+    # the spine and a hand-back; tokens are plain decoding's (every greedy identity test of
+    # shape k3s3b9 drafts such trees too)
     family, name = kind.split("-", 1)
     head, target = (make_mtp(tmp_path, name)[:2] if family == "mtp" else make_eagle3(tmp_path, name)[:2])
     prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()

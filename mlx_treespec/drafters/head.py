@@ -398,7 +398,7 @@ class HeadDrafter(ModelDrafter):
         """Where `_ahead_fn` keeps `kind`'s compiled draft in `_drafts`: per shape (an adaptive
         default's differs by temperature: `reshape`; an EAGLE-2 tree's by its budget and ranked
         steps too) and sampler setting."""
-        lanes = (self.budget, self.ranked_lane_steps, self.lanes_only) if kind == "lanes" else ()
+        lanes = (self.budget, self.ranked_lane_steps) if kind == "lanes" else ()
         return ("_compiled_ahead", kind, self.topk, self.lanes, self.depth) + lanes + (
             () if self.draw is None else (self.draw.scores,))
 
@@ -519,8 +519,7 @@ class HeadDrafter(ModelDrafter):
             return lanes_only_tree(K, L, S)(mx.zeros((1,), mx.uint32), first[0], later[0][2], choice,
                                             mx.take(later[0][0], choice), mx.stack(own[3]))
 
-        rank = rank_lanes if self.lanes_only and keeps_lanes_only(K, L, S, budget, self.ranked_lane_steps) \
-            else rank_every
+        rank = rank_lanes if keeps_lanes_only(K, L, S, budget, self.ranked_lane_steps) else rank_every
 
         # each ranked step's constants, made once (a host array each round waits on the queue to
         # be copied, and one made inside a step is a launch of its own)

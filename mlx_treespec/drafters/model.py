@@ -121,8 +121,11 @@ def keeps_every_candidate(topk, lanes, depth, budget):
 
 def keeps_lanes_only(topk, lanes, depth, budget, ranked):
     """Whether an EAGLE-2 tree of this shape keeps its lanes' own nodes and nothing else: its
-    budget is exactly the root's `topk` children and each lane's node at depths 2..`depth`,
-    and one step is ranked, so there is nothing left to rank (`lanes_only_tree`)."""
+    budget is exactly the root's `topk` children and each lane's node at depths 2..`depth`
+    (two lanes or more, one ranked step), so nothing is left to rank (`lanes_only_tree`).
+    Ranking every candidate (`keep_best`) emitted 3-4% more a verify on CPU, but a queued
+    round's re-rank launches some 70 kernels more (bench/RESULTS.md, "Lane trees that keep
+    their lanes"); any other budget ranks them."""
     return lanes >= 2 and depth >= 3 and ranked == 1 and budget == topk + lanes * (depth - 1)
 
 
@@ -253,9 +256,6 @@ class ModelDrafter:
     # argmax step costs a chain step where a ranked one adds the ranking's kernels
     # (bench/RESULTS.md, "Lanes ranked once")
     ranked_lane_steps = 1
-    # (session 35's A/B, bench's TREE/lanesonly: a budget of the lanes' own nodes keeps them
-    # without ranking the other candidates, `keeps_lanes_only`)
-    lanes_only = False
 
     def __init__(self, model, topk=1, depth=DEFAULT_DEPTH, budget=None, prefill_step_size=2048, lanes=None):
         # its steps fork over the round's tree as a target's verify does; positions a tree cannot
@@ -426,7 +426,8 @@ class ModelDrafter:
         (`lane_candidates`). The tree keeps the best `budget` of all candidates (higher score,
         then lower id), numbered as `keep_best` says. Lanes' visibility rows are built on the
         device too, except over rotating draft caches, whose key layout needs the lanes'
-        parents on the host (one sync per ranked step there).
+        parents on the host (one sync per ranked step there). A budget of exactly the lanes'
+        nodes keeps them and nothing is scored after the ranked step (`keeps_lanes_only`).
         """
         K, L = self.topk, self.lanes
         root_node = rnd.size - 1
@@ -479,7 +480,7 @@ class ModelDrafter:
             lane_cands = n_cand + choice
             lane_parents = first + choice // K
             n_cand += L * K
-        if self.lanes_only and keeps_lanes_only(K, L, depth, budget, self.ranked_lane_steps):
+        if keeps_lanes_only(K, L, depth, budget, self.ranked_lane_steps):
             # the children, the lanes after the ranked step (`forwarded[1]`, candidates K..), then
             # the argmax steps' tokens; a node's round row: where its lane forwarded it
             tree_tokens, tree_parents, tree_depths, anc = lanes_only_tree(K, L, depth)(
