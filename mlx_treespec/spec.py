@@ -170,6 +170,7 @@ class DraftSpec:
         candidates = eagle2_candidates(topk, lanes, depth)
         if budget is None:
             # one lane: every candidate (the fixed layout); more lanes: EAGLE-2's 4 per step
+            # (with 4 lanes of 4 children that is the lanes' own nodes: `keeps_lanes_only`)
             budget = candidates if lanes == 1 else 4 * depth
         elif budget > candidates:
             raise ValueError(f"--tree-budget {budget}: a tree of --tree-topk {topk}, --tree-lanes {lanes} and "

@@ -224,7 +224,8 @@ class HeadDrafter(ModelDrafter):
                      depth=self.depth, forwards=self.depth)
 
     def lanes_ahead(self, root, rows, count, path=None):
-        """The EAGLE-2 tree (`lanes` nodes expanded a step, the best `budget` candidates kept) from
+        """The EAGLE-2 tree (`lanes` nodes expanded a step, the best `budget` candidates kept, or
+        the lanes' own nodes: `keeps_lanes_only`) from
         device values alone (`chain_ahead`'s arguments): the round loop's `_tree` (a one-lane
         tree's spine is its steps' best candidate, where `_ranked_siblings` takes the argmax:
         they differ on exact ties only), each step one call of a compiled function."""
@@ -415,7 +416,8 @@ class HeadDrafter(ModelDrafter):
         step of the lanes; it gives out that step's candidates), `argmax_inputs` (the masks,
         positions and bounds of every later step, at once), `argmax_step` (one step in which
         each lane goes on by its own argmax: a chain step's work over L rows) and `rank` (the
-        argmax steps' candidates, then keep_best over every candidate). The state: the base
+        argmax steps' candidates, then keep_best over every candidate; where the budget is the
+        lanes' own nodes, `lanes_only_tree`). The state: the base
         column, the round's column masks (history; step rows; each column's step row), the
         lanes' tokens, scores, candidate ids, parents' output hidden and visible step rows
         [L, R]. A ranked step's candidates: tokens and scores [L * K] and the lanes' candidate

@@ -123,7 +123,7 @@ def keeps_lanes_only(topk, lanes, depth, budget, ranked):
     """Whether an EAGLE-2 tree of this shape keeps its lanes' own nodes and nothing else: its
     budget is exactly the root's `topk` children and each lane's node at depths 2..`depth`
     (two lanes or more, one ranked step), so nothing is left to rank (`lanes_only_tree`).
-    Ranking every candidate (`keep_best`) emitted 3-4% more a verify on CPU, but a queued
+    Ranking every candidate (`keep_best`) emitted 3-5% more a verify on CPU, but a queued
     round's re-rank launches some 70 kernels more (bench/RESULTS.md, "Lane trees that keep
     their lanes"); any other budget ranks them."""
     return lanes >= 2 and depth >= 3 and ranked == 1 and budget == topk + lanes * (depth - 1)
