@@ -490,21 +490,32 @@ def test_queued_lane_trees_draft_what_the_round_loop_drafts(tmp_path, monkeypatc
     assert_same_root_paths(host, queued, stats, hand_back, depth=4)
 
 
-@pytest.mark.parametrize("kind, hand_back", [("mtp-qwen3_5_tied", 3), ("eagle3-safeailab", None)])
-def test_queued_fixed_lanes_draft_what_the_round_loop_drafts(tmp_path, monkeypatch, kind, hand_back):
-    # a tree whose budget keeps every candidate has a fixed layout: the root's best 2 children
-    # each go on by its own argmax, every step's runners-up are leaves. Queued, its lanes are
-    # one compiled call (a chain's steps over 2 rows); its trees propose the round loop's root
-    # paths, text position by text position, through accepted paths off the spine (the second
-    # lane, leaves) and a hand-back; tokens are plain decoding's
+@pytest.mark.parametrize("kind, hand_back, layout", [("mtp-qwen3_5_tied", 3, "fixed"), ("eagle3-safeailab", None, "fixed"),
+                                                     ("mtp-qwen3_5_tied", None, "lanes kept"),
+                                                     ("eagle3-safeailab", 3, "lanes kept")])
+def test_queued_unranked_lanes_draft_what_the_round_loop_drafts(tmp_path, monkeypatch, kind, hand_back, layout):
+    # lane trees of which nothing is ranked after the first lane step. "fixed": a budget that
+    # keeps every candidate, the root's best 2 children each going on by its own argmax, every
+    # step's runners-up leaves; queued, its lanes are one compiled call (a chain's steps over 2
+    # rows). "lanes kept": a budget of the lanes' own nodes (3 + 3 x 3) keeps them and nothing
+    # else (`keeps_lanes_only`; every greedy identity test of shape k3s3b9 drafts such trees
+    # too). Queued trees propose the round loop's root paths, text position by text position,
+    # through accepted paths off the spine and a hand-back; tokens are plain decoding's
     family, name = kind.split("-", 1)
     head, target = (make_mtp(tmp_path, name)[:2] if family == "mtp" else make_eagle3(tmp_path, name)[:2])
     prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
-    opts = dict(topk=3, lanes=2, depth=4, budget=21)
+    opts, ahead, nodes = ((dict(topk=3, lanes=2, depth=4, budget=21), "tree_ahead", 22) if layout == "fixed"
+                          else (dict(topk=3, lanes=3, depth=4, budget=12), "lanes_ahead", 13))
     host, queued, stats = _round_loop_then_queued(LaneOracle, head, target, prompt, opts, hand_back, monkeypatch)
-    assert host.ahead == host.tree_ahead
-    assert all(n == 22 for n, k in zip(stats.nodes, stats.drafter) if k == "queued")
+    assert host.ahead == getattr(host, ahead)
+    assert all(n == nodes for n, k in zip(stats.nodes, stats.drafter) if k == "queued")
     assert_same_root_paths(host, queued, stats, hand_back, depth=4)
+
+
+def test_keeps_lanes_only_is_a_budget_of_the_lanes_nodes_with_one_ranked_step():
+    assert keeps_lanes_only(3, 3, 4, 12, 1) and keeps_lanes_only(4, 2, 3, 8, 1)
+    assert not keeps_lanes_only(3, 3, 4, 11, 1) and not keeps_lanes_only(3, 3, 4, 12, 2)
+    assert not keeps_lanes_only(3, 1, 4, 6, 1) and not keeps_lanes_only(3, 3, 2, 6, 1)
 
 
 @pytest.mark.parametrize("queued", [False, True])
@@ -806,20 +817,3 @@ def test_a_head_folder_given_per_call_is_read_once_a_target(tmp_path):
     rebound = make_drafter(folder, drafter="eagle3", target=target).primary.model
     assert rebound is not reread.primary.model and rebound._embed is target.model.embed_tokens
 
-
-@pytest.mark.parametrize("kind, hand_back", [("mtp-qwen3_5_tied", None), ("eagle3-safeailab", 3)])
-def test_queued_lanes_only_trees_draft_what_the_round_loop_drafts(tmp_path, monkeypatch, kind, hand_back):
-    assert keeps_lanes_only(3, 3, 4, 12, 1) and not keeps_lanes_only(3, 3, 4, 11, 1) and not keeps_lanes_only(3, 3, 4, 12, 2)
-    # a budget of the lanes' own nodes (3 + 3 x 3) keeps them and nothing else
-    # (`keeps_lanes_only`): no candidate is ranked after the ranked step. Queued trees propose
-    # the round loop's root paths, text position by text position, through accepted paths off
-    # the spine and a hand-back; tokens are plain decoding's (every greedy identity test of
-    # shape k3s3b9 drafts such trees too)
-    family, name = kind.split("-", 1)
-    head, target = (make_mtp(tmp_path, name)[:2] if family == "mtp" else make_eagle3(tmp_path, name)[:2])
-    prompt = np.random.default_rng(0).integers(0, tiny.VOCAB, 12).tolist()
-    opts = dict(topk=3, lanes=3, depth=4, budget=12)
-    host, queued, stats = _round_loop_then_queued(LaneOracle, head, target, prompt, opts, hand_back, monkeypatch)
-    assert host.ahead == host.lanes_ahead
-    assert all(n == 13 for n, k in zip(stats.nodes, stats.drafter) if k == "queued")
-    assert_same_root_paths(host, queued, stats, hand_back, depth=4)

@@ -484,14 +484,12 @@ class ModelDrafter:
             # the children, the lanes after the ranked step (`forwarded[1]`, candidates K..), then
             # the argmax steps' tokens; a node's round row: where its lane forwarded it
             tree_tokens, tree_parents, tree_depths, anc = lanes_only_tree(K, L, depth)(
-                (root if isinstance(root, mx.array) else mx.array(root)).reshape(-1), tokens[0],
-                forwarded[0], forwarded[1] - K, tokens[1][forwarded[1] - K],
+                root, tokens[0], forwarded[0], forwarded[1] - K, tokens[1][forwarded[1] - K],
                 mx.stack(argmax_tokens))
             child_round = mx.full((K,), -1, mx.int32)
-            child_round[forwarded[0]] = forwarded_at[0].astype(mx.int32)
-            tree_round = mx.concatenate([mx.full((1,), -1, mx.int32), child_round]
-                                        + [f.astype(mx.int32) for f in forwarded_at[1:]]
-                                        + [mx.full((L,), -1, mx.int32)])
+            child_round[forwarded[0]] = forwarded_at[0]
+            tree_round = mx.concatenate([mx.full((1,), -1, mx.int32), child_round, *forwarded_at[1:],
+                                         mx.full((L,), -1, mx.int32)])
             return Draft(tree_tokens, Layout.on_device(tree_parents, tree_depths, anc),
                          ModelDraftState(rnd, tree_round, root_node), fetch=(tree_round,), budget=budget,
                          depth=depth, forwards=depth)
