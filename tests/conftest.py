@@ -7,9 +7,12 @@ import tempfile
 import pytest
 
 # start-up cost fits (costmodel.startup_costs) go to a per-run folder, not the user's cache
-# (removed when the run ends: each run made one and left it)
-os.environ["MLX_TREESPEC_CACHE"] = tempfile.mkdtemp(prefix="mlx_treespec_costs_")
-atexit.register(shutil.rmtree, os.environ["MLX_TREESPEC_CACHE"], ignore_errors=True)
+# (removed when the run ends: each run made one and left it). The run's one folder: xdist's
+# workers inherit the controller's, so a target's fit (tens of seconds on this CPU) is measured
+# once a run, not once a worker
+if os.environ.get("PYTEST_XDIST_WORKER") is None:
+    os.environ["MLX_TREESPEC_CACHE"] = tempfile.mkdtemp(prefix="mlx_treespec_costs_")
+    atexit.register(shutil.rmtree, os.environ["MLX_TREESPEC_CACHE"], ignore_errors=True)
 
 
 def check_clock(compiled, eager, eager_host=0):

@@ -20,6 +20,20 @@ def read_json(path):
         return json.loads(gzip.decompress(f.read()))
 
 
+def short_prompts(tmp_path, *sets, chars=80):
+    """Each named set's first prompts cut to their first `chars` characters, as prompt files (a
+    file's path names its set in a run's tables and JSON): the demo target's prefill of a whole
+    prompt (~90 tokens) took most of a tiny run's time on this CPU."""
+    from mlx_treespec.harness import load_prompts
+
+    paths = []
+    for name in sets:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps([t[:chars] for t in load_prompts(name)[:2]]))
+        paths.append(str(path))
+    return paths
+
+
 def run(args):
     out = subprocess.run([sys.executable, "bench/run.py"] + args, cwd=ROOT, capture_output=True, text=True,
                          timeout=600)
@@ -30,12 +44,13 @@ def run(args):
 def test_loop_section_tiny(tmp_path):
     # (one prompt a set, few tokens: the shipped 8-bit draft model runs ~20x slower than float on CPU)
     arms = "plain,mlx-chain:2,chain:2+lookup4@2,lookup:8:4,dflash:7,ddtree:12"
-    text = run(["loop", "--arms", arms, "--prompts", "unseen,heldout", "--n", "1", "--max-tokens", "8",
+    unseen_file, heldout_file = short_prompts(tmp_path, "unseen", "heldout")
+    text = run(["loop", "--arms", arms, "--prompts", f"{unseen_file},{heldout_file}", "--n", "1", "--max-tokens", "8",
                 "--versus", "dflash:7", "--out", str(tmp_path / "loop")])
-    assert "## unseen prompts" in text and "## heldout prompts" in text
+    assert f"## {unseen_file} prompts" in text and f"## {heldout_file} prompts" in text
     data = read_json(tmp_path / "loop.json.gz")
     assert data["meta"]["commit"] and data["meta"]["mlx"] and data["meta"]["device"] == "cpu"
-    for pset in ("unseen", "heldout"):
+    for pset in (unseen_file, heldout_file):
         rows = {r["arm"]: r for r in data["sets"][pset]["arms"]}
         assert set(rows) == {"mlx-plain"} | set(arms.split(","))
         for name, r in rows.items():  # CPU verifies are bitwise: no arm diverges
@@ -50,7 +65,7 @@ def test_loop_section_tiny(tmp_path):
     assert (tmp_path / "loop.md").read_text().startswith("# loop: demo")
     # --versus: each arm's tok/s over that arm's on the same prompt, in the loop's table and in
     # `table`'s rendering of the saved run against another arm
-    rows = {r["arm"]: r for r in data["sets"]["unseen"]["arms"]}
+    rows = {r["arm"]: r for r in data["sets"][unseen_file]["arms"]}
 
     def tok_s(arm):
         (r,) = rows[arm]["runs"]
@@ -60,7 +75,7 @@ def test_loop_section_tiny(tmp_path):
         line = next(x for x in md.splitlines() if x.startswith(f"| {arm} |"))
         return float(line.split("|")[3].split()[0])
 
-    unseen = text.split("## heldout")[0]
+    unseen = text.split(f"## {heldout_file}")[0]
     assert "x dflash:7 (median, min-max)" in unseen and cell(unseen, "dflash:7") == 1.0
     assert "| verifies compiled |" in unseen
     assert cell(unseen, "ddtree:12") == pytest.approx(tok_s("ddtree:12") / tok_s("dflash:7"), abs=0.006)
@@ -68,7 +83,7 @@ def test_loop_section_tiny(tmp_path):
     line = next(x for x in unseen.splitlines() if x.startswith("| ddtree:12 |"))
     g, lo, hi = map(float, line.split("|")[4].replace("[", " ").replace("]", " ").replace("-", " ").split())
     assert g == pytest.approx(tok_s("ddtree:12") / tok_s("dflash:7"), abs=0.0006) and lo == hi == g
-    again = run(["table", "--from", str(tmp_path / "loop.json.gz"), "--versus", "ddtree:12"]).split("## heldout")[0]
+    again = run(["table", "--from", str(tmp_path / "loop.json.gz"), "--versus", "ddtree:12"]).split(f"## {heldout_file}")[0]
     assert cell(again, "dflash:7") == pytest.approx(tok_s("dflash:7") / tok_s("ddtree:12"), abs=0.006)
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from run import main
@@ -123,7 +138,8 @@ def test_ratio_interval_brackets_the_geometric_mean():
 
 def test_comm_section_tiny(tmp_path):
     # the demo hybrid tensor-parallel over two local processes: collectives counted per round
-    text = run(["comm", "--target", "demo-hybrid", "--shard", "tensor", "--arms", "plain,dflash:7", "--prompts", "unseen",
+    text = run(["comm", "--target", "demo-hybrid", "--shard", "tensor", "--arms", "plain,dflash:7", "--prompts",
+                *short_prompts(tmp_path, "unseen"),
                 "--n", "1", "--max-tokens", "8", "--out", str(tmp_path / "comm")])
     assert "## tensor parallel (1 prompts x 8 tokens)" in text and "A broadcast of one round's tree" in text
     arms = read_json(tmp_path / "comm.json.gz")["modes"]["tensor"]["arms"]
@@ -134,11 +150,12 @@ def test_comm_section_tiny(tmp_path):
 
 
 def test_acceptance_section_tiny(tmp_path):
-    text = run(["acceptance", "--arms", "tree:3:8,ddtree:31", "--prompts", "unseen", "--n", "1",
+    (unseen,) = short_prompts(tmp_path, "unseen")
+    text = run(["acceptance", "--arms", "tree:3:8,ddtree:31", "--prompts", unseen, "--n", "1",
                 "--max-tokens", "12", "--ratio", "ddtree:31/tree:3:8", "--out", str(tmp_path / "acc")])
     assert "ddtree:31 / tree:3:8 = " in text
     data = read_json(tmp_path / "acc.json.gz")
-    assert all(r["identical"] == "1/1" for r in data["sets"]["unseen"]["arms"])
+    assert all(r["identical"] == "1/1" for r in data["sets"][unseen]["arms"])
     # `table --from` prints an acceptance run's table again (a loop's --versus is refused)
     again = run(["table", "--from", str(tmp_path / "acc.json.gz")])
     assert "| arm | emitted/verify | rounds | identical to plain |" in again and "| ddtree:31 | " in again
@@ -263,10 +280,11 @@ def test_derived_prompt_sets():
 
 
 def test_bound_section_tiny(tmp_path):
-    text = run(["bound", "--target", "demo", "--arms", "eagle3", "--prompts", "unseen", "--n", "1",
+    (unseen,) = short_prompts(tmp_path, "unseen")
+    text = run(["bound", "--target", "demo", "--arms", "eagle3", "--prompts", unseen, "--n", "1",
                 "--max-tokens", "12", "--depth", "3", "--nodes-list", "2,6", "--out", str(tmp_path / "b")])
     assert "| 2 |" in text and "(of 3)" in text
-    data = read_json(tmp_path / "b.json.gz")["sets"]["unseen"]
+    data = read_json(tmp_path / "b.json.gz")["sets"][unseen]
     assert data["positions"] == 12 - 3 + 1  # round starts: the prompt's last token, then each generated one with 3 after it
     assert [(r["nodes"], r["chain_nodes"]) for r in data["rows"]] == [(2, 2), (6, 3)]
 
@@ -375,8 +393,9 @@ def test_round_host_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
 
     # round-host: where a queued round's host time goes, each piece timed, each round's kernels
     # counted; the library's functions are put back after each run
+    (unseen,) = short_prompts(tmp_path, "unseen")
     with pytest.raises(SystemExit, match="ran no queued round"):
-        main(["round-host", "--target", "demo", "--arms", "eagle3-chain:3", "--n", "1", "--max-tokens", "8",
+        main(["round-host", "--target", "demo", "--arms", "eagle3-chain:3", "--prompts", unseen, "--n", "1", "--max-tokens", "8",
               "--out", str(tmp_path / "none")])
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
     import mlx_treespec.join as joining
@@ -385,7 +404,7 @@ def test_round_host_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
             queued.replay_prefix, mx.async_eval, joining.running)
     main(["round-host", "--target", "demo", "--arms",
           "eagle3-chain:3,eagle3-chain:3/astree,eagle3-tree:2:3:6:1,eagle3-chain:3/separate",
-          "--prompts", "unseen", "--n", "1", "--max-tokens", "12", "--out", str(tmp_path / "rh")])
+          "--prompts", unseen, "--n", "1", "--max-tokens", "8", "--out", str(tmp_path / "rh")])
     assert (queued.compiled_forward, queued.walk, queued._replay_layout, queued._spine_layout,
             queued.replay_prefix, mx.async_eval, joining.running) == kept
     rows = {r["arm"]: r for r in read_json(tmp_path / "rh.json.gz")["arms"]}
@@ -424,17 +443,17 @@ def test_round_host_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
     assert (default.primary.topk, default.primary.depth) == (3, 8) and auto.learned is not default.learned
     with pytest.raises(ValueError, match="ARM/auto takes"):
         arms.maker("ddtree:12/auto")
-    prompt = encode_prompts(tok, load_prompts("unseen")[:1])[0][:48]
-    want = [int(t) for t, _ in generate_step(mx.array(prompt), target, max_tokens=24)]
+    prompt = encode_prompts(tok, load_prompts("unseen")[:1])[0][:24]
+    want = [int(t) for t, _ in generate_step(mx.array(prompt), target, max_tokens=16)]
     target.__dict__.pop("_treespec_compiled_verify", None)
-    chain, chain_stats, _ = generate_once(target, arms.maker("eagle3-chain:4")(), prompt, 24)
+    chain, chain_stats, _ = generate_once(target, arms.maker("eagle3-chain:4")(), prompt, 16)
     compiled, calls = verify_counts(target)  # every verify asked; those past their checks ran compiled
     assert calls == chain_stats.rounds + 1 and compiled == calls - verify.CHECKS
     drafter = arms.maker("eagle3-chain:4/astree")()
     drafted = []
     ahead = type(drafter).ahead
     monkeypatch.setattr(type(drafter), "ahead", lambda self, *a: drafted.append(1) or ahead(self, *a))
-    tree, tree_stats, _ = generate_once(target, drafter, prompt, 24)
+    tree, tree_stats, _ = generate_once(target, drafter, prompt, 16)
     assert tree == chain == want and tree_stats.emitted == chain_stats.emitted and drafted
     assert set(tree_stats.drafter) == {"queued"}
     with pytest.raises(ValueError, match="a head's chain arm"):
@@ -443,9 +462,9 @@ def test_round_host_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
     # the library commits them in place: the same tokens and acceptance
     replayed = []
     monkeypatch.setattr(queued, "_replay_layout", lambda *a: replayed.append(1) or kept[2](*a))
-    in_place, in_place_stats, _ = generate_once(target, arms.maker("eagle3-tree:2:4:8:1")(), prompt, 24)
+    in_place, in_place_stats, _ = generate_once(target, arms.maker("eagle3-tree:2:4:8:1")(), prompt, 16)
     assert not replayed
-    again, again_stats, _ = generate_once(target, arms.maker("eagle3-tree:2:4:8:1/replay")(), prompt, 24)
+    again, again_stats, _ = generate_once(target, arms.maker("eagle3-tree:2:4:8:1/replay")(), prompt, 16)
     assert again == in_place == want and again_stats.emitted == in_place_stats.emitted and replayed
     assert set(again_stats.drafter) == {"queued"}
     with pytest.raises(ValueError, match="ARM/replay takes"):
@@ -491,11 +510,12 @@ def test_sampled_loop_checks_tokens_against_plain_sampled_decoding(tmp_path, cap
     from mlx_treespec.sampling import Draw, make_node_sampler
 
     main(["loop", "--target", "demo", "--temp", "0.7", "--seed", "3", "--arms",
-          "eagle3-chain:2,eagle3-tree:2:2:4:1/uncoupled", "--prompts", "unseen", "--n", "1", "--max-tokens", "6",
+          "eagle3-chain:2,eagle3-tree:2:2:4:1/uncoupled", "--prompts", *short_prompts(tmp_path, "unseen"), "--n", "1",
+          "--max-tokens", "6",
           "--out", str(tmp_path / "loop")])
     data = read_json(tmp_path / "loop.json.gz")
     assert (data["meta"]["temp"], data["meta"]["seed"]) == (0.7, 3)
-    rows = {r["arm"]: r for r in data["sets"]["unseen"]["arms"]}
+    (rows,) = [{r["arm"]: r for r in s["arms"]} for s in data["sets"].values()]
     assert list(rows) == ["mlx-plain", "plain", "eagle3-chain:2", "eagle3-tree:2:2:4:1/uncoupled"]
     assert all(rows[a]["identical"] == "1/1" for a in ("plain", "eagle3-chain:2", "eagle3-tree:2:2:4:1/uncoupled"))
     assert "(1 x 6 tokens, 1 runs an arm, temp 0.7)" in (tmp_path / "loop.md").read_text()
@@ -531,7 +551,7 @@ def test_stalls_section_tiny(tmp_path):
     # rounds over the stall line per generation, two passes in one process, then the first and
     # second call of masked attention and of a depthwise conv1d at shapes new to the process;
     # the table holds a row per arm and pass and one per timed shape
-    run(["stalls", "--target", "demo", "--arms", "eagle3-chain:2/sync", "--prompts", "unseen", "--n", "1",
+    run(["stalls", "--target", "demo", "--arms", "eagle3-chain:2/sync", "--prompts", *short_prompts(tmp_path, "unseen"), "--n", "1",
          "--max-tokens", "8", "--reps", "2", "--out", str(tmp_path / "s")])
     report = read_json(tmp_path / "s.json.gz")
     assert [(r["arm"], r["rep"], r["prompt"]) for r in report["runs"]] == [("eagle3-chain:2/sync", 0, 0),

@@ -24,6 +24,25 @@ def cli(*args, stdin=None):
                           text=True, input=stdin, timeout=300)
 
 
+def cli_here(*args):
+    """`cli(*args)` in this process: the command line's `main`, its exit code from SystemExit (a
+    process of its own spends ~3 s starting and importing on this CPU). For bad input and for
+    mlx-lm's flags, templates and cache files; the out-of-the-box tests and
+    `test_non_utf8_prompts_are_one_line_errors` keep a process each."""
+    import contextlib
+    import io
+
+    from mlx_treespec.cli import main
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def test_demo_runs_out_of_the_box_and_prints_mlx_lm_format():
     r = cli("--prompt", "def parse(", "--max-tokens", "24", "--tree-topk", "2", "--tree-depth", "3",
             "--tree-budget", "6", "--verbose")
@@ -56,7 +75,7 @@ def test_cli_output_equals_plain_decoding_of_the_demo_target():
     (["--max-tokens", "0"], "non-zero"),
 ])
 def test_bad_input_is_one_line_exit_2(args, needle):
-    r = cli(*args)
+    r = cli_here(*args)
     assert r.returncode == 2
     lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:"), r.stderr
@@ -181,8 +200,10 @@ def test_default_draft_shape_is_adaptive_over_the_fixed_one_lane_tree():
     (["--model", "nonexistent-org/nonexistent-model"], "download it first"),
 ])
 def test_more_bad_input_is_one_line_exit_2(args, needle):
+    # (a Hub name in a process of its own: huggingface_hub reads HF_HUB_OFFLINE when imported)
     r = subprocess.run([sys.executable, "-m", "mlx_treespec.generate", *args], capture_output=True, text=True,
-                       timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+                       timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1")) if "--model" in args[:1] and \
+        "/" in args[1] and not os.path.exists(args[1]) else cli_here(*args)
     assert r.returncode == 2, r.stderr
     lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
@@ -228,9 +249,9 @@ def _text(r):
 
 def test_mlx_lm_flags():
     # --num-draft-tokens is mlx-lm's name for the chain's length
-    r = cli("--num-draft-tokens", "3", "--max-tokens", "24", "--verbose")
+    r = cli_here("--num-draft-tokens", "3", "--max-tokens", "24", "--verbose")
     assert "depth requested 3" in _text(r)
-    plain = _text(cli("--drafter", "none", "--max-tokens", "24", "--verbose", "F")).strip()
+    plain = _text(cli_here("--drafter", "none", "--max-tokens", "24", "--verbose", "F")).strip()
     assert r.stdout.split("==========")[1].strip() == plain
     # --extra-eos-token ends generation at that token, as in mlx-lm
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -239,15 +260,15 @@ def test_mlx_lm_flags():
     tok = load_tokenizer(Path(DEMO) / "target")
     ids = tok.encode("def parse(" + plain, add_special_tokens=False)
     stop = tok.convert_ids_to_tokens(ids[len(tok.encode("def parse(", add_special_tokens=False)) + 3])
-    cut = _text(cli("--max-tokens", "24", "--verbose", "F", "--extra-eos-token", stop)).strip()
+    cut = _text(cli_here("--max-tokens", "24", "--verbose", "F", "--extra-eos-token", stop)).strip()
     assert plain.startswith(cut) and len(cut) < len(plain)
     # --min-tokens-to-keep reaches the sampler; one seed gives one output
-    sampled = [_text(cli("--max-tokens", "16", "--verbose", "F", "--temp", "0.9", "--min-p", "0.6",
+    sampled = [_text(cli_here("--max-tokens", "16", "--verbose", "F", "--temp", "0.9", "--min-p", "0.6",
                          "--min-tokens-to-keep", "3", "--seed", "5")) for _ in range(2)]
     assert sampled[0] == sampled[1] and sampled[0].strip()
     # XTC, keyed by position: the speculative text is plain sampled decoding's
     xtc = ["--max-tokens", "24", "--verbose", "F", "--temp", "0.8", "--seed", "2", "--xtc-probability", "0.5"]
-    assert _text(cli(*xtc)) == _text(cli(*xtc, "--drafter", "none"))
+    assert _text(cli_here(*xtc)) == _text(cli_here(*xtc, "--drafter", "none"))
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -259,7 +280,7 @@ def test_mlx_lm_flags():
     (["--prompt-cache-file", "/nonexistent/cache.safetensors"], "--prompt-cache-file"),
 ])
 def test_parity_flags_bad_input_is_one_line_exit_2(args, needle):
-    r = cli(*args, "--max-tokens", "4")
+    r = cli_here(*args, "--max-tokens", "4")
     lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
     assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
 
@@ -280,7 +301,7 @@ def test_parity_flags_bad_input_is_one_line_exit_2(args, needle):
     (["--draft-model", "demo-drafter", "--draft-lookup", "4", "--draft-lookup-trust", "0"], "1..4"),
 ])
 def test_audited_bad_input_is_one_line_exit_2(args, needle):
-    r = cli(*args, "--max-tokens", "4")
+    r = cli_here(*args, "--max-tokens", "4")
     lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
     assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
 
@@ -300,18 +321,18 @@ def test_prompt_cache_files_round_trip_with_mlx_lm(tmp_path):
                              str(made), "--prompt", "    return", "--max-tokens", "24", "--verbose", "False"],
                             capture_output=True, text=True, timeout=300)
     assert theirs.returncode == 0, theirs.stderr
-    ours = cli("--prompt-cache-file", str(made), "--prompt", "    return", "--max-tokens", "24", "--verbose", "F",
+    ours = cli_here("--prompt-cache-file", str(made), "--prompt", "    return", "--max-tokens", "24", "--verbose", "F",
                "--draft-model", "demo-drafter")
     assert _text(ours) == theirs.stdout
-    plain = cli("--prompt-cache-file", str(made), "--prompt", "    return", "--max-tokens", "24")
+    plain = cli_here("--prompt-cache-file", str(made), "--prompt", "    return", "--max-tokens", "24")
     assert _text(plain).split("==========")[1].strip() == theirs.stdout.strip()
     assert "decoding without speculation" in plain.stderr  # a non-demo model and no drafter: said
     saved = tmp_path / "ours.safetensors"
-    r = cli("--prompt-cache-file", str(made), "--prompt", "    return", "--max-tokens", "24", "--verbose", "F",
+    r = cli_here("--prompt-cache-file", str(made), "--prompt", "    return", "--max-tokens", "24", "--verbose", "F",
             "--draft-model", "demo-drafter", "--save-prompt-cache", str(saved))
     cache, meta = load_prompt_cache(str(saved), return_metadata=True)
     assert meta["model"] == target and cache[0].offset == load_prompt_cache(str(made))[0].offset + 2 + 24
-    assert _text(cli("--prompt-cache-file", str(saved), "--prompt", "\n", "--max-tokens", "8"))
+    assert _text(cli_here("--prompt-cache-file", str(saved), "--prompt", "\n", "--max-tokens", "8"))
 
 
 def _demo_copy(tmp_path, name, tokenizer=None, config=None, files=None):
@@ -349,24 +370,24 @@ def test_chat_templates_remote_code_and_saved_caches_as_mlx_lm(tmp_path):
     for args in (["--model", chat, "--system-prompt", ""], ["--model", chat, "--prefill-response", "def "],
                  ["--model", typed], ["--model", remote, "--trust-remote-code"],
                  ["--model", os.path.join(DEMO, "target"), "--max-kv-size", "6"]):
-        ours = cli(*args, "--draft-model", "demo-drafter", "--max-tokens", "12", "--verbose", "F")
+        ours = cli_here(*args, "--draft-model", "demo-drafter", "--max-tokens", "12", "--verbose", "F")
         assert _text(ours) == mlx_lm_text(*args), args
     from mlx_lm.models.cache import load_prompt_cache
 
     saved = tmp_path / "demo.safetensors"
-    assert _text(cli("--max-tokens", "8", "--verbose", "F", "--save-prompt-cache", str(saved)))
+    assert _text(cli_here("--max-tokens", "8", "--verbose", "F", "--save-prompt-cache", str(saved)))
     assert os.path.isdir(load_prompt_cache(str(saved), return_metadata=True)[1]["model"])
     assert mlx_lm_text("--prompt-cache-file", str(saved), "--prompt", "x")
     # read back here with no --model, it is the demo again: its drafter speculates
-    assert "emitted/verify" in _text(cli("--prompt-cache-file", str(saved), "--prompt", "x", "--max-tokens", "8",
+    assert "emitted/verify" in _text(cli_here("--prompt-cache-file", str(saved), "--prompt", "x", "--max-tokens", "8",
                                          "--verbose", "T"))
     # a prefilled response over a saved conversation: the new user message goes in (the part
     # kept was cut at the prefill, as mlx-lm 0.32.2 still cuts it, and the message was lost)
     convo = tmp_path / "chat.safetensors"
-    assert _text(cli("--model", chat, "--max-tokens", "4", "--verbose", "F", "--save-prompt-cache", str(convo)))
+    assert _text(cli_here("--model", chat, "--max-tokens", "4", "--verbose", "F", "--save-prompt-cache", str(convo)))
 
     def prompt_tokens(text):
-        out = _text(cli("--prompt-cache-file", str(convo), "--prompt", text, "--prefill-response", "def ",
+        out = _text(cli_here("--prompt-cache-file", str(convo), "--prompt", text, "--prefill-response", "def ",
                         "--max-tokens", "2", "--verbose", "T", "--drafter", "none"))
         return int(out.split("Prompt: ")[1].split(" tokens")[0])
 
@@ -375,7 +396,7 @@ def test_chat_templates_remote_code_and_saved_caches_as_mlx_lm(tmp_path):
                                                             str(saved)], "one process's slice"),
                          (["--prefill-response", "x"], "this tokenizer has none"),
                          (["--model", chat, "--ignore-chat-template", "--prefill-response", "x"], "drops it")):
-        r = cli(*args, "--max-tokens", "4")
+        r = cli_here(*args, "--max-tokens", "4")
         lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], r.stderr
 

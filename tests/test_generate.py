@@ -27,7 +27,7 @@ SHAPES = {
     "k4l1s6b24": dict(tree_topk=4, tree_depth=6, tree_budget=24, tree_lanes=1),  # chain + all siblings
     "k3l2s4b12": dict(tree_topk=3, tree_depth=4, tree_budget=12, tree_lanes=2),
 }
-N = 200
+N = 128
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_greedy_identical_dtypes_and_quantized(pairs, variant, family, shape):
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "phi3", "qwen3_moe"])
 @pytest.mark.parametrize("shape", ["chain1", "chain4", "k2s3b6", "k4s5b20"])
 def test_greedy_identical_rotating_cache_wrapping(pairs, family, shape):
-    # max_kv_size 16 with mlx-lm's 4 kept tokens: the buffer rotates every 12 tokens, ~16 times
+    # max_kv_size 16 with mlx-lm's 4 kept tokens: the buffer rotates every 12 tokens, ~11 times
     target, draft = pairs(family)
     prompt = prompt_tokens(2, n=20)
     ref = plain(target, prompt, max_kv_size=16)

@@ -510,6 +510,8 @@ def test_queued_unranked_lanes_draft_what_the_round_loop_drafts(tmp_path, monkey
     assert host.ahead == getattr(host, ahead)
     assert all(n == nodes for n, k in zip(stats.nodes, stats.drafter) if k == "queued")
     assert_same_root_paths(host, queued, stats, hand_back, depth=4)
+    if layout == "lanes kept":  # its whole draft is one compiled call, as a chain's (not one a step)
+        assert type(queued._drafts[queued._ahead_key("lanes")]) is type(mx.compile(abs))
 
 
 def test_keeps_lanes_only_is_a_budget_of_the_lanes_nodes_with_one_ranked_step():

@@ -12,7 +12,7 @@ from mlx_treespec import RoundStats, make_drafter, tree_generate_step
 from mlx_treespec.cli import main
 from mlx_treespec.tree import MAX_NODES, DraftTree
 
-N = 200
+N = 128
 BASES = {
     "chain6": dict(draft_block_size=6),
     "k3l1s6": dict(tree_topk=3, tree_lanes=1, tree_depth=6, tree_budget=18),  # fixed layout
