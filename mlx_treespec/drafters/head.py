@@ -318,8 +318,9 @@ class HeadDrafter(ModelDrafter):
         outputs (`_steps_ahead`: a chain, or a fixed lane tree's lane tokens, scores and root
         leaves; or the EAGLE-2 tree's tokens, root 0, parents, depths, ancestor rows), then K
         and V. A chain or fixed lane tree is one compiled function (traced per slot count and
-        buffer width, and per sampler setting: constants of the trace, the seed an input); an EAGLE-2
-        tree calls `_lanes_fns`' compiled functions, one a step."""
+        buffer width, and per sampler setting: constants of the trace, the seed an input); so is an
+        EAGLE-2 tree that keeps its lanes (`keeps_lanes_only`); another EAGLE-2 tree calls
+        `_lanes_fns`' compiled functions, one a step."""
         key, store = self._ahead_key(kind), self._drafts
         fn = store.get(key)
         if fn is not None:
@@ -392,7 +393,11 @@ class HeadDrafter(ModelDrafter):
 
         if kind == "lanes":
             lanes_fns = self._lanes_fns(forward)
-        fn = store[key] = lanes if kind == "lanes" else mx.compile(chain)
+            # a tree that keeps its lanes grows no candidate list: every step after the ranked
+            # one has the same shapes, so the whole draft is one compiled call, as a chain's
+            # (each step's call was host time of its own in a queued round)
+            whole = keeps_lanes_only(K, L, depth, self._lanes_budget(), self.ranked_lane_steps)
+        fn = store[key] = (mx.compile(lanes) if whole else lanes) if kind == "lanes" else mx.compile(chain)
         return fn
 
     def _ahead_key(self, kind):
