@@ -373,7 +373,9 @@ class HeadDrafter(ModelDrafter):
             # and the real slots (the columns before base) and, among the R step rows, its
             # ancestors and itself. Each step is one call of one compiled function whose arrays
             # keep their shapes from step to step (the step is an input): unrolled, every step's
-            # shapes differed and each was a kernel compile of its own on a fresh GPU (minutes)
+            # shapes differed and each was a kernel compile of its own on a fresh GPU (minutes).
+            # A tree that keeps its lanes compiles this whole function: its argmax steps share
+            # one shape
             start, step, argmax_inputs, argmax_step, rank, steps = lanes_fns
             state, first, ks, vs = start(tokens, slot_rows, count, L0, keys, values, ranges, at)
             later, own = [], ()
