@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import statistics
 import time
@@ -292,8 +293,6 @@ def _cost_key(model):
 
 def cost_cache_dir():
     """Where start-up cost fits are kept: $MLX_TREESPEC_CACHE, else ~/.cache/mlx_treespec."""
-    import os
-
     return Path(os.environ.get("MLX_TREESPEC_CACHE") or Path.home() / ".cache" / "mlx_treespec") / "costs"
 
 
@@ -341,7 +340,7 @@ def _fits(model, key, history):
             d["long"] = {"history": history, **entry}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # (processes may write one file at once)
             tmp.write_text(json.dumps(d))
             tmp.replace(path)
         except OSError:  # a read-only home: measured again by the next process

@@ -25,21 +25,24 @@ def cli(*args, stdin=None):
 
 
 def cli_here(*args):
-    """`cli(*args)` in this process: the command line's `main`, its exit code from SystemExit (a
-    process of its own spends ~3 s starting and importing on this CPU). For bad input and for
-    mlx-lm's flags, templates and cache files; the out-of-the-box tests and
-    `test_non_utf8_prompts_are_one_line_errors` keep a process each."""
+    """`cli(*args)` in this process (a process spends ~3 s starting here): `main`, its exit code
+    from SystemExit; the out-of-the-box tests keep a process each."""
     import contextlib
     import io
+    import warnings
 
     from mlx_treespec.cli import main
 
     out, err, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")  # (each warning a process would print counts as its lines)
         try:
             main(list(args))
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    for w in warned:
+        err.write(warnings.formatwarning(w.message, w.category, w.filename, w.lineno))
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
@@ -201,9 +204,9 @@ def test_default_draft_shape_is_adaptive_over_the_fixed_one_lane_tree():
 ])
 def test_more_bad_input_is_one_line_exit_2(args, needle):
     # (a Hub name in a process of its own: huggingface_hub reads HF_HUB_OFFLINE when imported)
+    hub = "nonexistent-org/nonexistent-model" in args
     r = subprocess.run([sys.executable, "-m", "mlx_treespec.generate", *args], capture_output=True, text=True,
-                       timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1")) if "--model" in args[:1] and \
-        "/" in args[1] and not os.path.exists(args[1]) else cli_here(*args)
+                       timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1")) if hub else cli_here(*args)
     assert r.returncode == 2, r.stderr
     lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr

@@ -393,6 +393,7 @@ class HeadDrafter(ModelDrafter):
                 own = (state[5], state[6], logits, argmaxes)
             return (*rank(first, later, own), ks[0], vs[0])
 
+        whole = False
         if kind == "lanes":
             lanes_fns = self._lanes_fns(forward)
             # a tree that keeps its lanes grows no candidate list: every step after the ranked
