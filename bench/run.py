@@ -419,6 +419,7 @@ def run_loop(args):
     md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", ""]
     budget = args.seconds / max(len(args.prompts.split(",")), 1) if args.seconds else None
+    warmed = set()
     for pset in args.prompts.split(","):
         texts = load_prompts(pset)[: args.n]
         prompts = encode_prompts(tok, texts)
@@ -432,7 +433,10 @@ def run_loop(args):
             # eager forward each) before it runs compiled: past the warm-up, the shapes a
             # generation verifies once (a spine-first tree's first round) and those of every
             # buffer width a whole generation reaches included. On CPU no verify is compiled
-            # (whole-buffer forwards are a GPU's path): one generation pays the traces
+            # (whole-buffer forwards are a GPU's path): one generation of the run pays the traces
+            if mx.default_device() != mx.gpu and a in warmed:
+                return
+            warmed.add(a)
             for _ in range(verify.CHECKS if mx.default_device() == mx.gpu else 1):
                 runners[a](prompts[0], args.max_tokens)
 

@@ -37,7 +37,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from .verify import CHECKS, TreeRound
+from .verify import CHECKS, TreeRound, pad_keys_default
 
 __all__ = [
     "CostFit",
@@ -331,7 +331,10 @@ def _fits(model, key, history):
         # (once per target shape, device and MLX version: tens of seconds, minutes on a slow CPU)
         print(f"mlx_treespec: timing this target's verify once, for adaptive drafting (kept in {path})",
               file=sys.stderr, flush=True)
-        verify = fit_curve(time_verify(model, VERIFY_TS, history=history, repeats=3, warmup=CHECKS))  # checks, then compiled
+        # (the verify's timed checks, then its compiled forwards: a GPU's path; a CPU's verify
+        # is eager, warm after one forward a shape)
+        warm = CHECKS if pad_keys_default() else 1
+        verify = fit_curve(time_verify(model, VERIFY_TS, history=history, repeats=3, warmup=warm))
         got = time_plain(model, history=history, own=True), verify
         entry = {"plain_ms": got[0], "verify": verify.to_dict()}
         if history == SHORT_HISTORY:

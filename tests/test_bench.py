@@ -21,9 +21,8 @@ def read_json(path):
 
 
 def short_prompts(tmp_path, *sets, chars=80):
-    """Each named set's first prompts cut to their first `chars` characters, as prompt files (a
-    file's path names its set in a run's tables and JSON): the demo target's prefill of a whole
-    prompt (~90 tokens) took most of a tiny run's time on this CPU."""
+    """Each set's first prompts cut to `chars` characters, as files (a path names its set): a
+    whole prompt's prefill took most of a tiny run here."""
     from mlx_treespec.harness import load_prompts
 
     paths = []
@@ -32,6 +31,16 @@ def short_prompts(tmp_path, *sets, chars=80):
         path.write_text(json.dumps([t[:chars] for t in load_prompts(name)[:2]]))
         paths.append(str(path))
     return paths
+
+
+def run_here(capsys, args):
+    """`run(args)` in this process (bench/run.py's `main`): its stdout."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from run import main
+
+    capsys.readouterr()
+    main(args)
+    return capsys.readouterr().out
 
 
 def run(args):
@@ -184,8 +193,8 @@ def test_an_arm_picks_its_drafters_folder(tmp_path):
     assert all(r["identical"] == "1/1" for r in arms.values())
 
 
-def test_proj_section_tiny(tmp_path):
-    # the projection arithmetic over tiny random shapes, for each drafter family
+def test_proj_section_tiny(tmp_path, capsys):
+    # the projection arithmetic over tiny random shapes, for each drafter family (in process)
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import tiny
     from test_dflash import dflash_config
@@ -210,7 +219,7 @@ def test_proj_section_tiny(tmp_path):
         args = ["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", family,
                 "--config", str(tmp_path / f"{target}.json"), "--q-bits", "0", "--dtype", "float32",
                 "--history", "32", "--out", str(tmp_path / family)]
-        text = run(args + (["--head-config", str(tmp_path / f"{head}.json")] if head else []))
+        text = run_here(capsys, args + (["--head-config", str(tmp_path / f"{head}.json")] if head else []))
         data = read_json(tmp_path / f"{family}.json.gz")
         rows = data["variants"][0]["arms"]
         assert [r["arm"] for r in rows] == want and all(r["x_plain"] > 0 for r in rows), text
@@ -218,7 +227,7 @@ def test_proj_section_tiny(tmp_path):
             want_x = r["tau"] * data["variants"][0]["plain_ms"] / r["round_ms"]
             assert abs(r["x_plain"] - want_x) <= 1e-4 * want_x
     # --draft-q-bits: the drafter quantized apart from the target, one variant each, one target
-    run(["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "dflash", "--config",
+    run_here(capsys, ["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "dflash", "--config",
          str(tmp_path / "qwen3.json"), "--head-config", str(tmp_path / "dflash.json"), "--q-bits", "0",
          "--draft-q-bits", "0,8", "--dtype", "float32", "--history", "32", "--arms", "ddtree:12",
          "--out", str(tmp_path / "dq")])
@@ -226,12 +235,11 @@ def test_proj_section_tiny(tmp_path):
     assert [v["variant"] for v in vs] == ["float32", "float32; drafter 8-bit"]
     assert [(v["target_bits"], v["drafter_bits"]) for v in vs] == [(None, None), (None, 8)]
     assert vs[0]["plain_ms"] == vs[1]["plain_ms"] and all([r["arm"] for r in v["arms"]] == ["ddtree:12"] for v in vs)
-    bad = subprocess.run([sys.executable, "bench/run.py", "proj", "--acceptance", str(tmp_path / "acc.json"),
-                          "--family", "dflash", "--arms", "ddtree:99"], cwd=ROOT, capture_output=True, text=True)
-    assert bad.returncode != 0 and "--arms ddtree:99: not dflash arms of" in bad.stderr
+    with pytest.raises(SystemExit, match="--arms ddtree:99: not dflash arms of"):
+        run_here(capsys, ["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "dflash", "--arms", "ddtree:99"])
     # --rounds: each arm's whole rounds timed, the arms and plain decoding in turn (an ARM/sync
     # arm through the round loop; on CPU no round queues), and a queued tree round's own pieces
-    run(["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "dflash", "--config",
+    run_here(capsys, ["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "dflash", "--config",
          str(tmp_path / "qwen3.json"), "--head-config", str(tmp_path / "dflash.json"), "--q-bits", "0", "--dtype",
          "float32", "--history", "32", "--rounds", "--round-reps", "2", "--out", str(tmp_path / "rounds")])
     v = read_json(tmp_path / "rounds.json.gz")["variants"][0]
@@ -247,7 +255,7 @@ def test_proj_section_tiny(tmp_path):
     # a head's whole rounds too (over a hybrid target here); an arm over a draft vocabulary the
     # file lacks is priced at its whole-vocabulary arm's figure, and says so
     arms = ["mtp-chain:3", "mtp-tree:3:3:9:1", "mtp-chain:3+vocab40"]
-    run(["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "mtp", "--config", str(tmp_path / "qwen3_5.json"),
+    run_here(capsys, ["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "mtp", "--config", str(tmp_path / "qwen3_5.json"),
          "--q-bits", "0", "--dtype", "float32", "--history", "32", "--rounds", "--round-reps", "1",
          "--arms", ",".join(arms), "--out", str(tmp_path / "mtp_rounds")])
     v = read_json(tmp_path / "mtp_rounds.json.gz")["variants"][0]
@@ -256,12 +264,12 @@ def test_proj_section_tiny(tmp_path):
     assert [(r["tau"], r["tau_of"]) for r in v["arms"]] == [(2.0, None), (2.4, None), (2.0, "mtp-chain:3")]
     assert [r["draft_ms"] is None for r in v["arms"]] == [False, False, True]  # (no whole-vocabulary estimate)
     assert "mtp-chain:3+vocab40 (at mtp-chain:3's)" in (tmp_path / "mtp_rounds.md").read_text()
-    bad = subprocess.run([sys.executable, "bench/run.py", "proj", "--acceptance", str(tmp_path / "acc.json"),
-                          "--family", "mtp", "--arms", "mtp-chain:3+vocab40"], cwd=ROOT, capture_output=True, text=True)
-    assert bad.returncode != 0 and "add --rounds" in bad.stderr
+    with pytest.raises(SystemExit, match="add --rounds"):
+        run_here(capsys, ["proj", "--acceptance", str(tmp_path / "acc.json"), "--family", "mtp", "--arms",
+                          "mtp-chain:3+vocab40"])
     # head-step: a head's step over the whole vocabulary and over a draft vocabulary, both families
     (tmp_path / "eagle3_whole.json").write_text(json.dumps(dict(eagle, draft_vocab_size=tiny.VOCAB)))
-    run(["head-step", "--config", f"{tmp_path / 'qwen3_5.json'},{tmp_path / 'qwen3.json'}", "--head-config",
+    run_here(capsys, ["head-step", "--config", f"{tmp_path / 'qwen3_5.json'},{tmp_path / 'qwen3.json'}", "--head-config",
          str(tmp_path / "eagle3_whole.json"), "--q-bits", "0", "--dtype", "float32", "--draft-vocab", "40",
          "--rows", "1,3", "--round-reps", "2", "--history", "16", "--out", str(tmp_path / "step")])
     rows = read_json(tmp_path / "step.json.gz")["rows"]
