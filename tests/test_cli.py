@@ -204,9 +204,11 @@ def test_default_draft_shape_is_adaptive_over_the_fixed_one_lane_tree():
 ])
 def test_more_bad_input_is_one_line_exit_2(args, needle):
     # (a Hub name in a process of its own: huggingface_hub reads HF_HUB_OFFLINE when imported)
-    hub = "nonexistent-org/nonexistent-model" in args
-    r = subprocess.run([sys.executable, "-m", "mlx_treespec.generate", *args], capture_output=True, text=True,
-                       timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1")) if hub else cli_here(*args)
+    if "nonexistent-org/nonexistent-model" in args:
+        r = subprocess.run([sys.executable, "-m", "mlx_treespec.generate", *args], capture_output=True, text=True,
+                           timeout=300, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    else:
+        r = cli_here(*args)
     assert r.returncode == 2, r.stderr
     lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and needle in lines[0], r.stderr
@@ -267,7 +269,7 @@ def test_mlx_lm_flags():
     assert plain.startswith(cut) and len(cut) < len(plain)
     # --min-tokens-to-keep reaches the sampler; one seed gives one output
     sampled = [_text(cli_here("--max-tokens", "16", "--verbose", "F", "--temp", "0.9", "--min-p", "0.6",
-                         "--min-tokens-to-keep", "3", "--seed", "5")) for _ in range(2)]
+                              "--min-tokens-to-keep", "3", "--seed", "5")) for _ in range(2)]
     assert sampled[0] == sampled[1] and sampled[0].strip()
     # XTC, keyed by position: the speculative text is plain sampled decoding's
     xtc = ["--max-tokens", "24", "--verbose", "F", "--temp", "0.8", "--seed", "2", "--xtc-probability", "0.5"]
@@ -325,7 +327,7 @@ def test_prompt_cache_files_round_trip_with_mlx_lm(tmp_path):
                             capture_output=True, text=True, timeout=300)
     assert theirs.returncode == 0, theirs.stderr
     ours = cli_here("--prompt-cache-file", str(made), "--prompt", "    return", "--max-tokens", "24", "--verbose", "F",
-               "--draft-model", "demo-drafter")
+                    "--draft-model", "demo-drafter")
     assert _text(ours) == theirs.stdout
     plain = cli_here("--prompt-cache-file", str(made), "--prompt", "    return", "--max-tokens", "24")
     assert _text(plain).split("==========")[1].strip() == theirs.stdout.strip()

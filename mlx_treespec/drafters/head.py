@@ -393,14 +393,15 @@ class HeadDrafter(ModelDrafter):
                 own = (state[5], state[6], logits, argmaxes)
             return (*rank(first, later, own), ks[0], vs[0])
 
-        whole = False
-        if kind == "lanes":
-            lanes_fns = self._lanes_fns(forward)
-            # a tree that keeps its lanes grows no candidate list: every step after the ranked
-            # one has the same shapes, so the whole draft is one compiled call, as a chain's
-            # (each step's call was host time of its own in a queued round)
-            whole = keeps_lanes_only(K, L, depth, self._lanes_budget(), self.ranked_lane_steps)
-        fn = store[key] = (mx.compile(lanes) if whole else lanes) if kind == "lanes" else mx.compile(chain)
+        if kind != "lanes":
+            fn = store[key] = mx.compile(chain)
+            return fn
+        lanes_fns = self._lanes_fns(forward)
+        # a tree that keeps its lanes grows no candidate list: every step after the ranked one
+        # has the same shapes, so the whole draft is one compiled call, as a chain's (each
+        # step's call was host time of its own in a queued round)
+        whole = keeps_lanes_only(K, L, depth, self._lanes_budget(), self.ranked_lane_steps)
+        fn = store[key] = mx.compile(lanes) if whole else lanes
         return fn
 
     def _ahead_key(self, kind):
