@@ -1402,9 +1402,14 @@ def run_round_host(args):
         def call(*a, **k):
             t = time.perf_counter()
             try:
-                return fn(*a, **k)
+                out = fn(*a, **k)
             finally:
                 clock[name] += time.perf_counter() - t
+            if args.split_launch and not name.endswith("launch"):  # launched here: this piece's own kernels
+                t = time.perf_counter()
+                launch(*_arrays_in(out))
+                clock[name + " launch"] += time.perf_counter() - t
+            return out
         return call
 
     def counted(*arrays):  # the round's own graph: earlier rounds were launched (and detached)
@@ -1436,7 +1441,7 @@ def run_round_host(args):
         for k, v in pieces.items():
             if v:  # (both tree layouts count as "layout")
                 setattr(queued, v, timed(k.replace("spine ", ""), originals[k]))
-        mx.async_eval = timed("launch", launch)
+        mx.async_eval = timed("rest launch" if args.split_launch else "launch", launch)
         try:
             out, stats, dt = run_once(target, Timed(makers[a]()), prompts[i], args.max_tokens)
         finally:
@@ -1449,6 +1454,7 @@ def run_round_host(args):
             sys.exit(f"round-host: arm {a} ran no queued round (it times rounds queued ahead, on a GPU)")
         n = stats.rounds + 1  # the round queued past the last is built and launched too
         rec = {k: 1e3 * v / n for k, v in clock.items()}
+        rec["launch"] = sum(v for k, v in rec.items() if k.endswith("launch"))  # (every piece's: the round's)
         rec["wait"] = statistics.fmean(stats.sync_ms[j] for j in queued_rounds)
         rec["round"] = statistics.fmean(stats.round_ms[j] for j in queued_rounds)
         rec["rest"] = rec["round"] - sum(rec.get(k, 0.0) for k in ("draft", "layout", "verify", "walk", "commit",
@@ -1477,7 +1483,7 @@ def run_round_host(args):
         kernels = statistics.fmean(sum(v for k, v in c.items() if k not in views) for c in later)
         mean = {k: statistics.fmean(r[k] for r in results[a]) for k in
                 ("round", "draft", "layout", "verify", "walk", "commit", "launch", "wait", "rest", "emitted_per_verify")
-                if all(k in r for r in results[a])}
+                + SPLIT_LAUNCH if all(k in r for r in results[a])}
         every = collections.Counter()
         for c in later:
             every.update({k: v / len(later) for k, v in c.items()})
@@ -1487,10 +1493,15 @@ def run_round_host(args):
     report = dict(meta=run_meta(section=args.section, target=args.target, arms=names, max_tokens=args.max_tokens),
                   prompts=len(prompts), arms=rows, launches=launches)
     cols = ["round", "draft", "layout", "verify", "walk", "commit", "launch", "wait", "rest"]
+    if args.split_launch:
+        cols[7:7] = [c for c in SPLIT_LAUNCH if any(c in r for r in rows)]
     md = [f"# {args.section}: {args.target} on {report['meta']['device']} (commit {_commit(report['meta'])})", "",
           f"`python bench/run.py {' '.join(sys.argv[1:])}`", "",
           f"Host ms a queued round (means over {len(prompts)} prompts x {args.max_tokens} tokens, arms interleaved); "
-          "kernels: a round graph's primitives but views.", "",
+          "kernels: a round graph's primitives but views."
+          + (" `launch`: every piece's launch; `X launch`: the kernels of piece X's outputs, launched as it returned "
+             "(`draft launch`: the draft's; `rest launch`: what the round's own launch was left)." if args.split_launch
+             else ""), "",
           "| arm | emitted per verify | " + " | ".join(cols) + " | kernels (primitives) |",
           "|---|---|" + "---|" * len(cols) + "---|"]
     md += [f"| {r['arm']} | {r['emitted_per_verify']:.2f} | " + " | ".join(f"{r.get(c, 0.0):.3f}" for c in cols)
@@ -1502,6 +1513,21 @@ def run_round_host(args):
            "| op | build us | launch us | device us |", "|---|---|---|---|"]
     md += [f"| {k} | {v['build_us']:.1f} | {v['launch_us']:.1f} | {v['device_us']:.1f} |" for k, v in launches.items()]
     write(args, report, md)
+
+
+SPLIT_LAUNCH = ("draft launch", "layout launch", "verify launch", "walk launch", "commit launch", "rest launch")
+
+
+def _arrays_in(out):
+    """The mx arrays in a round piece's output (tuples, lists, a Draft's tokens and device layout)."""
+    if isinstance(out, mx.array):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [a for x in out for a in _arrays_in(x)]
+    if hasattr(out, "tokens") and hasattr(out, "layout"):
+        layout = getattr(out.layout, "device", None)
+        return _arrays_in(out.tokens) + (_arrays_in(list(layout)) if layout is not None else [])
+    return []
 
 
 VIEWS = {"Slice", "Split", "Reshape", "Broadcast", "ExpandDims", "Squeeze", "Transpose", "Flatten", "Unflatten",
@@ -2227,6 +2253,8 @@ def main(argv=None):
                    help="proj: the drafter's bits, a comma list (0: unquantized, in --dtype); 'same': the target's")
     p.add_argument("--costs", default=None, help="proj: round costs measured elsewhere (JSON) instead of timing here")
     p.add_argument("--history", type=int, default=512)
+    p.add_argument("--split-launch", action="store_true",
+                   help="round-host: launch each piece's kernels as it returns and time each launch")
     p.add_argument("--cpu-queued", action="store_true",
                    help="round-host on CPU: run the GPU's queued rounds (whole-buffer verify) to count each round's "
                         "kernels; CPU times are not speed")

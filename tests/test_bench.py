@@ -421,6 +421,17 @@ def test_round_host_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
         assert len(r["runs"]) == 1 and r["round"] > 0 and r["draft"] > 0 and r["verify"] > 0 and r["launch"] > 0
         assert ("walk" in r) == ("layout" in r) == ("tree" in arm or "astree" in arm) and r["kernels"] < r["primitives"]
         assert r.get("layout", 1) > 0  # (a one-lane tree's layout is timed too)
+    # --split-launch: each piece's kernels launched as it returns, each launch timed; `launch`
+    # is their sum, the tokens the same
+    main(["round-host", "--target", "demo", "--arms", "eagle3-tree:2:3:6:1", "--split-launch",
+          "--prompts", unseen, "--n", "1", "--max-tokens", "8", "--out", str(tmp_path / "split")])
+    (split,) = read_json(tmp_path / "split.json.gz")["arms"]
+    pieces = [k for k in split if k.endswith(" launch")]
+    assert {"draft launch", "verify launch", "walk launch", "rest launch"} <= set(pieces)
+    assert split["draft launch"] > 0 and split["verify launch"] > 0
+    assert split["launch"] == pytest.approx(sum(split[k] for k in pieces), rel=1e-3)  # (5 digits kept)
+    assert split["emitted_per_verify"] == rows["eagle3-tree:2:3:6:1"]["emitted_per_verify"]
+    assert "| draft launch |" in (tmp_path / "split.md").read_text()
     # the chain as a tree runs the chain's tokens through the tree's machinery: more kernels on
     # CPU, where the walk is MLX ops (on a GPU one kernel: the H200 counted the chain's)
     assert rows["eagle3-chain:3/astree"]["kernels"] > rows["eagle3-chain:3"]["kernels"]
