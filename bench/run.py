@@ -1841,6 +1841,13 @@ def launch_costs(n=200):
     # masked row runs MLX's unfused arithmetic, two matmuls and a softmax), and the
     # tree-attention kernel where it is usable
     rng = np.random.default_rng(2)
+    # a head step's linear layer at the demo width (float16): one row runs a matrix-vector
+    # kernel on CUDA, several rows a GEMM library call
+    proj = mx.array(rng.standard_normal((384, 1024)).astype(np.float16) / 20)
+    for R in (1, 4, 17):
+        x = mx.array(rng.standard_normal((R, 384)).astype(np.float16))
+        kinds[f"[{R}, 384] @ [384, 1024] matmul, float16 (+ add)"] = lambda a, x=x: a + (
+            x @ proj)[0, :W].astype(a.dtype)
     backend = kernel_backend()
     tree_kernel = backend == "cuda" and attention.usable(mx.float16, 64)
     bounds = mx.array([1024 - 32, 1024], mx.int32)  # (the kernel reads the mask in these columns)
