@@ -1841,13 +1841,19 @@ def launch_costs(n=200):
     # masked row runs MLX's unfused arithmetic, two matmuls and a softmax), and the
     # tree-attention kernel where it is usable
     rng = np.random.default_rng(2)
-    # a head step's linear layer at the demo width (float16): one row runs a matrix-vector
+    # a head step's linear layer at the demo width (float16 on a GPU): one row runs a matrix-vector
     # kernel on CUDA, several rows a GEMM library call
-    proj = mx.array(rng.standard_normal((384, 1024)).astype(np.float16) / 20)
+    # (nn.Linear's x @ weight.T), and 4 rows as 4 matrix-vector products (`mx.gather_mm`; on
+    # CPU float32, its only type there)
+    half = np.float16 if mx.default_device() == mx.gpu else np.float32
+    weight = mx.array(rng.standard_normal((1024, 384)).astype(half) / 20)
     for R in (1, 4, 17):
-        x = mx.array(rng.standard_normal((R, 384)).astype(np.float16))
-        kinds[f"[{R}, 384] @ [384, 1024] matmul, float16 (+ add)"] = lambda a, x=x: a + (
-            x @ proj)[0, :W].astype(a.dtype)
+        x = mx.array(rng.standard_normal((R, 384)).astype(half))
+        kinds[f"[{R}, 384] @ [384, 1024] matmul (+ add)"] = lambda a, x=x: a + (
+            x @ weight.T)[0, :W].astype(a.dtype)
+    x4, each, one = x[:4, None], mx.arange(4, dtype=mx.uint32), mx.zeros((4,), mx.uint32)
+    kinds["4 x [1, 384] @ [384, 1024] gather_mm (+ add)"] = lambda a: a + mx.gather_mm(
+        x4, weight.T[None], lhs_indices=each, rhs_indices=one)[0, 0, :W].astype(a.dtype)
     backend = kernel_backend()
     tree_kernel = backend == "cuda" and attention.usable(mx.float16, 64)
     bounds = mx.array([1024 - 32, 1024], mx.int32)  # (the kernel reads the mask in these columns)
