@@ -13,6 +13,13 @@ columns of it; a layer called on another input runs the joined matmul over that 
 Each column is the same dot product as the layer's own: on CPU bit for bit (pinned by
 `test_joined_forward_is_the_separate_forward`); a GPU's GEMM may tile a wider output otherwise,
 which the exactness probe measures as it does a verify's row count.
+
+A few rows run as matrix-vector products (`few_rows`): on a CUDA GPU MLX runs a one-row matmul
+as a matrix-vector kernel and one of several rows as a cuBLASLt call, whose launch costs the
+host several times more (bench/RESULTS.md, "A lane step's linear layers as matrix-vector
+products"). A head's lane step is a few rows (one per lane), each through some six linear
+layers; in a library forward a float layer over 2..`FEW_ROWS` rows runs one matrix-vector
+product a row instead, in one kernel (`mx.gather_mm`), each row's arithmetic a one-row matmul's.
 """
 import contextlib
 import threading
@@ -22,7 +29,7 @@ import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["GROUPS", "join", "arrays", "running", "held", "put_back", "joined_groups"]
+__all__ = ["GROUPS", "FEW_ROWS", "join", "arrays", "running", "held", "put_back", "joined_groups", "few_rows", "projected"]
 
 # Layers that read one input, by attribute name, in output order: attention (mlx-lm's models,
 # the heads, DFlash), SwiGLU MLPs, GatedDeltaNet's input projections (qwen3_5, qwen3_next)
@@ -30,6 +37,7 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
           ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"), ("in_proj_qkvz", "in_proj_ba"))
 
 _LEAVES = ("weight", "scales", "biases", "bias")  # a linear layer's arrays: one row per output
+FEW_ROWS = 8  # the most rows a float linear layer runs as matrix-vector products (`few_rows`)
 _KINDS = (nn.Linear, nn.QuantizedLinear)
 
 
@@ -97,8 +105,13 @@ class _Group:
 
     def matmul(self, x):
         """The group's output for rows x: each layer's output side by side (its own arithmetic:
-        nn.Linear's addmm or matmul, nn.QuantizedLinear's quantized matmul and bias add)."""
+        nn.Linear's addmm or matmul, nn.QuantizedLinear's quantized matmul and bias add; a few
+        rows' products: `few_rows`)."""
         j = self.joint
+        if self.quant is None and "bias" not in j:
+            y = few_rows(x, j["weight"])
+            if y is not None:
+                return y
         if self.quant is None:
             return mx.addmm(j["bias"], x, j["weight"].T) if "bias" in j else x @ j["weight"].T
         y = mx.quantized_matmul(x, j["weight"], scales=j["scales"], biases=j.get("biases"), transpose=True,
@@ -112,6 +125,54 @@ class _Group:
         if hit is None or hit[0] is not x:
             hit = memo[id(self)] = (x, self.matmul(x))
         return hit[1][..., self.cuts[i] : self.cuts[i + 1]]
+
+
+def _products_here(x, weight):
+    """Whether `few_rows` runs x @ weight.T as products: float16 / bfloat16 on a CUDA GPU (one
+    row runs a matrix-vector kernel there; CPU and Metal keep their matmul)."""
+    from .attention import kernel_backend
+
+    return x.dtype in (mx.float16, mx.bfloat16) and weight.dtype == x.dtype and kernel_backend() == "cuda"
+
+
+_PICKS = {}  # rows -> (each row's index, the weight's: 0), made once (a trace would launch them)
+
+
+def few_rows(x, weight):
+    """`x @ weight.T` (weight [N, K]) as one matrix-vector product a row, in one kernel
+    (`mx.gather_mm`), where x holds 2..FEW_ROWS rows and `_products_here`; else None (the
+    caller runs its matmul)."""
+    rows = x.size // x.shape[-1] if x.ndim >= 2 and x.shape[-1] else 0
+    if not 2 <= rows <= FEW_ROWS or weight.ndim != 2 or not _products_here(x, weight):
+        return None
+    picks = _PICKS.get(rows)
+    if picks is None:
+        picks = _PICKS[rows] = (mx.arange(rows, dtype=mx.uint32), mx.zeros((rows,), mx.uint32))
+    y = mx.gather_mm(x.reshape(rows, 1, x.shape[-1]), weight.T[None], lhs_indices=picks[0], rhs_indices=picks[1])
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def projected(project, x):
+    """`project(x)` for an lm_head (a float linear layer, or an Embedding's `as_linear`: tied),
+    inside a library forward its few rows as products (`few_rows`)."""
+    owner = getattr(project, "__self__", project)
+    if (_MEMO.outputs is not None and isinstance(owner, nn.Module) and "weight" in owner
+            and "scales" not in owner and "bias" not in owner):
+        y = few_rows(x, owner["weight"])
+        if y is not None:
+            return y
+    return project(x)
+
+
+def _solo_call(self, x):
+    if _MEMO.outputs is not None and "bias" not in self:  # (inside a library forward)
+        y = few_rows(x, self["weight"])
+        if y is not None:
+            return y
+    return super(type(self), self).__call__(x)
+
+
+_SOLO = {}  # nn.Linear -> its class for layers in no group: few rows as products (`_solo_call`)
 
 
 def _part_call(self, x):
@@ -156,7 +217,18 @@ def _reclass(part, group, column):
 def _base(module):
     """A layer's class before `join` re-classed it."""
     cls = type(module)
-    return cls.__mro__[1] if cls in _CLASSES.values() else cls
+    return cls.__mro__[1] if cls in _CLASSES.values() or cls in _SOLO.values() else cls
+
+
+def _solo(model):
+    """Re-class `model`'s float linear layers that joined no group (o_proj, down_proj, an
+    untied lm_head, a head's fc): inside a library forward a few rows run as products."""
+    for _, m in model.named_modules():
+        if type(m) is nn.Linear:
+            sub = _SOLO.get(nn.Linear)
+            if sub is None:
+                sub = _SOLO[nn.Linear] = type("RowsLinear", (nn.Linear,), {"__call__": _solo_call})
+            m.__class__ = sub
 
 
 def _joinable(owner, names):
@@ -196,6 +268,7 @@ def join(model):
         group = module[names[0]].__dict__.get("_treespec_group")
         groups.append(group if group is not None and group.intact() else _Group(module, names))
     model.__dict__["_treespec_joined"] = groups
+    _solo(model)
     arrays(model)
     return groups
 

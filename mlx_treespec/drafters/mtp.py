@@ -47,6 +47,7 @@ from mlx_lm.models.cache import KVCache
 from . import dequantize_linears, target_io, text_model, vocab_rows
 from ..spec import MIN_DRAFT_VOCAB, check_int
 from ..vocab import read_ranks
+from ..join import projected
 from ..verify import layer_span
 
 __all__ = ["MTPHead", "load_mtp", "target_io", "read_tensors", "quantize_like"]
@@ -264,10 +265,11 @@ class HeadModule(nn.Module):
         return views[key]
 
     def _logits(self, project, x):
-        """`project(x)` (logits over the target vocab), or over the draft vocabulary, -inf elsewhere."""
+        """`project(x)` (logits over the target vocab; a few rows as products: `join.projected`),
+        or over the draft vocabulary, -inf elsewhere."""
         narrow = getattr(self, "_vocab", None)
         if narrow is None:
-            return project(x)
+            return projected(project, x)
         rows, column, vocab = narrow
         y = rows(x)
         if column is not None:
