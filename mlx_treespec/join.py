@@ -38,6 +38,11 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
 
 _LEAVES = ("weight", "scales", "biases", "bias")  # a linear layer's arrays: one row per output
 FEW_ROWS = 8  # the most rows a float linear layer runs as matrix-vector products (`few_rows`)
+# the largest weight they run over: each row's product reads the whole weight, which stays in
+# an H100's or H200's 50 MB L2 cache between the rows only where it is small; a larger one (an
+# 8B model's layers, any real vocabulary's lm_head) is read once a row from memory, dearer than
+# the launch it saves (not measured at those sizes: there the matmul stays)
+FEW_ROWS_BYTES = 8 << 20
 _KINDS = (nn.Linear, nn.QuantizedLinear)
 
 
@@ -140,10 +145,11 @@ _PICKS = {}  # rows -> (each row's index, the weight's: 0), made once (a trace w
 
 def few_rows(x, weight):
     """`x @ weight.T` (weight [N, K]) as one matrix-vector product a row, in one kernel
-    (`mx.gather_mm`), where x holds 2..FEW_ROWS rows and `_products_here`; else None (the
-    caller runs its matmul)."""
+    (`mx.gather_mm`), where x holds 2..FEW_ROWS rows, the weight at most FEW_ROWS_BYTES and
+    `_products_here`; else None (the caller runs its matmul)."""
     rows = x.size // x.shape[-1] if x.ndim >= 2 and x.shape[-1] else 0
-    if not 2 <= rows <= FEW_ROWS or weight.ndim != 2 or not _products_here(x, weight):
+    if (not 2 <= rows <= FEW_ROWS or weight.ndim != 2 or weight.nbytes > FEW_ROWS_BYTES
+            or not _products_here(x, weight)):
         return None
     picks = _PICKS.get(rows)
     if picks is None:

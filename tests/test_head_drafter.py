@@ -647,6 +647,8 @@ def test_few_rows_are_each_rows_product_and_only_where_asked():
     joining._products_here, kept = here, joining._products_here
     try:
         assert joining.few_rows(x, w) is None
+        big = mx.zeros((joining.FEW_ROWS_BYTES // 4 // 32 + 1, 32))  # (a weight read once a row from memory)
+        assert joining.few_rows(x[:, :4], big) is None and joining.few_rows(x[:, :4], big[:-1]) is not None
     finally:
         joining._products_here = kept
 
