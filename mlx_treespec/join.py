@@ -153,7 +153,8 @@ def few_rows(x, weight):
         return None
     picks = _PICKS.get(rows)
     if picks is None:
-        picks = _PICKS[rows] = (mx.arange(rows, dtype=mx.uint32), mx.zeros((rows,), mx.uint32))
+        # (from host values: arrays that hold data, never a node of the trace that made them)
+        picks = _PICKS[rows] = (mx.array(np.arange(rows, dtype=np.uint32)), mx.array(np.zeros(rows, np.uint32)))
     y = mx.gather_mm(x.reshape(rows, 1, x.shape[-1]), weight.T[None], lhs_indices=picks[0], rhs_indices=picks[1])
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
