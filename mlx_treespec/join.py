@@ -176,7 +176,7 @@ def _solo_call(self, x):
         y = few_rows(x, self["weight"])
         if y is not None:
             return y
-    return super(type(self), self).__call__(x)
+    return nn.Linear.__call__(self, x)
 
 
 _SOLO = {}  # nn.Linear -> its class for layers in no group: few rows as products (`_solo_call`)
@@ -210,8 +210,8 @@ _CLASSES = {}
 
 
 def _reclass(part, group, column):
-    cls = type(part)
-    if cls not in _CLASSES.values():
+    cls = _base(part)  # (a layer in no group at an earlier join: its own class again)
+    if type(part) not in _CLASSES.values():
         sub = _CLASSES.get(cls)
         if sub is None:
             sub = _CLASSES[cls] = type(f"Joined{cls.__name__}", (cls,), {

@@ -133,3 +133,36 @@ def test_layers_that_cannot_be_one_matmul_stay_apart():
     with joining.running():
         q, k = m.q_proj(x), m.k_proj(x)
     assert q.shape == (1, 3, 32) and mx.array_equal(k, nn.QuantizedLinear.__call__(m.k_proj, x)).item()
+
+
+def test_a_layer_in_no_group_joins_one_later_and_runs_its_own_arithmetic(monkeypatch):
+    # `join` re-classes a float layer in no group (few rows as products inside a library
+    # forward: join.few_rows); where its group becomes joinable later (its dtype set to the
+    # others'), it joins as any layer does, and runs the group's columns, or its own matmul
+    # outside a library forward (no recursion between the two re-classings)
+    m = nn.Module()
+    m.q_proj, m.k_proj, m.v_proj = (nn.Linear(64, n, bias=False) for n in (32, 16, 16))
+    m.v_proj.set_dtype(mx.float16)
+    assert joining.join(m) == [] and type(m.k_proj).__name__ == "RowsLinear"
+    assert joining._base(m.k_proj) is nn.Linear
+    m.v_proj.set_dtype(mx.float32)
+    m.__dict__.pop("_treespec_joined")  # (a later join)
+    assert len(joining.join(m)) == 1 and joining._base(m.k_proj) is nn.Linear
+    x = mx.random.normal((1, 3, 64))
+    own = x @ m.k_proj.weight.T
+    assert mx.array_equal(m.k_proj(x), own).item()
+    with joining.running():
+        assert mx.array_equal(m.k_proj(x), own).item()
+    # inside a library forward a few rows run as products where asked (forced on CPU: float32)
+    monkeypatch.setattr(joining, "_products_here", lambda x, w: x.dtype == w.dtype == mx.float32)
+    m.o_proj = nn.Linear(64, 8, bias=False)
+    m.__dict__.pop("_treespec_joined")  # (a new layer: joined again, as new weights are)
+    joining.join(m)
+    calls = []
+    few = joining.few_rows
+    monkeypatch.setattr(joining, "few_rows", lambda x, w: calls.append(x.shape) or few(x, w))
+    with joining.running():
+        y, k = m.o_proj(x), m.k_proj(x)
+    assert calls == [(1, 3, 64), (1, 3, 64)] and y.shape == (1, 3, 8) and k.shape == (1, 3, 16)
+    m.o_proj(x)
+    assert len(calls) == 2  # (outside a library forward: nn.Linear's own call)
