@@ -54,6 +54,7 @@ from pathlib import Path
 
 import numpy as np
 import mlx.core as mx
+import mlx.nn as nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -246,7 +247,7 @@ class Separate(Wraps):
 
     @contextlib.contextmanager
     def separate(self):
-        from mlx_treespec.join import join
+        from mlx_treespec.join import RowsLinear, join
 
         # (an adaptive or merged drafter's model drafter: its primary or base)
         inner = getattr(self.drafter, "primary", None) or getattr(self.drafter, "base", None) or self.drafter
@@ -265,8 +266,8 @@ class Separate(Wraps):
         if bound is not None:  # (its block forward, traced at its first call: in here)
             forward = inner._forward
             inner._forward = bound.model.__dict__.get("_separate_forward") or inner._compile()
-        for p, cls in parts:
-            p.__class__ = cls.__mro__[1]
+        for p, cls in parts:  # (a float layer as one in no group: a few rows still as products)
+            p.__class__ = RowsLinear if cls.__mro__[1] is nn.Linear else cls.__mro__[1]
         try:
             yield
         finally:
@@ -1851,7 +1852,8 @@ def launch_costs(n=200):
         x = mx.array(rng.standard_normal((R, 384)).astype(half))
         kinds[f"[{R}, 384] @ [384, 1024] matmul (+ add)"] = lambda a, x=x: a + (
             x @ weight.T)[0, :W].astype(a.dtype)
-    x4, each, one = x[:4, None], mx.arange(4, dtype=mx.uint32), mx.zeros((4,), mx.uint32)
+    x4 = mx.array(rng.standard_normal((4, 1, 384)).astype(half))
+    each, one = mx.arange(4, dtype=mx.uint32), mx.zeros((4,), mx.uint32)
     kinds["4 x [1, 384] @ [384, 1024] gather_mm (+ add)"] = lambda a: a + mx.gather_mm(
         x4, weight.T[None], lhs_indices=each, rhs_indices=one)[0, 0, :W].astype(a.dtype)
     backend = kernel_backend()

@@ -29,7 +29,8 @@ import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["GROUPS", "FEW_ROWS", "join", "arrays", "running", "held", "put_back", "joined_groups", "few_rows", "projected"]
+__all__ = ["GROUPS", "FEW_ROWS", "join", "arrays", "running", "held", "put_back", "joined_groups", "few_rows", "projected",
+           "RowsLinear"]
 
 # Layers that read one input, by attribute name, in output order: attention (mlx-lm's models,
 # the heads, DFlash), SwiGLU MLPs, GatedDeltaNet's input projections (qwen3_5, qwen3_next)
@@ -113,10 +114,9 @@ class _Group:
         nn.Linear's addmm or matmul, nn.QuantizedLinear's quantized matmul and bias add; a few
         rows' products: `few_rows`)."""
         j = self.joint
-        if self.quant is None and "bias" not in j:
-            y = few_rows(x, j["weight"])
-            if y is not None:
-                return y
+        y = _products(x, j["weight"]) if self.quant is None and "bias" not in j else None
+        if y is not None:
+            return y
         if self.quant is None:
             return mx.addmm(j["bias"], x, j["weight"].T) if "bias" in j else x @ j["weight"].T
         y = mx.quantized_matmul(x, j["weight"], scales=j["scales"], biases=j.get("biases"), transpose=True,
@@ -155,31 +155,37 @@ def few_rows(x, weight):
     if picks is None:
         # (from host values: arrays that hold data, never a node of the trace that made them)
         picks = _PICKS[rows] = (mx.array(np.arange(rows, dtype=np.uint32)), mx.array(np.zeros(rows, np.uint32)))
-    y = mx.gather_mm(x.reshape(rows, 1, x.shape[-1]), weight.T[None], lhs_indices=picks[0], rhs_indices=picks[1])
+    # (unsorted indices: MLX 0.32's CUDA gather_mm then runs one row as its matrix-vector kernel,
+    # the arithmetic of a one-row matmul's, read from MLX's source; sorted, a grouped GEMM)
+    y = mx.gather_mm(x.reshape(rows, 1, x.shape[-1]), weight.T[None], lhs_indices=picks[0], rhs_indices=picks[1],
+                     sorted_indices=False)
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def _products(x, weight):
+    """`few_rows` inside a library forward (`running`), else None: the one place the rule is
+    asked, for a joined group, a layer in none and a tied lm_head alike."""
+    return few_rows(x, weight) if _MEMO.outputs is not None else None
+
+
 def projected(project, x):
-    """`project(x)` for an lm_head (a float linear layer, or an Embedding's `as_linear`: tied),
-    inside a library forward its few rows as products (`few_rows`)."""
-    owner = getattr(project, "__self__", project)
-    if (_MEMO.outputs is not None and isinstance(owner, nn.Module) and "weight" in owner
-            and "scales" not in owner and "bias" not in owner):
-        y = few_rows(x, owner["weight"])
+    """`project(x)` for a head's lm_head: a tied target's (an Embedding's `as_linear`) runs a few
+    rows as products inside a library forward; a linear layer is a RowsLinear already."""
+    owner = getattr(project, "__self__", None)
+    if type(owner) is nn.Embedding:
+        y = _products(x, owner["weight"])
         if y is not None:
             return y
     return project(x)
 
 
-def _solo_call(self, x):
-    if _MEMO.outputs is not None and "bias" not in self:  # (inside a library forward)
-        y = few_rows(x, self["weight"])
-        if y is not None:
-            return y
-    return nn.Linear.__call__(self, x)
+class RowsLinear(nn.Linear):
+    """A float linear layer in no joined group (o_proj, down_proj, an untied lm_head, a head's
+    fc), re-classed by `join`: inside a library forward a few rows run as products."""
 
-
-_SOLO = {}  # nn.Linear -> its class for layers in no group: few rows as products (`_solo_call`)
+    def __call__(self, x):
+        y = None if "bias" in self else _products(x, self["weight"])
+        return nn.Linear.__call__(self, x) if y is None else y
 
 
 def _part_call(self, x):
@@ -224,18 +230,14 @@ def _reclass(part, group, column):
 def _base(module):
     """A layer's class before `join` re-classed it."""
     cls = type(module)
-    return cls.__mro__[1] if cls in _CLASSES.values() or cls in _SOLO.values() else cls
+    return cls.__mro__[1] if cls in _CLASSES.values() or cls is RowsLinear else cls
 
 
 def _solo(model):
-    """Re-class `model`'s float linear layers that joined no group (o_proj, down_proj, an
-    untied lm_head, a head's fc): inside a library forward a few rows run as products."""
+    """Re-class `model`'s float linear layers that joined no group (`RowsLinear`)."""
     for _, m in model.named_modules():
         if type(m) is nn.Linear:
-            sub = _SOLO.get(nn.Linear)
-            if sub is None:
-                sub = _SOLO[nn.Linear] = type("RowsLinear", (nn.Linear,), {"__call__": _solo_call})
-            m.__class__ = sub
+            m.__class__ = RowsLinear
 
 
 def _joinable(owner, names):

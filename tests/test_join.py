@@ -166,3 +166,23 @@ def test_a_layer_in_no_group_joins_one_later_and_runs_its_own_arithmetic(monkeyp
     assert calls == [(1, 3, 64), (1, 3, 64)] and y.shape == (1, 3, 8) and k.shape == (1, 3, 16)
     m.o_proj(x)
     assert len(calls) == 2  # (outside a library forward: nn.Linear's own call)
+
+
+def test_a_tied_lm_head_runs_its_few_rows_as_products_inside_a_library_forward(monkeypatch):
+    # a head's logits through a tied target's embedding (`join.projected`): a few rows as
+    # products inside a library forward only (forced on CPU: float32); an Embedding's own
+    # arithmetic outside one, and for a quantized embedding always
+    embed = nn.Embedding(32, 64)
+    x = mx.random.normal((1, 3, 64))
+    monkeypatch.setattr(joining, "_products_here", lambda x, w: x.dtype == w.dtype == mx.float32)
+    calls = []
+    few = joining.few_rows
+    monkeypatch.setattr(joining, "few_rows", lambda x, w: calls.append(w.shape) or few(x, w))
+    own = embed.as_linear(x)
+    assert mx.allclose(joining.projected(embed.as_linear, x), own).item() and calls == []
+    with joining.running():
+        y = joining.projected(embed.as_linear, x)
+        quant = nn.QuantizedEmbedding(32, 64)
+        joining.projected(quant.as_linear, x)
+    assert calls == [(32, 64)] and y.shape == (1, 3, 32)
+    assert mx.allclose(y, own, rtol=1e-5, atol=1e-5).item()
