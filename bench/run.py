@@ -27,11 +27,13 @@ its queued rounds back where they lose, as greedy (the A/B arm of adaptive's hol
 HEAD-chain:K/astree a head's chains queued as trees of no leaves, TREE/replay a spine-first tree's accepted paths re-run by the next round
 as any tree's are, where the library commits them in place, ARM/separate every linear layer run
 on its own, where the library joins those that read one input (mlx_treespec/join.py),
+ARM/matmul a few rows' linear layers as matmuls, where the library runs them as products on CUDA
+(join.few_rows),
 TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the first lane
 step only, ARM/uncoupled (with --temp) a draft model's, head's or DFlash drafter's steps taking their logits'
 argmax, where the library's guess the target's draw (sampling.Draw) (suffixes in that order:
 ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains][/handback], ARM[/astree], ARM[/replay], ARM[/ranked],
-ARM[/separate]). Speed figures are
+ARM[/separate or /matmul]). Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt (with --temp every
 arm samples: mlx-plain by mlx-lm's sampler, the others' tokens checked against this library's
 plain sampled decoding, `plain`). Each run writes
@@ -156,7 +158,8 @@ class Arms:
         """A function making the arm's drafter: a fresh one per prompt, as each library call
         makes one (an adaptive one starts from the target's start-up costs, measured at the
         warm-up and then read from disk)."""
-        arm, separate = (arm[: -len("/separate")], True) if arm.endswith("/separate") else (arm, False)
+        mode = next((m for m in ("separate", "matmul") if arm.endswith("/" + m)), None)
+        arm = arm if mode is None else arm[: -len(mode) - 1]
         arm_in = arm
         arm, ranked = (arm[: -len("/ranked")], True) if arm.endswith("/ranked") else (arm, False)
         arm, replay = (arm[: -len("/replay")], True) if arm.endswith("/replay") else (arm, False)
@@ -181,9 +184,10 @@ class Arms:
             # of sampling.Draw; each wrapper binds the maker it wraps: a shared name would
             # call itself once a second suffix rebinds it)
             make = lambda inner=make: argmax_drafting(inner())  # noqa: E731
-        if separate:  # "ARM/separate": every linear layer on its own (join.py's A/B arm)
+        if mode is not None:  # "ARM/separate": every linear layer on its own, "ARM/matmul": a few
+            # rows' as matmuls (join.py's A/B arms)
             inner = self.maker(arm_in)
-            return lambda: Separate(inner(), self.target)
+            return lambda: Separate(inner(), self.target, mode)
         if ranked:  # "TREE/ranked": EAGLE-2's lanes re-ranked at every step (ranked_lane_steps' A/B arm)
             return lambda: every_step_ranked(make())
         if handback and (unqueued or replay or ranked):
@@ -237,16 +241,19 @@ class Separate(Wraps):
     drafter's (mlx_treespec/join.py joins those that read one input): the A/B arm
     (ARM/separate; `run_once` runs it inside `separate`). The joined layers get their own
     classes back for the generation, and the target and a DFlash drafter compiled forwards of
-    their own, traced without the joined matmuls."""
+    their own, traced without the joined matmuls. `mode` "matmul" (ARM/matmul) keeps the
+    joined layers and runs a few rows as matmuls instead (`join.few_rows` off), in compiled
+    forwards of its own."""
 
-    def __init__(self, drafter, target):
-        self.drafter, self.target = drafter, target
+    def __init__(self, drafter, target, mode="separate"):
+        self.drafter, self.target, self.mode = drafter, target, mode
 
     def __getattr__(self, name):
         return getattr(self.drafter, name)
 
     @contextlib.contextmanager
     def separate(self):
+        import mlx_treespec.join as joining
         from mlx_treespec.join import RowsLinear, join
 
         # (an adaptive or merged drafter's model drafter: its primary or base)
@@ -254,31 +261,36 @@ class Separate(Wraps):
         bound = getattr(inner, "bound", None)  # (a DFlash drafter)
         models = [self.target, getattr(inner, "model", None), getattr(bound, "model", None)]
         models = [m for m in models if m is not None]
-        parts = [(p, type(p)) for m in models for g in join(m) for p in g.parts]
+        parts = [(p, type(p)) for m in models for g in join(m) for p in g.parts] if self.mode == "separate" else []
+        own = (self.mode, "_treespec")  # (each mode's traces kept apart)
         # the compiled verify, and a head's compiled drafts (kept on the head, shared by its
         # drafters), traced apart: the joined arm's would run the joined matmuls
         stores = [(m, k) for m, k in ((self.target, "_treespec_compiled_verify"),
                                       (getattr(inner, "model", None), "_treespec_drafts")) if m is not None]
         joined = [m.__dict__.pop(k, None) for m, k in stores]
         for m, k in stores:
-            if ("separate", k) in m.__dict__:
-                m.__dict__[k] = m.__dict__[("separate", k)]
+            if own + (k,) in m.__dict__:
+                m.__dict__[k] = m.__dict__[own + (k,)]
         if bound is not None:  # (its block forward, traced at its first call: in here)
             forward = inner._forward
-            inner._forward = bound.model.__dict__.get("_separate_forward") or inner._compile()
+            inner._forward = bound.model.__dict__.get(own + ("forward",)) or inner._compile()
         for p, cls in parts:  # (a float layer as one in no group: a few rows still as products)
             p.__class__ = RowsLinear if cls.__mro__[1] is nn.Linear else cls.__mro__[1]
+        products = joining._products_here
+        if self.mode == "matmul":
+            joining._products_here = lambda x, weight: False
         try:
             yield
         finally:
+            joining._products_here = products
             for p, cls in parts:
                 p.__class__ = cls
             for (m, k), store in zip(stores, joined):
-                m.__dict__[("separate", k)] = m.__dict__.pop(k, None)
+                m.__dict__[own + (k,)] = m.__dict__.pop(k, None)
                 if store is not None:
                     m.__dict__[k] = store
             if bound is not None:
-                bound.model.__dict__["_separate_forward"] = inner._forward
+                bound.model.__dict__[own + ("forward",)] = inner._forward
                 inner._forward = forward
 
 

@@ -193,6 +193,34 @@ def test_an_arm_picks_its_drafters_folder(tmp_path):
     assert all(r["identical"] == "1/1" for r in arms.values())
 
 
+def test_the_matmul_arm_runs_a_few_rows_as_matmuls_in_traces_of_its_own(tmp_path, monkeypatch):
+    # ARM/matmul (join.few_rows off for its generations): the rule is asked in the arm without
+    # the suffix and not in it, put back after it, and the tokens are the same
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from run import Arms, encode_prompts, load_target, run_once
+
+    from mlx_treespec.harness import load_prompts
+
+    import mlx_treespec.join as joining
+
+    asked = []
+    spy = lambda x, weight: asked.append(x.shape) and False  # noqa: E731
+    monkeypatch.setattr(joining, "_products_here", spy)
+    (unseen,) = short_prompts(tmp_path, "unseen")
+    target, tok = load_target("demo")
+    texts = load_prompts(unseen)[:1]
+    arms = Arms(target, "demo", texts, None, None, dict(mtp=None, eagle3=None))
+    prompt = encode_prompts(tok, texts)[0]
+    outs = {}
+    for arm in ("eagle3-tree:3:3:7:2", "eagle3-tree:3:3:7:2/matmul", "eagle3-tree:3:3:7:2"):
+        asked.clear()
+        drafter = arms.maker(arm)()
+        outs.setdefault(arm, []).append(run_once(target, drafter, prompt, 12)[0])
+        assert (len(asked) > 0) == (not arm.endswith("/matmul")), arm
+        assert joining._products_here is spy
+    assert outs["eagle3-tree:3:3:7:2"][0] == outs["eagle3-tree:3:3:7:2/matmul"][0] == outs["eagle3-tree:3:3:7:2"][1]
+
+
 def test_proj_section_tiny(tmp_path, capsys):
     # the projection arithmetic over tiny random shapes, for each drafter family (in process)
     sys.path.insert(0, os.path.join(ROOT, "tests"))
