@@ -1537,10 +1537,9 @@ def _arrays_in(out):
         return [out]
     if isinstance(out, (tuple, list)):
         return [a for x in out for a in _arrays_in(x)]
-    if hasattr(out, "tokens") and hasattr(out, "layout"):
-        layout = getattr(out.layout, "device", None)
-        return _arrays_in(out.tokens) + (_arrays_in(list(layout)) if layout is not None else [])
-    return []
+    from mlx_treespec.draft import Draft
+
+    return [out.tokens, *out.layout.device] if isinstance(out, Draft) else []
 
 
 VIEWS = {"Slice", "Split", "Reshape", "Broadcast", "ExpandDims", "Squeeze", "Transpose", "Flatten", "Unflatten",
@@ -1854,10 +1853,9 @@ def launch_costs(n=200):
     # masked row runs MLX's unfused arithmetic, two matmuls and a softmax), and the
     # tree-attention kernel where it is usable
     rng = np.random.default_rng(2)
-    # a head step's linear layer at the demo width (float16 on a GPU): one row runs a matrix-vector
-    # kernel on CUDA, several rows a GEMM library call
-    # (nn.Linear's x @ weight.T), and 4 rows as 4 matrix-vector products (`mx.gather_mm`; on
-    # CPU float32, its only type there)
+    # a head step's linear layer at the demo width (nn.Linear's x @ weight.T; float16 on a GPU,
+    # float32 on CPU, gather_mm's only type there): on CUDA one row runs a matrix-vector kernel,
+    # several rows a GEMM library call; and 4 rows as 4 matrix-vector products (`mx.gather_mm`)
     half = np.float16 if mx.default_device() == mx.gpu else np.float32
     weight = mx.array(rng.standard_normal((1024, 384)).astype(half) / 20)
     for R in (1, 4, 17):

@@ -29,8 +29,10 @@ import numpy as np
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["GROUPS", "FEW_ROWS", "join", "arrays", "running", "held", "put_back", "joined_groups", "few_rows", "projected",
-           "RowsLinear"]
+from .attention import kernel_backend
+
+__all__ = ["GROUPS", "FEW_ROWS", "join", "arrays", "running", "held", "put_back", "joined_groups", "few_rows",
+           "projected", "RowsLinear"]
 
 # Layers that read one input, by attribute name, in output order: attention (mlx-lm's models,
 # the heads, DFlash), SwiGLU MLPs, GatedDeltaNet's input projections (qwen3_5, qwen3_next)
@@ -135,8 +137,6 @@ class _Group:
 def _products_here(x, weight):
     """Whether `few_rows` runs x @ weight.T as products: float16 / bfloat16 on a CUDA GPU (one
     row runs a matrix-vector kernel there; CPU and Metal keep their matmul)."""
-    from .attention import kernel_backend
-
     return x.dtype in (mx.float16, mx.bfloat16) and weight.dtype == x.dtype and kernel_backend() == "cuda"
 
 
