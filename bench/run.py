@@ -1858,18 +1858,19 @@ def launch_costs(n=200):
     # several rows a GEMM library call; and 4 rows as 4 matrix-vector products (`mx.gather_mm`)
     half = np.float16 if mx.default_device() == mx.gpu else np.float32
     weight = mx.array(rng.standard_normal((1024, 384)).astype(half) / 20)
-    for R in (1, 4, 17):
+    for R in (1, 4, 8, 17):
         x = mx.array(rng.standard_normal((R, 384)).astype(half))
         kinds[f"[{R}, 384] @ [384, 1024] matmul (+ add)"] = lambda a, x=x: a + (
             x @ weight.T)[0, :W].astype(a.dtype)
-    x4 = mx.array(rng.standard_normal((4, 1, 384)).astype(half))
-    each, one = mx.arange(4, dtype=mx.uint32), mx.zeros((4,), mx.uint32)
-    kinds["4 x [1, 384] @ [384, 1024] gather_mm (+ add)"] = lambda a: a + mx.gather_mm(
-        x4, weight.T[None], lhs_indices=each, rhs_indices=one)[0, 0, :W].astype(a.dtype)
+    for R in (1, 4, 8):  # (one row: whether a chain step's layers would launch cheaper so too)
+        xr = mx.array(rng.standard_normal((R, 1, 384)).astype(half))
+        each, one = mx.arange(R, dtype=mx.uint32), mx.zeros((R,), mx.uint32)
+        kinds[f"{R} x [1, 384] @ [384, 1024] gather_mm (+ add)"] = lambda a, xr=xr, each=each, one=one: a + mx.gather_mm(
+            xr, weight.T[None], lhs_indices=each, rhs_indices=one, sorted_indices=False)[0, 0, :W].astype(a.dtype)
     backend = kernel_backend()
     tree_kernel = backend == "cuda" and attention.usable(mx.float16, 64)
     bounds = mx.array([1024 - 32, 1024], mx.int32)  # (the kernel reads the mask in these columns)
-    for R in (1, 4, 17):
+    for R in (1, 4, 8, 17):
         q, k, v = (mx.array(rng.standard_normal(sh).astype(np.float16))
                    for sh in ((1, 6, R, 64), (1, 2, 1024, 64), (1, 2, 1024, 64)))
         m = mx.array(np.where(rng.random((R, 1024)) < 0.9, 0, -60000).astype(np.float16))

@@ -18,8 +18,8 @@ A few rows run as matrix-vector products (`few_rows`): on a CUDA GPU MLX runs a 
 as a matrix-vector kernel and one of several rows as a cuBLASLt call, whose launch costs the
 host several times more (bench/RESULTS.md, "A lane step's linear layers as matrix-vector
 products"). A head's lane step is a few rows (one per lane), each through some six linear
-layers; in a library forward a float layer over 2..`FEW_ROWS` rows runs one matrix-vector
-product a row instead, in one kernel (`mx.gather_mm`), each row's arithmetic a one-row matmul's.
+layers, and a chain step one row; in a library forward a float layer over 1..`FEW_ROWS` rows
+runs one matrix-vector product a row instead, in one kernel (`mx.gather_mm`), each row's arithmetic a one-row matmul's.
 """
 import contextlib
 import threading
@@ -145,10 +145,10 @@ _PICKS = {}  # rows -> (each row's index, the weight's: 0), made once (a trace w
 
 def few_rows(x, weight):
     """`x @ weight.T` (weight [N, K]) as one matrix-vector product a row, in one kernel
-    (`mx.gather_mm`), where x holds 2..FEW_ROWS rows, the weight at most FEW_ROWS_BYTES and
+    (`mx.gather_mm`), where x holds 1..FEW_ROWS rows, the weight at most FEW_ROWS_BYTES and
     `_products_here`; else None (the caller runs its matmul)."""
     rows = x.size // x.shape[-1] if x.ndim >= 2 and x.shape[-1] else 0
-    if (not 2 <= rows <= FEW_ROWS or weight.ndim != 2 or weight.nbytes > FEW_ROWS_BYTES
+    if (not 1 <= rows <= FEW_ROWS or weight.ndim != 2 or weight.nbytes > FEW_ROWS_BYTES
             or not _products_here(x, weight)):
         return None
     picks = _PICKS.get(rows)

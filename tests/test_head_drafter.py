@@ -594,27 +594,32 @@ def test_queued_lane_steps_launch_what_a_chain_step_launches(tmp_path, monkeypat
 
 @pytest.mark.parametrize("kind", ["eagle3", "mtp"])
 def test_few_rows_run_as_products_and_lane_trees_stay_exact(tmp_path, monkeypatch, kind):
-    # on CUDA a float linear layer of 2..FEW_ROWS rows runs one matrix-vector product a row
-    # (join.few_rows: one gather_mm, not a GEMM library call); forced here on CPU (float32,
-    # gather_mm's one type there): a lane tree's steps (3 rows) run their linear layers and the
-    # lm_head as products, a chain's steps (1 row) do not, and the tokens are plain decoding's
+    # on CUDA a float linear layer of 1..FEW_ROWS rows runs one matrix-vector product a row
+    # (join.few_rows: one gather_mm, not a matmul's launch); forced here on CPU (float32,
+    # gather_mm's one type there): every linear layer and the lm_head of a chain's steps (1 row),
+    # a lane tree's (3 rows) and their slots runs as products, the attention keeps its matmuls,
+    # and the tokens are plain decoding's
     import mlx_treespec.join as joining
     import mlx_treespec.verify as verify
 
     monkeypatch.setattr(verify, "pad_keys_default", lambda: True)
-    monkeypatch.setattr(joining, "_products_here", lambda x, w: x.dtype == w.dtype == mx.float32)
     head, target = (make_eagle3(tmp_path, "safeailab") if kind == "eagle3" else make_mtp(tmp_path, "qwen3_5_tied"))[:2]
-    head.__dict__.pop("_treespec_drafts", None)  # (drafts traced before the rule)
     prompt = np.random.default_rng(2).integers(0, tiny.VOCAB, 12).tolist()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     from run import draft_kernels
 
     shapes = dict(chain=dict(topk=1, depth=4), lanes=dict(topk=3, lanes=3, depth=4, budget=12))
-    counts = {name: draft_kernels(target, HeadDrafter(head, **opts), prompt) for name, opts in shapes.items()}
-    # both run the 5 slots (a few rows too); the lanes' 3 steps after the root's children add
-    # their linear layers' products (q/k/v, o, gate/up, down, lm_head; some joined)
-    assert counts["chain"]["GatherMM"] > 0 and counts["chain"]["GatherMM"] < counts["chain"]["Matmul"]
-    assert counts["lanes"]["GatherMM"] - counts["chain"]["GatherMM"] >= 3 * 4, counts
+    counts = {}
+    for on in (False, True):
+        monkeypatch.setattr(joining, "_products_here", (lambda x, w: x.dtype == w.dtype == mx.float32) if on
+                            else (lambda x, w: False))
+        head.__dict__.pop("_treespec_drafts", None)  # (drafts traced with the rule as it was)
+        for name, opts in shapes.items():
+            counts[name, on] = draft_kernels(target, HeadDrafter(head, **opts), prompt)
+    for name in shapes:  # (CPU's attention: two matmuls a forward, the slots' and 3 steps')
+        off, on = counts[name, False], counts[name, True]
+        assert off.get("GatherMM", 0) == 0 and on["Matmul"] == 2 * 4, (name, off, on)
+        assert on["GatherMM"] == off["Matmul"] - on["Matmul"] >= 4 * 5, (name, off, on)
     ref = plain(target, prompt)
     for name, opts in shapes.items():
         stats = RoundStats()
@@ -637,10 +642,11 @@ def test_few_rows_are_each_rows_product_and_only_where_asked():
         joining._products_here, kept = here, joining._products_here
         try:
             y = joining.few_rows(x, w)
-            assert joining.few_rows(x[:, :1], w) is None and joining.few_rows(x[0, :1], w) is None
+            one = joining.few_rows(x[0, :1], w)  # (a chain step's one row too)
         finally:
             joining._products_here = kept
-        assert y.shape == (1, rows, 24)
+        assert y.shape == (1, rows, 24) and one.shape == (1, 24)
+        np.testing.assert_allclose(np.array(one), np.array(x[0, :1] @ w.T), rtol=1e-5, atol=1e-5)
         for i in range(rows):  # each row's product is the one-row matmul's
             np.testing.assert_allclose(np.array(y[0, i]), np.array(x[0, i : i + 1] @ w.T)[0], rtol=1e-5, atol=1e-5)
     x = mx.array(rng.standard_normal((1, joining.FEW_ROWS + 1, 32)).astype(np.float32))
