@@ -16,10 +16,11 @@ which the exactness probe measures as it does a verify's row count.
 
 A few rows run as matrix-vector products (`few_rows`): on a CUDA GPU MLX runs a one-row matmul
 as a matrix-vector kernel and one of several rows as a cuBLASLt call, whose launch costs the
-host several times more (bench/RESULTS.md, "A lane step's linear layers as matrix-vector
-products"). A head's lane step is a few rows (one per lane), each through some six linear
-layers, and a chain step one row; in a library forward a float layer over 1..`FEW_ROWS` rows
-runs one matrix-vector product a row instead, in one kernel (`mx.gather_mm`), each row's arithmetic a one-row matmul's.
+host several times more, and even the one-row matmul's launch costs more than `gather_mm`'s
+(bench/RESULTS.md, "A chain step's linear layers as products too"). A head's lane step is a
+few rows (one per lane), each through some six linear layers, and a chain step one row; in a
+library forward a float layer over 1..`FEW_ROWS` rows runs one matrix-vector product a row
+instead, in one kernel (`mx.gather_mm`), each row's arithmetic a one-row matmul's.
 """
 import contextlib
 import threading
