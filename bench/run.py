@@ -1848,14 +1848,15 @@ def launch_costs(n=200):
         "argsort of [4, 4096] rows (+ add)": lambda a: a + mx.argsort(rows + a[0], axis=-1)[0, -1].astype(a.dtype),
         "argmax of [4, 4096] rows (+ add)": lambda a: a + mx.argmax(rows + a[0], axis=-1)[0].astype(a.dtype),
     }
-    # a head step's (1 row), a lane step's (4 rows) and a verify's (17) masked attention over
+    # a head step's (1 row), a lane step's (4 or 8 rows) and a verify's (17) masked attention over
     # 1024 columns (the demo target's heads, float16): MLX's fused attention (cuDNN on CUDA; one
     # masked row runs MLX's unfused arithmetic, two matmuls and a softmax), and the
     # tree-attention kernel where it is usable
     rng = np.random.default_rng(2)
     # a head step's linear layer at the demo width (nn.Linear's x @ weight.T; float16 on a GPU,
     # float32 on CPU, gather_mm's only type there): on CUDA one row runs a matrix-vector kernel,
-    # several rows a GEMM library call; and 4 rows as 4 matrix-vector products (`mx.gather_mm`)
+    # several rows a GEMM library call; and 1, 4 and 8 rows as that many matrix-vector products
+    # in one `mx.gather_mm` (join.few_rows)
     half = np.float16 if mx.default_device() == mx.gpu else np.float32
     weight = mx.array(rng.standard_normal((1024, 384)).astype(half) / 20)
     for R in (1, 4, 8, 17):

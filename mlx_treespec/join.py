@@ -15,9 +15,10 @@ Each column is the same dot product as the layer's own: on CPU bit for bit (pinn
 which the exactness probe measures as it does a verify's row count.
 
 A few rows run as matrix-vector products (`few_rows`): on a CUDA GPU MLX runs a one-row matmul
-as a matrix-vector kernel and one of several rows as a cuBLASLt call, whose launch costs the
-host several times more, and even the one-row matmul's launch costs more than `gather_mm`'s
-(bench/RESULTS.md, "A chain step's linear layers as products too"). A head's lane step is a
+as a matrix-vector kernel and one of several rows as a cuBLASLt call, and each launched dearer
+for the host than the same rows' products through `gather_mm` (single timings on an H100: 4
+rows 97.6 against 21.1 us, one row 41.5 against 14.6; bench/RESULTS.md, "A chain step's linear
+layers as products too"). A head's lane step is a
 few rows (one per lane), each through some six linear layers, and a chain step one row; in a
 library forward a float layer over 1..`FEW_ROWS` rows runs one matrix-vector product a row
 instead, in one kernel (`mx.gather_mm`), each row's arithmetic a one-row matmul's.
@@ -45,7 +46,8 @@ FEW_ROWS = 8  # the most rows a float linear layer runs as matrix-vector product
 # the largest weight they run over: each row's product reads the whole weight, which stays in
 # an H100's or H200's 50 MB L2 cache between the rows only where it is small; a larger one (an
 # 8B model's layers, any real vocabulary's lm_head) is read once a row from memory, dearer than
-# the launch it saves (not measured at those sizes: there the matmul stays)
+# the launch it saves (not measured at those sizes: there the matmul stays; one row reads it
+# once, as the matmul's own kernel does, but an 8B head's one-row steps were not measured either)
 FEW_ROWS_BYTES = 8 << 20
 _KINDS = (nn.Linear, nn.QuantizedLinear)
 

@@ -643,6 +643,7 @@ def test_few_rows_are_each_rows_product_and_only_where_asked():
         try:
             y = joining.few_rows(x, w)
             one = joining.few_rows(x[0, :1], w)  # (a chain step's one row too)
+            assert joining.few_rows(x[:, :1], w).shape == (1, 1, 24)
         finally:
             joining._products_here = kept
         assert y.shape == (1, rows, 24) and one.shape == (1, 24)
