@@ -28,12 +28,13 @@ HEAD-chain:K/astree a head's chains queued as trees of no leaves, TREE/replay a 
 as any tree's are, where the library commits them in place, ARM/separate every linear layer run
 on its own, where the library joins those that read one input (mlx_treespec/join.py),
 ARM/matmul a few rows' linear layers as matmuls, where the library runs them as products on CUDA
-(join.few_rows),
+(join.few_rows), ARM/kernel the tree-attention kernel at every key width (attention.MIN_WIDTH 0:
+a draft step's and a verify's masked attention), where the library runs it from MIN_WIDTH keys,
 TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the first lane
 step only, ARM/uncoupled (with --temp) a draft model's, head's or DFlash drafter's steps taking their logits'
 argmax, where the library's guess the target's draw (sampling.Draw) (suffixes in that order:
 ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains][/handback], ARM[/astree], ARM[/replay], ARM[/ranked],
-ARM[/separate or /matmul]). Speed figures are
+ARM[/separate, /matmul or /kernel]). Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt (with --temp every
 arm samples: mlx-plain by mlx-lm's sampler, the others' tokens checked against this library's
 plain sampled decoding, `plain`). Each run writes
@@ -158,7 +159,7 @@ class Arms:
         """A function making the arm's drafter: a fresh one per prompt, as each library call
         makes one (an adaptive one starts from the target's start-up costs, measured at the
         warm-up and then read from disk)."""
-        mode = next((m for m in ("separate", "matmul") if arm.endswith("/" + m)), None)
+        mode = next((m for m in ("separate", "matmul", "kernel") if arm.endswith("/" + m)), None)
         arm = arm if mode is None else arm[: -len(mode) - 1]
         arm_in = arm
         arm, ranked = (arm[: -len("/ranked")], True) if arm.endswith("/ranked") else (arm, False)
@@ -185,7 +186,8 @@ class Arms:
             # call itself once a second suffix rebinds it)
             make = lambda inner=make: argmax_drafting(inner())  # noqa: E731
         if mode is not None:  # "ARM/separate": every linear layer on its own, "ARM/matmul": a few
-            # rows' as matmuls (join.py's A/B arms)
+            # rows' as matmuls (join.py's A/B arms), "ARM/kernel": the tree-attention kernel at
+            # every key width (attention.MIN_WIDTH's)
             inner = self.maker(arm_in)
             return lambda: Separate(inner(), self.target, mode)
         if ranked:  # "TREE/ranked": EAGLE-2's lanes re-ranked at every step (ranked_lane_steps' A/B arm)
@@ -243,7 +245,9 @@ class Separate(Wraps):
     classes back for the generation, and the target and a DFlash drafter compiled forwards of
     their own, traced without the joined matmuls. `mode` "matmul" (ARM/matmul) keeps the
     joined layers and runs a few rows as matmuls instead (`join.few_rows` off), in compiled
-    forwards of its own."""
+    forwards of its own; `mode` "kernel" (ARM/kernel) runs every masked attention the
+    tree-attention kernel takes at any key width (`attention.MIN_WIDTH` 0; a CUDA GPU's only:
+    elsewhere the kernel is not usable and nothing changes), in compiled forwards of its own."""
 
     def __init__(self, drafter, target, mode="separate"):
         self.drafter, self.target, self.mode = drafter, target, mode
@@ -254,6 +258,7 @@ class Separate(Wraps):
     @contextlib.contextmanager
     def separate(self):
         import mlx_treespec.join as joining
+        from mlx_treespec import attention
         from mlx_treespec.join import RowsLinear, join
 
         # (an adaptive or merged drafter's model drafter: its primary or base)
@@ -276,13 +281,15 @@ class Separate(Wraps):
             inner._forward = bound.model.__dict__.get(own + ("forward",)) or inner._compile()
         for p, cls in parts:  # (a float layer as one in no group: a few rows still as products)
             p.__class__ = RowsLinear if cls.__mro__[1] is nn.Linear else cls.__mro__[1]
-        products = joining._products_here
+        products, min_width = joining._products_here, attention.MIN_WIDTH
         if self.mode == "matmul":
             joining._products_here = lambda x, weight: False
+        if self.mode == "kernel":
+            attention.MIN_WIDTH = 0
         try:
             yield
         finally:
-            joining._products_here = products
+            joining._products_here, attention.MIN_WIDTH = products, min_width
             for p, cls in parts:
                 p.__class__ = cls
             for (m, k), store in zip(stores, joined):

@@ -193,18 +193,21 @@ def test_an_arm_picks_its_drafters_folder(tmp_path):
     assert all(r["identical"] == "1/1" for r in arms.values())
 
 
-def test_the_matmul_arm_runs_a_few_rows_as_matmuls_in_traces_of_its_own(tmp_path, monkeypatch):
+def test_the_matmul_and_kernel_arms_run_their_rule_in_traces_of_their_own(tmp_path, monkeypatch):
     # ARM/matmul (join.few_rows off for its generations): the rule is asked in the arm without
-    # the suffix and not in it, put back after it, and the tokens are the same
+    # the suffix and not in it; ARM/kernel: its forwards run with the tree-attention kernel's
+    # width bound at 0 (the kernel at any width, on CUDA); each put back after it, and the
+    # tokens are the same
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from run import Arms, encode_prompts, load_target, run_once
 
     from mlx_treespec.harness import load_prompts
 
     import mlx_treespec.join as joining
+    from mlx_treespec import attention
 
-    asked = []
-    spy = lambda x, weight: asked.append(x.shape) and False  # noqa: E731
+    asked, width = [], attention.MIN_WIDTH
+    spy = lambda x, weight: asked.append(attention.MIN_WIDTH) and False  # noqa: E731
     monkeypatch.setattr(joining, "_products_here", spy)
     (unseen,) = short_prompts(tmp_path, "unseen")
     target, tok = load_target("demo")
@@ -212,13 +215,15 @@ def test_the_matmul_arm_runs_a_few_rows_as_matmuls_in_traces_of_its_own(tmp_path
     arms = Arms(target, "demo", texts, None, None, dict(mtp=None, eagle3=None))
     prompt = encode_prompts(tok, texts)[0]
     outs = {}
-    for arm in ("eagle3-tree:3:3:7:2", "eagle3-tree:3:3:7:2/matmul", "eagle3-tree:3:3:7:2"):
+    tree = "eagle3-tree:3:3:7:2"
+    for arm in (tree, tree + "/matmul", tree + "/kernel", tree):
         asked.clear()
         drafter = arms.maker(arm)()
         outs.setdefault(arm, []).append(run_once(target, drafter, prompt, 12)[0])
         assert (len(asked) > 0) == (not arm.endswith("/matmul")), arm
-        assert joining._products_here is spy
-    assert outs["eagle3-tree:3:3:7:2"][0] == outs["eagle3-tree:3:3:7:2/matmul"][0] == outs["eagle3-tree:3:3:7:2"][1]
+        assert set(asked) <= {0 if arm.endswith("/kernel") else width} and width > 0, (arm, set(asked))
+        assert joining._products_here is spy and attention.MIN_WIDTH == width
+    assert outs[tree][0] == outs[tree + "/matmul"][0] == outs[tree + "/kernel"][0] == outs[tree][1]
 
 
 def test_proj_section_tiny(tmp_path, capsys):
