@@ -434,6 +434,12 @@ def test_round_host_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
 
     # round-host: where a queued round's host time goes, each piece timed, each round's kernels
     # counted; the library's functions are put back after each run
+    import functools
+
+    import run
+
+    # (the launch table at 8 chained ops a kind, not 200: CPU timings are not its point here)
+    monkeypatch.setattr(run, "launch_costs", functools.partial(run.launch_costs, 8))
     (unseen,) = short_prompts(tmp_path, "unseen")
     with pytest.raises(SystemExit, match="ran no queued round"):
         main(["round-host", "--target", "demo", "--arms", "eagle3-chain:3", "--prompts", unseen, "--n", "1", "--max-tokens", "8",
@@ -465,6 +471,8 @@ def test_round_host_and_a_chain_queued_as_a_tree(tmp_path, monkeypatch):
     assert 0 < split["rest launch"] < split["launch"]  # (the pieces launched their own kernels first)
     assert split["emitted_per_verify"] == rows["eagle3-tree:2:3:6:1"]["emitted_per_verify"]
     assert "| draft launch |" in (tmp_path / "split.md").read_text()
+    launches = read_json(tmp_path / "split.json.gz")["launches"]  # (one row, a chain step's, as products)
+    assert launches["1 x [1, 384] @ [384, 1024] gather_mm (+ add)"]["launch_us"] > 0
     # the chain as a tree runs the chain's tokens through the tree's machinery: more kernels on
     # CPU, where the walk is MLX ops (on a GPU one kernel: the H200 counted the chain's)
     assert rows["eagle3-chain:3/astree"]["kernels"] > rows["eagle3-chain:3"]["kernels"]
