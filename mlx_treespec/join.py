@@ -18,10 +18,10 @@ A few rows run as matrix-vector products (`few_rows`): on a CUDA GPU MLX runs a 
 as a matrix-vector kernel and one of several rows as a cuBLASLt call, and each launched dearer
 for the host than the same rows' products through `gather_mm` (single timings on an H100: 4
 rows 97.6 against 21.1 us, one row 41.5 against 14.6; bench/RESULTS.md, "A chain step's linear
-layers as products too"). A head's lane step is a
-few rows (one per lane), each through some six linear layers, and a chain step one row; in a
-library forward a float layer over 1..`FEW_ROWS` rows runs one matrix-vector product a row
-instead, in one kernel (`mx.gather_mm`), each row's arithmetic a one-row matmul's.
+layers as products too"). A head's lane step is a few rows (one per lane), each through some
+six linear layers, and a chain step one row; in a library forward a float layer over
+1..`FEW_ROWS` rows runs one matrix-vector product a row instead, in one kernel
+(`mx.gather_mm`), each row's arithmetic a one-row matmul's.
 """
 import contextlib
 import threading
