@@ -233,9 +233,11 @@ class HeadModule(nn.Module):
 
     def rebound(self):
         """A new binding (`bind`): what was made over the last one goes, traced or copied
-        with its arrays (the compiled drafts, the narrowed copy and its rows)."""
-        for made in ("_treespec_drafts", "_narrowed_views", ("separate", "_treespec_drafts")):
-            self.__dict__.pop(made, None)
+        with its arrays (the compiled drafts, the narrowed copy and its rows; and the drafts
+        a benchmark arm traced apart, kept under a tuple key ending in the drafts' name)."""
+        for made in [k for k in self.__dict__ if k in ("_treespec_drafts", "_narrowed_views")
+                     or (isinstance(k, tuple) and k[-1] == "_treespec_drafts")]:
+            del self.__dict__[made]
 
     def narrowed(self, n):
         """This head drafting over n token ids (None or 0: itself): the first n of its folder's
