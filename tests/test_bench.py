@@ -6,6 +6,7 @@ import statistics
 import subprocess
 import sys
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -206,7 +207,7 @@ def test_the_matmul_and_kernel_arms_run_their_rule_in_traces_of_their_own(tmp_pa
     import mlx_treespec.join as joining
     from mlx_treespec import attention
 
-    asked, width = [], attention.MIN_WIDTH
+    asked, width, fits = [], attention.MIN_WIDTH, attention.fits
     spy = lambda x, weight: asked.append(attention.MIN_WIDTH) and False  # noqa: E731
     monkeypatch.setattr(joining, "_products_here", spy)
     (unseen,) = short_prompts(tmp_path, "unseen")
@@ -216,14 +217,24 @@ def test_the_matmul_and_kernel_arms_run_their_rule_in_traces_of_their_own(tmp_pa
     prompt = encode_prompts(tok, texts)[0]
     outs = {}
     tree = "eagle3-tree:3:3:7:2"
-    for arm in (tree, tree + "/matmul", tree + "/kernel", tree):
+    for arm in (tree, tree + "/matmul", tree + "/kernel", tree + "/stepkernel", tree):
         asked.clear()
         drafter = arms.maker(arm)()
         outs.setdefault(arm, []).append(run_once(target, drafter, prompt, 12)[0])
         assert (len(asked) > 0) == (not arm.endswith("/matmul")), arm
         assert set(asked) <= {0 if arm.endswith("/kernel") else width} and width > 0, (arm, set(asked))
-        assert joining._products_here is spy and attention.MIN_WIDTH == width
+        assert joining._products_here is spy and attention.MIN_WIDTH == width and attention.fits is fits
     assert outs[tree][0] == outs[tree + "/matmul"][0] == outs[tree + "/kernel"][0] == outs[tree][1]
+    assert outs[tree + "/stepkernel"][0] == outs[tree][0]
+    # ARM/stepkernel: the width bound is 0 for a few query rows only (on CUDA the kernel then
+    # takes a draft step's attention; CPU never asks, so its rule is asked here directly)
+    seen = []
+    monkeypatch.setattr(attention, "fits", lambda q, k, v, mask: seen.append(attention.MIN_WIDTH))
+    with arms.maker(tree + "/stepkernel")().separate():
+        for rows in (1, joining.FEW_ROWS, joining.FEW_ROWS + 1):
+            q = mx.zeros((1, 2, rows, 64))
+            attention.fits(q, q, q, None)
+    assert seen == [0, 0, width] and attention.MIN_WIDTH == width
 
 
 def test_proj_section_tiny(tmp_path, capsys):
