@@ -30,7 +30,9 @@ on its own, where the library joins those that read one input (mlx_treespec/join
 ARM/matmul a few rows' linear layers as matmuls, where the library runs them as products on CUDA
 (join.few_rows), ARM/kernel the tree-attention kernel at every key width (attention.MIN_WIDTH 0:
 a draft step's and a verify's masked attention), where the library runs it from MIN_WIDTH keys,
-ARM/stepkernel so in forwards of up to join.FEW_ROWS query rows only (a head's draft steps),
+ARM/stepkernel so in forwards of up to join.FEW_ROWS query rows (a head's draft steps, where
+the library's attention.STEP_ROWS is a chain step's one row), ARM/nostepkernel so in none (the
+library's rule off),
 TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the first lane
 step only, ARM/uncoupled (with --temp) a draft model's, head's or DFlash drafter's steps taking their logits'
 argmax, where the library's guess the target's draw (sampling.Draw) (suffixes in that order:
@@ -160,7 +162,8 @@ class Arms:
         """A function making the arm's drafter: a fresh one per prompt, as each library call
         makes one (an adaptive one starts from the target's start-up costs, measured at the
         warm-up and then read from disk)."""
-        mode = next((m for m in ("separate", "matmul", "kernel", "stepkernel") if arm.endswith("/" + m)), None)
+        mode = next((m for m in ("separate", "matmul", "kernel", "stepkernel", "nostepkernel")
+                     if arm.endswith("/" + m)), None)
         arm = arm if mode is None else arm[: -len(mode) - 1]
         arm_in = arm
         arm, ranked = (arm[: -len("/ranked")], True) if arm.endswith("/ranked") else (arm, False)
@@ -188,7 +191,8 @@ class Arms:
             make = lambda inner=make: argmax_drafting(inner())  # noqa: E731
         if mode is not None:  # "ARM/separate": every linear layer on its own, "ARM/matmul": a few
             # rows' as matmuls (join.py's A/B arms), "ARM/kernel": the tree-attention kernel at
-            # every key width (attention.MIN_WIDTH's), "ARM/stepkernel": so in draft steps only
+            # every key width (attention.MIN_WIDTH's), "ARM/stepkernel": so in every draft step,
+            # "ARM/nostepkernel": in none (attention.STEP_ROWS')
             inner = self.maker(arm_in)
             return lambda: Separate(inner(), self.target, mode)
         if ranked:  # "TREE/ranked": EAGLE-2's lanes re-ranked at every step (ranked_lane_steps' A/B arm)
@@ -250,7 +254,9 @@ class Separate(Wraps):
     tree-attention kernel takes at any key width (`attention.MIN_WIDTH` 0; a CUDA GPU's only:
     elsewhere the kernel is not usable and nothing changes), in compiled forwards of its own;
     `mode` "stepkernel" (ARM/stepkernel) so in forwards of up to `join.FEW_ROWS` query rows
-    only (a head's draft steps), the verify's and slots' at the library's width bound."""
+    (a head's draft steps: `attention.STEP_ROWS` at FEW_ROWS, where the library's is a chain
+    step's one row), the verify's and slots' at the library's width bound; "nostepkernel"
+    (ARM/nostepkernel) in no step below that bound (STEP_ROWS 0: the library's rule off)."""
 
     def __init__(self, drafter, target, mode="separate"):
         self.drafter, self.target, self.mode = drafter, target, mode
@@ -284,24 +290,17 @@ class Separate(Wraps):
             inner._forward = bound.model.__dict__.get(own + ("forward",)) or inner._compile()
         for p, cls in parts:  # (a float layer as one in no group: a few rows still as products)
             p.__class__ = RowsLinear if cls.__mro__[1] is nn.Linear else cls.__mro__[1]
-        products, min_width, fits = joining._products_here, attention.MIN_WIDTH, attention.fits
+        products, min_width, step_rows = joining._products_here, attention.MIN_WIDTH, attention.STEP_ROWS
         if self.mode == "matmul":
             joining._products_here = lambda x, weight: False
         if self.mode == "kernel":
             attention.MIN_WIDTH = 0
-        if self.mode == "stepkernel":
-            def step_fits(q, k, v, mask):  # (the bound read at the call: 0 for a step's few rows)
-                attention.MIN_WIDTH = 0 if q.shape[2] <= joining.FEW_ROWS else min_width
-                try:
-                    return fits(q, k, v, mask)
-                finally:
-                    attention.MIN_WIDTH = min_width
-
-            attention.fits = step_fits
+        if self.mode in ("stepkernel", "nostepkernel"):
+            attention.STEP_ROWS = joining.FEW_ROWS if self.mode == "stepkernel" else 0
         try:
             yield
         finally:
-            joining._products_here, attention.MIN_WIDTH, attention.fits = products, min_width, fits
+            joining._products_here, attention.MIN_WIDTH, attention.STEP_ROWS = products, min_width, step_rows
             for p, cls in parts:
                 p.__class__ = cls
             for (m, k), store in zip(stores, joined):

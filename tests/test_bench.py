@@ -207,7 +207,7 @@ def test_the_matmul_and_kernel_arms_run_their_rule_in_traces_of_their_own(tmp_pa
     import mlx_treespec.join as joining
     from mlx_treespec import attention
 
-    asked, width, fits = [], attention.MIN_WIDTH, attention.fits
+    asked, width, rows = [], attention.MIN_WIDTH, attention.STEP_ROWS
     spy = lambda x, weight: asked.append(attention.MIN_WIDTH) and False  # noqa: E731
     monkeypatch.setattr(joining, "_products_here", spy)
     (unseen,) = short_prompts(tmp_path, "unseen")
@@ -223,18 +223,22 @@ def test_the_matmul_and_kernel_arms_run_their_rule_in_traces_of_their_own(tmp_pa
         outs.setdefault(arm, []).append(run_once(target, drafter, prompt, 12)[0])
         assert (len(asked) > 0) == (not arm.endswith("/matmul")), arm
         assert set(asked) <= {0 if arm.endswith("/kernel") else width} and width > 0, (arm, set(asked))
-        assert joining._products_here is spy and attention.MIN_WIDTH == width and attention.fits is fits
+        assert joining._products_here is spy and attention.MIN_WIDTH == width and attention.STEP_ROWS == rows
     assert outs[tree][0] == outs[tree + "/matmul"][0] == outs[tree + "/kernel"][0] == outs[tree][1]
     assert outs[tree + "/stepkernel"][0] == outs[tree][0]
-    # ARM/stepkernel: the width bound is 0 for a few query rows only (on CUDA the kernel then
-    # takes a draft step's attention; CPU never asks, so its rule is asked here directly)
-    seen = []
-    monkeypatch.setattr(attention, "fits", lambda q, k, v, mask: seen.append(attention.MIN_WIDTH))
-    with arms.maker(tree + "/stepkernel")().separate():
-        for rows in (1, joining.FEW_ROWS, joining.FEW_ROWS + 1):
-            q = mx.zeros((1, 2, rows, 64))
-            attention.fits(q, q, q, None)
-    assert seen == [0, 0, width] and attention.MIN_WIDTH == width
+    # ARM/stepkernel: the kernel at any width for up to FEW_ROWS query rows, ARM/nostepkernel
+    # for none (on CUDA it then takes or leaves a draft step's attention; CPU never asks, so
+    # the rule is asked here directly, a variant marked checked)
+    monkeypatch.setattr(attention, "_checked", {(mx.float16, 64): True})
+    k = mx.zeros((1, 2, 256, 64), mx.float16)
+
+    def taken(arm):
+        with arms.maker(tree + arm)().separate():
+            return [attention.fits(q, k, k, mx.zeros((q.shape[2], 256), mx.float16)) for q in
+                    (mx.zeros((1, 2, r, 64), mx.float16) for r in (1, joining.FEW_ROWS, joining.FEW_ROWS + 1))]
+
+    assert taken("/stepkernel") == [True, True, False] and taken("/nostepkernel") == [False, False, False]
+    assert attention.STEP_ROWS == rows == 1 and attention.MIN_WIDTH == width > 256
 
 
 def test_proj_section_tiny(tmp_path, capsys):

@@ -329,6 +329,26 @@ def test_queued_head_rounds_draft_what_the_round_loop_drafts(tmp_path, monkeypat
             assert raw[: len(by_position[pos])] == by_position[pos], pos
 
 
+def test_queued_chain_steps_through_the_kernel_route_draft_what_the_round_loop_drafts(tmp_path, monkeypatch,
+                                                                                      contract_kernel):
+    # attention.STEP_ROWS: below the kernel's width bound a chain step's one query row takes
+    # the tree-attention kernel (on CUDA; here the contract's stand-in, whose output is NaN
+    # where the step's handed bounds disagree with its mask), every other forward MLX's
+    # attention; the queued chains are the round loop's, the tokens plain decoding's
+    from mlx_treespec import attention
+
+    monkeypatch.setattr(attention, "MIN_WIDTH", 1 << 30)
+    head, target = make_eagle3(tmp_path, "safeailab")[:2]
+    prompt = np.random.default_rng(1).integers(0, tiny.VOCAB, 12).tolist()
+    host, queued, stats = _round_loop_then_queued(PositionOracle, head, target, prompt, dict(topk=1, depth=4), None,
+                                                  monkeypatch)
+    assert contract_kernel and set(contract_kernel) == {1}  # the steps' rows only
+    assert sum(stats.accepted) > 0
+    by_position = dict(host.raw)
+    compared = [pos for pos, raw in queued.raw if pos in by_position and raw[: len(by_position[pos])] == by_position[pos]]
+    assert len(compared) >= len(host.raw) - 1 and len(compared) == sum(pos in by_position for pos, _ in queued.raw)
+
+
 @pytest.mark.parametrize("kind, opts, hand_back", [
     ("mtp-qwen3_5_tied", dict(topk=1, depth=4), 3), ("eagle3-safeailab", dict(topk=3, lanes=1, depth=4, budget=12), None),
     ("eagle3-safeailab", dict(topk=3, lanes=3, depth=4, budget=10), 3), ("mtp-qwen3_5_tied", dict(topk=3, lanes=2, depth=4, budget=21), None)])
