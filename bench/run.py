@@ -37,7 +37,7 @@ TREE/ranked EAGLE-2's lanes re-ranked at every step, where the library ranks the
 step only, ARM/uncoupled (with --temp) a draft model's, head's or DFlash drafter's steps taking their logits'
 argmax, where the library's guess the target's draw (sampling.Draw) (suffixes in that order:
 ARM[/dI][/auto][/uncoupled][/sync], ARM[/chains][/handback], ARM[/astree], ARM[/replay], ARM[/ranked],
-ARM[/separate, /matmul or /kernel]). Speed figures are
+ARM[/separate, /matmul, /kernel, /stepkernel or /nostepkernel]). Speed figures are
 ratios to `mlx-plain`, measured in the same run, arms interleaved per prompt (with --temp every
 arm samples: mlx-plain by mlx-lm's sampler, the others' tokens checked against this library's
 plain sampled decoding, `plain`). Each run writes
@@ -253,10 +253,11 @@ class Separate(Wraps):
     forwards of its own; `mode` "kernel" (ARM/kernel) runs every masked attention the
     tree-attention kernel takes at any key width (`attention.MIN_WIDTH` 0; a CUDA GPU's only:
     elsewhere the kernel is not usable and nothing changes), in compiled forwards of its own;
-    `mode` "stepkernel" (ARM/stepkernel) so in forwards of up to `join.FEW_ROWS` query rows
-    (a head's draft steps: `attention.STEP_ROWS` at FEW_ROWS, where the library's is a chain
-    step's one row), the verify's and slots' at the library's width bound; "nostepkernel"
-    (ARM/nostepkernel) in no step below that bound (STEP_ROWS 0: the library's rule off)."""
+    `mode` "stepkernel" (ARM/stepkernel) so in a queued head draft's forwards of up to
+    `join.FEW_ROWS` query rows (`attention.STEP_ROWS` at FEW_ROWS, where the library's is a
+    chain step's one row), the slots' and the target's at the library's width bound;
+    "nostepkernel" (ARM/nostepkernel) in no draft step below that bound (STEP_ROWS 0: the
+    library's rule off)."""
 
     def __init__(self, drafter, target, mode="separate"):
         self.drafter, self.target, self.mode = drafter, target, mode

@@ -7,7 +7,7 @@ This kernel (metal_kernels/tree_attention.inc, tensor-core `mma.sync`) reads the
 the columns [hist, end) a round wrote, never past `end`, and splits the key columns over blocks
 (each block leaves its rows' sums and log-sum-exps; a second kernel weighs them together), so a
 few query rows still fill the GPU at any context length. It runs from MIN_WIDTH key columns,
-and at any width for a chain step's one query row (`fits`, STEP_ROWS).
+and at any width for a queued head chain's one-row steps (`fits`, STEP_ROWS).
 
 The contract with the caller (verify.py): `mask` is the round's additive mask [R, W], 0 in
 columns [0, hist) and the most negative value of its dtype from `end` on; `bounds` holds
@@ -39,12 +39,12 @@ MAX_SPLITS = 32
 SPLIT_KEYS = 512
 KEY_TILE = 32
 MIN_WIDTH = 8192
-# Query rows up to which the kernel runs at any key width: a chain step's one row. MLX's CUDA
-# backend runs a masked attention of one query row as separate ops (scores, scale, mask,
-# softmax, values), the kernel in one launch or two, and a queued round, host-bound, launches
-# one such step per draft token; from two rows MLX's fused attention is one launch, and a lane
-# tree's four-row steps were the slower through the kernel (bench/RESULTS.md, "One-row steps
-# through the tree-attention kernel")
+# Query rows up to which a drafter's step (a queued head draft: `fits`' `steps`) runs the kernel
+# at any key width: a chain step's one row. MLX's CUDA backend runs a masked attention of one
+# query row as separate ops (scores, scale, mask add, softmax, values), the kernel in one launch
+# or two, and a queued round, host-bound, launches one such step per draft token; a lane tree's
+# four-row steps, which MLX ran as one fused attention, were not faster through the kernel
+# (bench/RESULTS.md, "One-row steps through the tree-attention kernel")
 STEP_ROWS = 1
 
 
@@ -176,15 +176,15 @@ def _scale_array(scale):
     return a
 
 
-def fits(q, k, v, mask):
+def fits(q, k, v, mask, steps=False):
     """Whether the kernel takes these shapes, and pays there (else the caller runs MLX's fused
-    attention): key buffers of at least MIN_WIDTH columns, or up to STEP_ROWS query rows at any
-    width, of a variant `usable` has checked (only looked up here: this runs while a verify is
-    traced, where nothing may be evaluated)."""
+    attention): key buffers of at least MIN_WIDTH columns, or (`steps`: a drafter's forward) up
+    to STEP_ROWS query rows at any width, of a variant `usable` has checked (only looked up
+    here: this runs while a verify is traced, where nothing may be evaluated)."""
     if not isinstance(k, mx.array) or k.ndim != 4 or q.ndim != 4:
         return False
     B, Hq, R, D = q.shape
-    if k.shape[2] < MIN_WIDTH and R > STEP_ROWS:
+    if k.shape[2] < MIN_WIDTH and not (steps and R <= STEP_ROWS):
         return False
     return (_checked.get((q.dtype, D)) is True and q.dtype in DTYPES and k.dtype == q.dtype
             and v.dtype == q.dtype and mask.dtype == q.dtype and D in HEAD_DIMS and k.shape[3] == D

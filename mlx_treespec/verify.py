@@ -150,7 +150,8 @@ def _tree_sdpa(queries, keys, values, cache, scale, mask, sinks=None):
     own mask (the very array the stand-ins handed out) goes to the tree-attention kernel where
     it takes the shapes; everything else, and every call outside such a forward, to mlx-lm's."""
     attend = _CTX.attend
-    if attend is not None and mask is attend[0] and sinks is None and attention.fits(queries, keys, values, mask):
+    if attend is not None and mask is attend[0] and sinks is None and \
+            attention.fits(queries, keys, values, mask, steps=attend[2]):
         return attention.tree_attention(queries, keys, values, mask, attend[1], scale)
     return _BASE_SDPA(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
@@ -456,7 +457,7 @@ CHECKS = 4  # compiled calls per shape checked bitwise against the eager forward
 _clock = time.perf_counter  # times the checks' two forwards (tests replace it)
 
 
-def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False):
+def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False, steps=False):
     """A tree forward over whole KV buffers: tokens [T], positions [T], the round's additive
     mask [T, W], `start` [3] (the write offset, then the mask's bounds: every row sees the
     columns before the second, none those from the third on) and each layer's buffers in;
@@ -469,7 +470,9 @@ def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False):
     its scan's payload (and None) for the commit (a compiled forward gives out the payload's
     host entries, its parents and kernel flag, as they were traced: they depend on the row
     count only; a device tree's parents are an input, given back).
-    `kernel`: attention runs the tree-attention kernel (`kernel_fits`)."""
+    `kernel`: attention runs the tree-attention kernel (`kernel_fits`); `steps`: a drafter's
+    forward, whose steps of up to `attention.STEP_ROWS` rows take it at any key width (a
+    target's forwards keep the width bound: the exactness probe's shapes are its verifies)."""
 
     def forward(tokens, positions, mask, start, keys, values, parents=None):
         bufs = [_ArraysLayer([k, v], None) if i in scans else _TracedAppend(k, v, start, mask)
@@ -477,7 +480,7 @@ def whole_buffer_forward(model, capture, scans=frozenset(), kernel=False):
         try:
             _CTX.positions = positions
             if kernel:
-                _CTX.attend = (mask, start[1:])
+                _CTX.attend = (mask, start[1:], steps)
             if scans:
                 from .gdn import DevicePlan, chain_plan
 
@@ -972,7 +975,7 @@ class TreeRound:
         try:  # inside: a failure setting up must not leave a later forward these positions
             _CTX.positions = positions
             if self._kernel():
-                _CTX.attend = (self._append_mask(None), self._bounds()[1:])
+                _CTX.attend = (self._append_mask(None), self._bounds()[1:], False)
             with capturing(self.model, self.capture) as cap, joining.running():
                 out = self.model(tokens[None], cache=self.stand_ins)[0]
                 self.hidden = cap.hidden(n)

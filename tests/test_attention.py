@@ -116,10 +116,12 @@ def test_fits_takes_checked_variants_and_shapes_the_merge_can_grid(monkeypatch):
     assert not attention.fits(*shapes(128, 8))  # checked and refused
     assert not attention.fits(*shapes(64, 8)[:3], mx.zeros((8, 256), mx.bfloat16))  # another dtype
     assert attention.fits(*shapes(64, 16383, W=8)) and not attention.fits(*shapes(64, 16384, W=8))  # 4 heads
-    # the width bound: a buffer narrower than MIN_WIDTH takes the kernel for up to STEP_ROWS
-    # query rows only (a chain step's one row), MLX's fused attention from two rows
+    # the width bound: a buffer narrower than MIN_WIDTH takes the kernel in a drafter's steps
+    # (`steps`) of up to STEP_ROWS query rows only (a chain step's one row), never in a
+    # target's forward
     monkeypatch.setattr(attention, "MIN_WIDTH", 512)
     assert attention.STEP_ROWS == 1
-    assert attention.fits(*shapes(64, 1)) and not attention.fits(*shapes(64, 2))  # W 256
+    assert attention.fits(*shapes(64, 1), steps=True) and not attention.fits(*shapes(64, 2), steps=True)  # W 256
+    assert not attention.fits(*shapes(64, 1))
     assert attention.fits(*shapes(64, 2, W=512)) and attention.fits(*shapes(64, 1, W=512))
-    assert not attention.fits(*shapes(128, 1))  # still a checked variant only
+    assert not attention.fits(*shapes(128, 1), steps=True)  # still a checked variant only

@@ -234,7 +234,7 @@ def test_the_matmul_and_kernel_arms_run_their_rule_in_traces_of_their_own(tmp_pa
 
     def taken(arm):
         with arms.maker(tree + arm)().separate():
-            return [attention.fits(q, k, k, mx.zeros((q.shape[2], 256), mx.float16)) for q in
+            return [attention.fits(q, k, k, mx.zeros((q.shape[2], 256), mx.float16), steps=True) for q in
                     (mx.zeros((1, 2, r, 64), mx.float16) for r in (1, joining.FEW_ROWS, joining.FEW_ROWS + 1))]
 
     assert taken("/stepkernel") == [True, True, False] and taken("/nostepkernel") == [False, False, False]

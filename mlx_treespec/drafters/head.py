@@ -329,8 +329,9 @@ class HeadDrafter(ModelDrafter):
         install(self.model)
         # (the head's store holds the draft: a weak reference in it leaves the head no cycle)
         head, depth, K, L = weakref.proxy(self.model), self.depth, self.topk, (1 if kind == "chain" else self.lanes)
-        # (the tree-attention kernel where the verify's rule takes it: `kernel_fits`, `attention.fits`)
-        forward = whole_buffer_forward(head, (), kernel=kernel_fits([self.cache[0].keys]))
+        # (the tree-attention kernel where the verify's rule takes it, and in a chain's one-row
+        # steps at any width: `kernel_fits`, `attention.fits`)
+        forward = whole_buffer_forward(head, (), kernel=kernel_fits([self.cache[0].keys]), steps=True)
         pick = _picker(self.draw)
 
         def chain(tokens, slot_rows, count, L0, keys, values, ranges, at):
