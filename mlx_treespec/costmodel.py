@@ -274,7 +274,7 @@ def time_plain(model, history=256, tokens=24, seed=0, own=False):
     return 1e3 * (time.perf_counter() - t_first) / (tokens - 1)
 
 
-COSTS_FORMAT = 4  # what a kept fit measured (2: the compiled verify where it applies, our plain loop; 3: the tree-attention kernel from attention.MIN_WIDTH keys; 4: and for one query row at any width)
+COSTS_FORMAT = 3  # what a kept fit measured (2: the compiled verify where it applies, our plain loop; 3: the tree-attention kernel from attention.MIN_WIDTH keys)
 
 
 def _cost_key(model):
