@@ -503,9 +503,13 @@ def _sampling(args):
 
 def verify_counts(target):
     """(verifies run compiled, verifies that asked for the compiled path) so far: the rounds
-    queued past the last one read included, which the round counts leave out."""
-    store = target.__dict__.get("_treespec_compiled_verify") or {}
-    return store.get("trusted_runs", 0), store.get("calls", 0)
+    queued past the last one read included, which the round counts leave out. Summed over the
+    library's store and each A/B arm's own (`Separate` keeps an arm's traces under (mode,
+    "_treespec", "_treespec_compiled_verify") between its generations): one arm runs at a time,
+    so a generation's difference is its own verifies (an A/B arm's read as none before)."""
+    key = "_treespec_compiled_verify"
+    stores = [v for k, v in target.__dict__.items() if v and (k == key or isinstance(k, tuple) and k[-1] == key)]
+    return sum(s.get("trusted_runs", 0) for s in stores), sum(s.get("calls", 0) for s in stores)
 
 
 def eager_shapes(target):

@@ -241,6 +241,24 @@ def test_the_matmul_and_kernel_arms_run_their_rule_in_traces_of_their_own(tmp_pa
     assert attention.STEP_ROWS == rows == 1 and attention.MIN_WIDTH == width > 256
 
 
+def test_verify_counts_read_an_ab_arms_own_store_too():
+    # an A/B arm's compiled verifies are kept under its own key between its generations
+    # (Separate): a generation's counts are the difference of the sums, whichever store it ran
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from run import verify_counts
+
+    class Target:
+        pass
+
+    t = Target()
+    assert verify_counts(t) == (0, 0)
+    t.__dict__["_treespec_compiled_verify"] = dict(trusted_runs=3, calls=4)
+    before = verify_counts(t)
+    t.__dict__[("kernel", "_treespec", "_treespec_compiled_verify")] = dict(trusted_runs=5, calls=6)
+    t.__dict__[("kernel", "_treespec", "_treespec_drafts")] = dict(trusted_runs=100, calls=100)  # (not a verify's)
+    assert before == (3, 4) and verify_counts(t) == (8, 10)
+
+
 def test_proj_section_tiny(tmp_path, capsys):
     # the projection arithmetic over tiny random shapes, for each drafter family (in process)
     sys.path.insert(0, os.path.join(ROOT, "tests"))
