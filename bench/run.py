@@ -255,7 +255,8 @@ class Separate(Wraps):
     elsewhere the kernel is not usable and nothing changes), in compiled forwards of its own;
     `mode` "stepkernel" (ARM/stepkernel) so in a queued head draft's forwards of up to
     `join.FEW_ROWS` query rows (`attention.STEP_ROWS` at FEW_ROWS, where the library's is a
-    chain step's one row), the slots' and the target's at the library's width bound;
+    chain step's one row: its steps, and its slots where depth + 1 <= FEW_ROWS), the target's
+    at the library's width bound;
     "nostepkernel" (ARM/nostepkernel) in no draft step below that bound (STEP_ROWS 0: the
     library's rule off)."""
 
